@@ -1,0 +1,210 @@
+"""Every message on both links, with its validation, in one place.
+
+Client link (shared/protocol.md, version 1): two frames `[b"MN1", msgpack map]`.
+Engine link: one msgpack map per message (`Hello`, `Tick`, `TickReply`); the
+tick's token data travels through the shared-memory arena (ipc/shm.py).
+
+Decoding never trusts input: msgpack runs with explicit size limits and no ext
+types (no pickle anywhere), and every field is type- and range-checked, so a
+malformed frame becomes one `ProtocolError` with a contract error code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import msgpack
+
+from ipc import reasons as R
+from meshnode.engine.plan import Sampling
+
+VERSION = b"MN1"
+MAX_MESSAGE_BYTES = 1 << 20  # also the client socket's MAXMSGSIZE
+MAX_ID_CHARS = 128
+MAX_LIST = 1 << 16  # tokens in one prompt, entries in one list
+MAX_TEXT_BYTES = 256 * 1024
+MAX_NEW_TOKENS = 1 << 20
+MAX_STOP_TOKENS = 64
+_UNPACK = dict(max_buffer_size=MAX_MESSAGE_BYTES, max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
+               max_array_len=MAX_LIST, max_map_len=64, max_ext_len=0, strict_map_key=True, raw=False,
+               use_list=True)
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, detail: str, id: str | None = None):
+        super().__init__(detail)
+        self.code, self.detail, self.id = code, detail, id
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, **limits):
+    """msgpack with the link's limits; an ext type or oversize item raises ValueError."""
+    return msgpack.unpackb(data, **{**_UNPACK, **limits})
+
+
+# -- client requests ------------------------------------------------------------------
+@dataclass
+class Submit:
+    id: str
+    max_tokens: int
+    tokens: list[int] | None = None
+    text: str | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_tokens: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    recipe: str | None = None
+
+
+@dataclass
+class Cancel:
+    id: str
+
+
+@dataclass
+class Status:
+    pass
+
+
+@dataclass
+class Ping:
+    pass
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _check(ok: bool, detail: str, id=None) -> None:
+    if not ok:
+        raise ProtocolError(R.BAD_REQUEST, detail, id)
+
+
+def _token_list(v, name: str, n_vocab: int, id, limit: int = MAX_LIST) -> list[int]:
+    _check(isinstance(v, list), f"{name} must be a list of int", id)
+    _check(len(v) <= limit, f"{name} has {len(v)} entries, at most {limit} allowed", id)
+    _check(all(_is_int(t) for t in v), f"{name} must hold only ints", id)
+    bad = next((t for t in v if not 0 <= t < n_vocab), None)
+    _check(bad is None, f"{name} holds token id {bad}, outside [0, {n_vocab})", id)
+    return v
+
+
+def _sampling(v, id) -> Sampling:
+    _check(isinstance(v, dict), "sampling must be a map", id)
+    t, k, p, seed = (v.get("temperature", 0.0), v.get("top_k", 0), v.get("top_p", 1.0), v.get("seed", 0))
+    _check(_is_num(t) and 0 <= t <= 100, "sampling.temperature must be a number in [0, 100]", id)
+    _check(_is_int(k) and 0 <= k <= MAX_LIST, "sampling.top_k must be an int >= 0", id)
+    _check(_is_num(p) and 0 < p <= 1, "sampling.top_p must be a number in (0, 1]", id)
+    _check(_is_int(seed) and -(1 << 63) <= seed < (1 << 64), "sampling.seed must be a 64-bit int", id)
+    return Sampling(float(t), int(k), float(p), int(seed))
+
+
+def decode_request(frames: list[bytes], n_vocab: int):
+    """Frames after the ROUTER identity -> Submit / Cancel / Status / Ping, or ProtocolError."""
+    if len(frames) != 2:
+        raise ProtocolError(R.BAD_REQUEST, f"expected 2 frames [version, payload], got {len(frames)}")
+    if frames[0] != VERSION:
+        raise ProtocolError(R.UNSUPPORTED_VERSION, f"version frame must be {VERSION!r}")
+    if len(frames[1]) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(R.TOO_LARGE, f"payload over {MAX_MESSAGE_BYTES} bytes")
+    try:
+        msg = unpack(frames[1])
+    except ValueError as e:  # msgpack's limit errors are ValueErrors
+        code = R.TOO_LARGE if "exceeds max" in str(e) else R.BAD_REQUEST
+        raise ProtocolError(code, f"payload is not valid msgpack within limits: {e}") from None
+    except Exception as e:
+        raise ProtocolError(R.BAD_REQUEST, f"payload is not valid msgpack: {type(e).__name__}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(R.BAD_REQUEST, "payload must be a msgpack map")
+    op = msg.get("op")
+    raw_id = msg.get("id")
+    id = raw_id if isinstance(raw_id, str) and 1 <= len(raw_id) <= MAX_ID_CHARS else None
+    if op == "ping":
+        return Ping()
+    if op == "status":
+        return Status()
+    if op not in ("submit", "cancel"):
+        raise ProtocolError(R.BAD_REQUEST, f"unknown op {op!r}; expected submit, cancel, status or ping", id)
+    _check(id is not None, f"id must be a string of 1 to {MAX_ID_CHARS} characters")
+    if op == "cancel":
+        return Cancel(id)
+    mt = msg.get("max_tokens")
+    _check(_is_int(mt) and 1 <= mt <= MAX_NEW_TOKENS, f"max_tokens must be an int in [1, {MAX_NEW_TOKENS}]", id)
+    has_tokens, has_text = msg.get("tokens") is not None, msg.get("text") is not None
+    _check(has_tokens != has_text, "exactly one of tokens or text is required", id)
+    tokens = _token_list(msg["tokens"], "tokens", n_vocab, id) if has_tokens else None
+    text = msg.get("text")
+    _check(text is None or isinstance(text, str), "text must be a string", id)
+    sampling = _sampling(msg["sampling"], id) if msg.get("sampling") is not None else Sampling()
+    stop = msg.get("stop_tokens") or []
+    stop = _token_list(stop, "stop_tokens", n_vocab, id, MAX_STOP_TOKENS)
+    ignore_eos = msg.get("ignore_eos", False)
+    _check(isinstance(ignore_eos, bool), "ignore_eos must be a bool", id)
+    recipe = msg.get("recipe")
+    _check(recipe is None or (isinstance(recipe, str) and len(recipe) <= 256), "recipe must be a string", id)
+    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe)
+
+
+def encode_request(req) -> list[bytes]:
+    """Client side: a request dataclass -> the two frames."""
+    op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping"}[type(req)]
+    body = {"op": op}
+    for k, v in asdict(req).items():
+        if v is None or (k == "stop_tokens" and not v) or (k == "ignore_eos" and not v):
+            continue
+        body[k] = v
+    if isinstance(req, Submit):
+        s = req.sampling
+        body["sampling"] = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
+    return [VERSION, pack(body)]
+
+
+# -- node events ----------------------------------------------------------------------
+def event(kind: str, **fields) -> list[bytes]:
+    return [VERSION, pack({"event": kind, **fields})]
+
+
+def admitted(id: str, reason: str) -> list[bytes]:
+    return event("admitted", id=id, state=R.RUNNING if reason == R.ADMITTED else R.QUEUED, reason=reason)
+
+
+def rejected(id: str, reason: str, detail: str) -> list[bytes]:
+    return event("rejected", id=id, reason=reason, detail=detail)
+
+
+def error(code: str, detail: str, id: str | None = None) -> list[bytes]:
+    return event("error", code=code, detail=detail, **({"id": id} if id is not None else {}))
+
+
+def decode_event(frames: list[bytes]) -> dict:
+    """Client side: two frames -> the event map (trusted peer, but still bounded)."""
+    if len(frames) != 2 or frames[0] != VERSION:
+        raise ProtocolError(R.UNSUPPORTED_VERSION, "not an MN1 event")
+    msg = unpack(frames[1], max_buffer_size=64 * MAX_MESSAGE_BYTES)
+    if not isinstance(msg, dict) or "event" not in msg:
+        raise ProtocolError(R.BAD_REQUEST, "event is not a map with an 'event' key")
+    return msg
+
+
+# -- engine link ----------------------------------------------------------------------
+# A tick: {"t": n, "release": [seq...], "seqs": [[seq, pos, offset, n, draw, *sampling?], ...]}
+# where tokens are arena.input[offset:offset+n]; sampling (4 numbers) rides on a
+# sequence's first chunk (pos 0). The reply writes the k-th entry's sampled token
+# to arena.output[k] and carries {"t", "ok", "miss", "ms", "kv_cells", "rss", "mem"}.
+# Errors reply {"t", "ok": False, "fatal": bool, "detail": str}.
+
+def tick_message(t: int, release: list[int], seqs: list[list]) -> bytes:
+    return pack({"t": t, "release": release, "seqs": seqs})
+
+
+def engine_unpack(data: bytes) -> dict:
+    msg = unpack(data, max_buffer_size=16 * MAX_MESSAGE_BYTES)
+    if not isinstance(msg, dict):
+        raise ValueError("engine link message is not a map")
+    return msg

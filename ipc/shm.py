@@ -1,0 +1,104 @@
+"""The shared-memory token arena between the front and the engine process.
+
+Token ids of a tick travel here as int32, not through msgpack: the front writes
+every chunk's tokens into `input`, the engine writes each sampled token into
+`output[k]` for the plan's k-th entry. One tick is in flight at a time, so both
+regions are reused from offset 0 every tick.
+
+Ownership: only the creator (the front) unlinks. An attaching process must not
+let Python's resource tracker unlink the segment when it exits (cpython
+gh-82300), so it unregisters right after attaching. Segment names carry the
+creator's pid, so a crashed run's leftovers are found and removed at start.
+"""
+from __future__ import annotations
+
+import os
+import re
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+PREFIX = "meshnode"
+_NAME = re.compile(rf"^{PREFIX}_(\d+)_[0-9a-f]+$")
+
+
+class TokenArena:
+    def __init__(self, shm: shared_memory.SharedMemory, n_input: int, n_output: int, owner: bool):
+        self.shm, self.owner = shm, owner
+        self.n_input, self.n_output = n_input, n_output
+        buf = np.ndarray((n_input + n_output,), dtype=np.int32, buffer=shm.buf)
+        self.input, self.output = buf[:n_input], buf[n_input:]
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @classmethod
+    def create(cls, n_input: int, n_output: int) -> "TokenArena":
+        name = f"{PREFIX}_{os.getpid()}_{os.urandom(4).hex()}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=4 * (n_input + n_output))
+        return cls(shm, n_input, n_output, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, n_input: int, n_output: int) -> "TokenArena":
+        shm = shared_memory.SharedMemory(name=name, create=False)
+        try:  # gh-82300: the attacher's tracker would unlink the creator's segment at exit
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        if shm.size < 4 * (n_input + n_output):
+            shm.close()
+            raise ValueError(f"shared memory {name} is smaller than the arena it should hold")
+        return cls(shm, n_input, n_output, owner=False)
+
+    def close(self) -> None:
+        """Drop the numpy views before closing (a live view makes close() fail); unlink if ours."""
+        self.input = self.output = None  # type: ignore[assignment]
+        try:
+            self.shm.close()
+        except BufferError:
+            return
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def clean_stale(shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove arenas whose creating process no longer exists; returns their names."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for n in names:
+        m = _NAME.match(n)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid != os.getpid() and not _alive(pid):
+            try:
+                os.unlink(os.path.join(shm_dir, n))
+                removed.append(n)
+            except OSError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def leftover_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Arena segments present now (tests assert none survive a node)."""
+    try:
+        return sorted(n for n in os.listdir(shm_dir) if _NAME.match(n))
+    except OSError:
+        return []

@@ -1,0 +1,194 @@
+"""Socket factories: every ZeroMQ option of the node in one place.
+
+Defaults are safe: endpoints live in a 0700 run dir (ipc://) or on 127.0.0.1;
+binding a non-loopback TCP address needs CURVE unless the operator says
+--insecure; every socket has LINGER 0 (never hang at exit), finite HWMs and,
+on the client side, MAXMSGSIZE so an oversize frame disconnects its sender
+instead of being buffered. ROUTER_MANDATORY makes an unroutable or stalled
+client an error we count instead of a silent drop.
+"""
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import socket as _socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from ipc.protocol import MAX_MESSAGE_BYTES
+
+CLIENT_HWM = 1000
+
+
+class EndpointError(RuntimeError):
+    """An endpoint that must not or cannot be bound; the message says why."""
+
+
+def run_dir() -> Path:
+    """The private directory for ipc sockets and locks (systemd's RuntimeDirectory when set)."""
+    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("MESHNODE_RUN_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        base = os.path.join(xdg, "meshnode") if xdg else f"/tmp/meshnode-{os.getuid()}"
+    p = Path(base.split(":")[0])
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(p, 0o700)
+    return p
+
+
+def default_listen() -> str:
+    return f"ipc://{run_dir()}/node.sock"
+
+
+def default_telemetry() -> str:
+    return f"ipc://{run_dir()}/telemetry.sock"
+
+
+def ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ipc:// and for tcp:// on a loopback address or localhost."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # an interface name or '*': not loopback
+
+
+@dataclass
+class Curve:
+    """Server-side CURVE: our secret key, and the directory of allowed client public keys."""
+
+    secret_key_file: str
+    allow_dir: str
+
+
+class EndpointLock:
+    """An flock beside an ipc socket: a second node refuses instead of stealing the path."""
+
+    def __init__(self, endpoint: str):
+        self.path = None
+        self.fd = None
+        path = ipc_path(endpoint)
+        if path is None:
+            return
+        self.path = path
+        self.fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd = None
+            raise EndpointError(f"{endpoint} is in use by another meshnode (lock {path}.lock held)") from None
+        if os.path.exists(path):  # a crashed node's socket file: ours now that we hold the lock
+            os.unlink(path)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        for p in (self.path, self.path + ".lock"):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def _base(sock: zmq.Socket) -> zmq.Socket:
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def client_router(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, insecure: bool = False,
+                  auth_holder: list | None = None) -> zmq.Socket:
+    if not is_loopback(endpoint) and curve is None and not insecure:
+        raise EndpointError(f"refusing to bind {endpoint} without CURVE: pass --curve-secret-key and "
+                            f"--curve-allow-dir, or --insecure to accept plaintext on the network")
+    s = _base(ctx.socket(zmq.ROUTER))
+    s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    s.setsockopt(zmq.SNDHWM, CLIENT_HWM)
+    s.setsockopt(zmq.RCVHWM, CLIENT_HWM)
+    s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
+    if curve is not None:
+        _enable_curve(ctx, s, curve, auth_holder)
+    _bind(s, endpoint)
+    return s
+
+
+def _enable_curve(ctx: zmq.Context, s: zmq.Socket, curve: Curve, auth_holder: list | None) -> None:
+    import zmq.auth
+    from zmq.auth.thread import ThreadAuthenticator
+
+    public, secret = zmq.auth.load_certificate(curve.secret_key_file)
+    if secret is None:
+        raise EndpointError(f"{curve.secret_key_file} holds no secret key")
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=curve.allow_dir)
+    if auth_holder is not None:
+        auth_holder.append(auth)
+    s.curve_secretkey, s.curve_publickey, s.curve_server = secret, public, True
+
+
+def telemetry_pub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    s = _base(ctx.socket(zmq.PUB))
+    s.setsockopt(zmq.SNDHWM, 100)
+    _bind(s, endpoint)
+    return s
+
+
+def engine_link_bind(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """Front side of the engine link: PAIR, one engine at a time."""
+    s = _base(ctx.socket(zmq.PAIR))
+    _bind(s, endpoint)
+    return s
+
+
+def engine_link_connect(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    s = _base(ctx.socket(zmq.PAIR))
+    s.connect(endpoint)
+    return s
+
+
+def client_dealer(ctx: zmq.Context, endpoint: str, server_public_key: bytes | None = None,
+                  client_cert: tuple[bytes, bytes] | None = None) -> zmq.Socket:
+    s = _base(ctx.socket(zmq.DEALER))
+    if server_public_key is not None and client_cert is not None:
+        s.curve_serverkey = server_public_key
+        s.curve_publickey, s.curve_secretkey = client_cert
+    s.connect(endpoint)
+    return s
+
+
+def telemetry_sub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    s = _base(ctx.socket(zmq.SUB))
+    s.setsockopt(zmq.SUBSCRIBE, b"telemetry")
+    s.setsockopt(zmq.RCVHWM, 10)
+    s.connect(endpoint)
+    return s
+
+
+def _bind(s: zmq.Socket, endpoint: str) -> None:
+    try:
+        s.bind(endpoint)
+    except zmq.ZMQError as e:
+        s.close(0)
+        raise EndpointError(f"cannot bind {endpoint}: {e}") from None
+
+
+def free_tcp_port() -> int:
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,158 @@
+"""`meshnode` command line: make-model, serve, generate, top, sweep, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file with any serve setting; flags override it")
+    p.add_argument("--model", help="GGUF to serve (default: the tiny demo model, generated once)")
+    p.add_argument("--listen", help="client ROUTER endpoint (default ipc:// in the run dir)")
+    p.add_argument("--telemetry", help="telemetry PUB endpoint (default ipc:// in the run dir)")
+    for name, help_ in [("max-active", "sessions running at once"), ("max-queue", "sessions waiting"),
+                        ("max-batch", "sequences per tick"), ("prefill-chunk", "prompt tokens per tick"),
+                        ("ctx", "KV cells in the unified pool"), ("n-seq-max", "llama.cpp sequence slots"),
+                        ("n-batch", "most tokens per llama_decode"), ("threads", "CPU threads (0 = all)")]:
+        p.add_argument(f"--{name}", type=int, help=help_)
+    for name, help_ in [("kv-budget-mb", "KV byte budget"), ("weight-budget-mb", "refuse to start above this"),
+                        ("memory-floor-mb", "reject new sessions below this available memory"),
+                        ("drain-timeout-s", "how long SIGTERM lets sessions finish"),
+                        ("tick-deadline-s", "a tick longer than this is a hung engine")]:
+        p.add_argument(f"--{name}", type=float, help=help_)
+    p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
+    p.add_argument("--curve-secret-key", help="server certificate (zmq.auth format) for CURVE")
+    p.add_argument("--curve-allow-dir", help="directory of allowed client public keys")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="allow binding a non-loopback TCP address without CURVE")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def cmd_serve(a) -> int:
+    from meshnode import config
+    from meshnode.front import serve
+
+    keys = set(config.public_keys()) - {"model"}
+    overrides = {k: getattr(a, k) for k in keys if hasattr(a, k)}
+    overrides["model"] = a.model
+    try:
+        cfg = config.load(a.config, overrides)
+    except ValueError as e:
+        print(f"meshnode serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("meshnode.llama").setLevel(logging.WARNING)
+    try:
+        return serve(cfg)
+    except Exception as e:  # start-up failures: one clear line, not a traceback
+        logging.getLogger("meshnode").error("cannot serve: %s", e)
+        return 1
+
+
+def cmd_make_model(a) -> int:
+    from meshnode.demo_model import file_digest, make_model
+
+    path = make_model(a.out, a.preset, a.seed)
+    print(f"wrote {path} ({path.stat().st_size} bytes, sha256 {file_digest(path)[:16]})")
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from ipc.transport import default_listen
+    from meshnode.client import Client
+    from meshnode.engine.plan import Sampling
+
+    tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else None
+    sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed)
+    with Client(a.connect or default_listen(), timeout_s=a.timeout) as c:
+        c.submit("gen-1", tokens=tokens, text=a.text, max_tokens=a.max_tokens, sampling=sampling,
+                 ignore_eos=a.ignore_eos)
+        while True:
+            ev = c.recv()
+            if ev is None:
+                print("\nmeshnode generate: no answer from the node", file=sys.stderr)
+                return 1
+            kind = ev["event"]
+            if kind == "rejected" or kind == "error":
+                print(f"{kind}: {ev.get('reason') or ev.get('code')}: {ev.get('detail')}", file=sys.stderr)
+                return 1
+            if kind == "tokens":
+                sys.stdout.write(ev["text"] if a.text is not None else " ".join(map(str, ev["tokens"])) + " ")
+                sys.stdout.flush()
+            if kind == "done":
+                print(f"\n[{ev['reason']}] {ev['usage']}", file=sys.stderr)
+                return 0
+
+
+def cmd_top(a) -> int:
+    from meshnode.top import main as top_main
+
+    return top_main(a)
+
+
+def cmd_bench(a) -> int:
+    from meshnode import bench
+
+    return bench.run(a)
+
+
+def cmd_sweep(a) -> int:
+    from meshnode.sweep import main as sweep_main
+
+    return sweep_main(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="meshnode", description="node-local continuous-batching LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("make-model", help="write a deterministic demo Llama GGUF")
+    p.add_argument("out")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_model)
+
+    p = sub.add_parser("serve", help="run a node (front + engine process)")
+    _serve_args(p)
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("generate", help="stream one generation from a node")
+    p.add_argument("--connect", help="node endpoint (default: the default serve endpoint)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--text")
+    g.add_argument("--tokens", help="comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("top", help="live terminal telemetry viewer")
+    p.add_argument("--connect", help="telemetry endpoint (default: the default serve telemetry endpoint)")
+    p.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
+    p.add_argument("--timeout", type=float, default=10.0, help="with --once: how long to wait")
+    p.set_defaults(fn=cmd_top)
+
+    from meshnode.sweep import add_args as sweep_args
+    p = sub.add_parser("sweep", help="concurrency sweep through real nodes")
+    sweep_args(p)
+    p.set_defaults(fn=cmd_sweep)
+
+    from meshnode.bench import add_args as bench_args
+    p = sub.add_parser("bench", help="benchmarks: engine, overhead, peers, burst, soak")
+    bench_args(p)
+    p.set_defaults(fn=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""A small typed DEALER client of the node (tests, the sweep, the mesh router).
+
+Events of many sessions interleave on one socket; `recv()` returns them in
+order, and the blocking helpers (`generate`, `status`) keep the events they
+are not waiting for in a buffer so nothing is lost.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from ipc import protocol as P
+from ipc.transport import client_dealer
+from meshnode.engine.plan import Sampling
+
+
+@dataclass
+class Result:
+    id: str
+    admission: dict  # the admitted or rejected event
+    tokens: list[int] = field(default_factory=list)  # as streamed
+    token_times: list[float] = field(default_factory=list)  # monotonic arrival of each tokens event
+    done: dict | None = None
+
+    @property
+    def rejected(self) -> bool:
+        return self.admission.get("event") == "rejected"
+
+
+class Client:
+    def __init__(self, endpoint: str, timeout_s: float = 60.0, server_public_key: bytes | None = None,
+                 client_cert: tuple[bytes, bytes] | None = None):
+        self.ctx = zmq.Context()
+        self.sock = client_dealer(self.ctx, endpoint, server_public_key, client_cert)
+        self.timeout_s = timeout_s
+        self.buffer: deque = deque()
+
+    def send(self, req) -> None:
+        self.sock.send_multipart(P.encode_request(req))
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def submit(self, id: str, *, tokens: list[int] | None = None, text: str | None = None, max_tokens: int = 16,
+               sampling: Sampling | None = None, stop_tokens: list[int] | None = None, ignore_eos: bool = False,
+               recipe: str | None = None) -> None:
+        self.send(P.Submit(id, max_tokens, tokens, text, sampling or Sampling(), stop_tokens or [], ignore_eos,
+                           recipe))
+
+    def cancel(self, id: str) -> None:
+        self.send(P.Cancel(id))
+
+    def recv(self, timeout_s: float | None = None) -> dict | None:
+        """The next event (buffered first), or None after the timeout."""
+        if self.buffer:
+            return self.buffer.popleft()
+        if not self.sock.poll(int(1000 * (self.timeout_s if timeout_s is None else timeout_s))):
+            return None
+        return P.decode_event(self.sock.recv_multipart())
+
+    def wait_for(self, pred, timeout_s: float | None = None) -> dict:
+        """The first event matching `pred`; others stay buffered, in order."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for i, ev in enumerate(self.buffer):
+            if pred(ev):
+                del self.buffer[i]
+                return ev
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise TimeoutError("no matching event from the node in time")
+            ev = P.decode_event(self.sock.recv_multipart())
+            if pred(ev):
+                return ev
+            self.buffer.append(ev)
+
+    def status(self) -> dict:
+        self.send(P.Status())
+        return self.wait_for(lambda e: e["event"] == "status")
+
+    def ping(self, timeout_s: float = 5.0) -> bool:
+        self.send(P.Ping())
+        try:
+            self.wait_for(lambda e: e["event"] == "pong", timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def collect(self, ids: list[str], timeout_s: float | None = None) -> dict[str, Result]:
+        """Gather admission, streamed tokens and done for already-submitted `ids`."""
+        results: dict[str, Result] = {}
+        open_ = set(ids)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while open_:
+            ev = self.recv(max(0.0, deadline - time.monotonic()))
+            if ev is None:
+                raise TimeoutError(f"sessions still open: {sorted(open_)[:5]}")
+            sid = ev.get("id")
+            if sid not in open_:
+                continue
+            kind = ev["event"]
+            if kind in ("admitted", "rejected"):
+                results[sid] = Result(sid, ev)
+                if kind == "rejected":
+                    open_.discard(sid)
+            elif kind == "tokens":
+                r = results[sid]
+                r.tokens += ev["tokens"]
+                r.token_times.append(time.monotonic())
+            elif kind == "done":
+                results[sid].done = ev
+                open_.discard(sid)
+            elif kind == "error":
+                results[sid] = Result(sid, ev)
+                open_.discard(sid)
+        return results
+
+    def generate(self, id: str, **kw) -> Result:
+        self.submit(id, **kw)
+        return self.collect([id])[id]
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

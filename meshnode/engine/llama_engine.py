@@ -1,0 +1,234 @@
+"""The llama.cpp batch engine: one model, one context, one llama_decode per tick.
+
+Every tick's prefill chunks and decode tokens go into ONE llama_batch, so the
+weights are read once for all sequences; that is where continuous batching
+gets its throughput. The batch's arrays are numpy buffers we own (filled with
+vectorised copies, no per-row ctypes calls) and the KV cache is unified, so a
+byte budget over the pool means something and admission can reserve cells.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshnode.demo_model import file_digest
+from meshnode.engine.plan import (GREEDY, FatalEngineError, InvalidPlan, Plan, StepResult,
+                                  validate_plan)
+from meshnode.engine.sampling import sample
+
+log = logging.getLogger("meshnode.llama")
+
+# ggml type -> (block size, bytes per block), for the KV types a user may pick
+_TYPE_SIZE = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18)}
+KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}
+_LEVELS = {2: logging.ERROR, 3: logging.WARNING, 4: logging.INFO, 5: logging.DEBUG}
+_LOG_CB = None  # ctypes keeps only a weak pointer: a collected callback crashes the process
+
+
+def _install_log() -> None:
+    """Route llama.cpp's log into Python logging, once per process."""
+    global _LOG_CB
+    if _LOG_CB is not None:
+        return
+    import llama_cpp
+
+    def forward(level, text, _user):
+        msg = text.decode("utf-8", "replace").rstrip("\n") if text else ""
+        if msg:
+            log.log(_LEVELS.get(level, logging.DEBUG), "%s", msg)
+
+    _LOG_CB = llama_cpp.llama_log_callback(forward)
+    llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p())
+    llama_cpp.llama_backend_init()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    n_seq_max: int = 8
+    n_ctx: int = 4096  # KV cells in the unified pool, shared by all sequences
+    n_batch: int = 512  # most tokens one tick may carry
+    n_threads: int = 0  # 0 = all cores
+    type_k: str = "f16"
+    type_v: str = "f16"
+
+    def validate(self) -> None:
+        if not os.path.isfile(self.model_path):
+            raise FileNotFoundError(f"model file not found: {self.model_path}")
+        if not 1 <= self.n_seq_max <= 256:
+            raise ValueError(f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
+        if self.n_ctx < 1 or self.n_batch < 1:
+            raise ValueError("n_ctx and n_batch must be >= 1")
+        for t in (self.type_k, self.type_v):
+            if t not in KV_TYPES:
+                raise ValueError(f"unknown KV type {t!r}; choose one of {sorted(KV_TYPES)}")
+
+
+class LlamaEngine:
+    def __init__(self, cfg: EngineConfig):
+        import llama_cpp as L
+
+        cfg.validate()
+        _install_log()
+        self.cfg, self._L = cfg, L
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self._model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
+        if not self._model:
+            raise FatalEngineError(f"llama.cpp could not load {cfg.model_path}")
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = cfg.n_ctx, cfg.n_batch, cfg.n_batch
+        cp.n_seq_max, cp.kv_unified = cfg.n_seq_max, True
+        threads = cfg.n_threads or os.cpu_count() or 1
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
+        cp.no_perf = True
+        self._ctx = L.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            L.llama_model_free(self._model)
+            raise FatalEngineError("llama.cpp could not create a context (n_ctx / n_seq_max too large?)")
+        self._mem = L.llama_get_memory(self._ctx)
+        vocab = L.llama_model_get_vocab(self._model)
+        self.n_vocab = L.llama_vocab_n_tokens(vocab)
+        self.eos = L.llama_vocab_eos(vocab)
+        self.n_seq_max = L.llama_n_seq_max(self._ctx)
+        self.n_batch = L.llama_n_batch(self._ctx)
+        self.n_ctx = L.llama_n_ctx(self._ctx)
+        self.n_ctx_seq = min(L.llama_n_ctx_seq(self._ctx), L.llama_model_n_ctx_train(self._model))
+        self.weight_bytes = int(L.llama_model_size(self._model))
+        n_layer = L.llama_model_n_layer(self._model)
+        head_dim = L.llama_model_n_embd(self._model) // L.llama_model_n_head(self._model)
+        row = L.llama_model_n_head_kv(self._model) * head_dim
+        self.kv_bytes_per_token = n_layer * (_row_bytes(row, cp.type_k) + _row_bytes(row, cp.type_v))
+        self.recipe_fingerprint = _fingerprint(cfg, L.llama_version().decode())
+        self._next_pos = [0] * self.n_seq_max
+        self._samplers: dict = {}
+        self._alloc_batch(self.n_batch)
+
+    def _alloc_batch(self, n: int) -> None:
+        """A llama_batch whose arrays are numpy buffers we own and fill with slices."""
+        L = self._L
+        self._tok = np.zeros(n, np.int32)
+        self._pos = np.zeros(n, np.int32)
+        self._nseq = np.ones(n, np.int32)
+        self._seq = np.zeros(n, np.int32)
+        self._want = np.zeros(n, np.int8)
+        self._seq_ptrs = (self._seq.ctypes.data + 4 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
+        b = L.llama_batch()
+        b.token = self._tok.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        b.embd = ctypes.POINTER(ctypes.c_float)()
+        b.pos = self._pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+        b.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
+        b.logits = self._want.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    def step(self, plan: Plan) -> StepResult:
+        t0 = time.perf_counter()
+        res = StepResult()
+        rows = self._decode(plan)
+        if rows is None:  # no KV slot: the state was rolled back and these sequences lost their place
+            res.cache_miss = [c.seq_id for c in plan.chunks]
+        else:
+            for c, row in zip(plan.chunks, rows):
+                if c.draw >= 0:
+                    res.tokens[c.seq_id] = sample(self._logits(row), self._samplers[c.seq_id], c.draw)
+        res.kv_cells = sum(self._next_pos)
+        res.step_ms = (time.perf_counter() - t0) * 1e3
+        return res
+
+    def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
+        """Run a plan and return copies of each sampled sequence's logits (tests, the oracle check)."""
+        rows = self._decode(plan)
+        if rows is None:
+            raise FatalEngineError("no KV slot for the plan")
+        return {c.seq_id: self._logits(r).copy() for c, r in zip(plan.chunks, rows) if c.draw >= 0}
+
+    def _decode(self, plan: Plan) -> list[int] | None:
+        """Validate, release, and run the plan as ONE llama_decode; each chunk's last row, or None on rc=1."""
+        validate_plan(plan, n_vocab=self.n_vocab, n_seq_max=self.n_seq_max, n_batch=self.n_batch,
+                      n_ctx_seq=self.n_ctx_seq, next_pos=self._next_pos, samplers=self._samplers)
+        for s in plan.release:
+            self.release(int(s))
+        if not plan.chunks:
+            return []
+        rows = self._fill(plan)
+        rc = self._L.llama_decode(self._ctx, self._batch)
+        if rc == 1:
+            for c in plan.chunks:
+                self.release(c.seq_id)
+            return None
+        if rc == -1:
+            raise InvalidPlan("llama_decode rejected the batch as invalid (rc=-1)")
+        if rc != 0:
+            raise FatalEngineError(f"llama_decode failed with rc={rc}")
+        for c in plan.chunks:
+            self._next_pos[c.seq_id] = c.pos + len(c.tokens)
+        return rows
+
+    def _fill(self, plan: Plan) -> list[int]:
+        """Copy every chunk into the batch; return each chunk's last row."""
+        i, rows = 0, []
+        self._want[: plan.n_tokens] = 0
+        for c in plan.chunks:
+            n = len(c.tokens)
+            if c.sampling is not None:
+                self._samplers[c.seq_id] = c.sampling
+            elif c.pos == 0:
+                self._samplers[c.seq_id] = GREEDY
+            self._tok[i:i + n] = c.tokens
+            self._pos[i:i + n] = np.arange(c.pos, c.pos + n, dtype=np.int32)
+            self._seq[i:i + n] = c.seq_id
+            i += n
+            self._want[i - 1] = 1 if c.draw >= 0 else 0
+            rows.append(i - 1)
+        self._batch.n_tokens = i
+        return rows
+
+    def _logits(self, row: int) -> np.ndarray:
+        ptr = self._L.llama_get_logits_ith(self._ctx, row)
+        if not ptr:
+            raise FatalEngineError(f"llama.cpp returned no logits for batch row {row}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def release(self, seq_id: int) -> None:
+        self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        self._next_pos[seq_id] = 0
+        self._samplers.pop(seq_id, None)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(self._L.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    def state_seq_size(self, seq_id: int) -> int:
+        return int(self._L.llama_state_seq_get_size(self._ctx, seq_id))
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self._L.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            self._L.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _row_bytes(n: int, ggml_type: int) -> int:
+    blck, size = _TYPE_SIZE[ggml_type]
+    return (n // blck) * size
+
+
+def _fingerprint(cfg: EngineConfig, llama_version: str) -> str:
+    """Model identity plus every setting that changes numerics, never batch shape or threads."""
+    parts = [file_digest(cfg.model_path), llama_version, cfg.type_k, cfg.type_v, str(cfg.n_batch), "unified"]
+    return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

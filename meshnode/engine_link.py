@@ -1,0 +1,163 @@
+"""The front's handle on the engine process: spawn, tick, detect death, restart.
+
+Death is any of: the process sentinel fires, the link answers with a fatal
+error, or a tick runs past its deadline (a hang: the process is killed). Each
+incarnation gets a fresh PAIR endpoint, so no message of a dead engine can be
+mistaken for a live one's. Restarts back off exponentially; a crash loop (too
+many deaths in a row without one good tick) marks the engine unhealthy and
+stops respawning, so the node reports it instead of spinning.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from types import SimpleNamespace
+
+import zmq
+
+from ipc import protocol as P
+from ipc.shm import TokenArena
+from ipc.transport import engine_link_bind
+from meshnode.engine_proc import engine_main
+
+log = logging.getLogger("meshnode.front")
+
+STARTING, IDLE, BUSY, DOWN, FAILED = "STARTING", "IDLE", "BUSY", "DOWN", "FAILED"
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 5.0
+CRASH_LOOP_DEATHS = 5  # deaths in a row with no good tick between them
+START_TIMEOUT_S = 300.0  # loading a big model from a cold disk can be slow
+
+
+class EngineLink:
+    def __init__(self, zctx: zmq.Context, run_dir: str, engine_cfg: dict, arena: TokenArena,
+                 tick_deadline_s: float, faults: dict | None = None):
+        self.zctx, self.run_dir, self.engine_cfg, self.arena = zctx, run_dir, engine_cfg, arena
+        self.tick_deadline_s = tick_deadline_s
+        self.faults = faults
+        self.state = DOWN
+        self.info: SimpleNamespace | None = None
+        self.proc = None
+        self.sock: zmq.Socket | None = None
+        self.generation = 0
+        self.restarts = 0
+        self.deaths_in_row = 0
+        self.next_start_at = 0.0
+        self.sent_at = 0.0
+        self.started_at = 0.0
+        self.tick_seq = 0
+        self.last_error = ""
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.run_dir}/engine-{os.getpid()}-{self.generation}.sock"
+
+    def start(self) -> None:
+        """Spawn an incarnation; its hello arrives later through poll()."""
+        self._close_sock()
+        self.generation += 1
+        self.sock = engine_link_bind(self.zctx, self.endpoint)
+        cfg = dict(self.engine_cfg, link=self.endpoint, parent_pid=os.getpid(),
+                   arena={"name": self.arena.name, "n_input": self.arena.n_input, "n_output": self.arena.n_output})
+        if self.faults and (self.generation == 1 or self.faults.get("every_start")):
+            cfg["faults"] = self.faults
+        self.proc = mp.get_context("spawn").Process(target=engine_main, args=(cfg,), daemon=True,
+                                                   name=f"meshnode-engine-{self.generation}")
+        self.proc.start()
+        self.state, self.started_at = STARTING, time.monotonic()
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> SimpleNamespace:
+        """Block until the first incarnation says hello (node start-up only)."""
+        deadline = time.monotonic() + timeout
+        while self.state == STARTING and time.monotonic() < deadline:
+            if self.sock.poll(100):
+                self.on_message()
+            elif not self.proc.is_alive():
+                raise RuntimeError(f"engine process exited during start-up (code {self.proc.exitcode})")
+        if self.state != IDLE:
+            raise RuntimeError(f"engine did not start: {self.last_error or 'timeout'}")
+        return self.info
+
+    def on_message(self):
+        """Read one message from the link: a hello (returns None) or a tick reply (returned)."""
+        msg = P.engine_unpack(self.sock.recv())
+        if "hello" in msg:
+            self.info = SimpleNamespace(**msg["hello"])
+            self.state = IDLE
+            return None
+        if "hello_error" in msg:
+            self.last_error = msg["hello_error"]
+            return None
+        if self.state != BUSY or msg.get("t") != self.tick_seq:
+            return None  # a stale reply from before a restart
+        self.state = IDLE
+        if msg.get("ok"):
+            self.deaths_in_row = 0
+        return msg
+
+    def send_tick(self, release: list[int], seqs: list[list]) -> None:
+        self.tick_seq += 1
+        self.sock.send(P.tick_message(self.tick_seq, release, seqs))
+        self.state, self.sent_at = BUSY, time.monotonic()
+
+    def check(self, now: float) -> str | None:
+        """Why the engine is dead now, or None: exited, or its tick overran the deadline."""
+        if self.state in (STARTING, IDLE, BUSY) and self.proc is not None and not self.proc.is_alive():
+            return f"engine process exited (code {self.proc.exitcode})"
+        if self.state == BUSY and now - self.sent_at > self.tick_deadline_s:
+            return f"tick ran past its {self.tick_deadline_s:.1f} s deadline"
+        if self.state == STARTING and now - self.started_at > START_TIMEOUT_S:
+            return "engine did not say hello in time"
+        return None
+
+    def died(self, why: str) -> None:
+        """Kill what is left and schedule a restart with backoff (or give up in a crash loop)."""
+        log.error("engine died: %s", why)
+        self.last_error = why
+        self.kill()
+        self.deaths_in_row += 1
+        if self.deaths_in_row >= CRASH_LOOP_DEATHS:
+            self.state = FAILED
+            log.error("engine crash loop: %d deaths in a row; not restarting", self.deaths_in_row)
+            return
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self.deaths_in_row - 1))
+        self.state, self.next_start_at = DOWN, time.monotonic() + delay
+
+    def maybe_restart(self, now: float) -> bool:
+        if self.state == DOWN and now >= self.next_start_at:
+            self.restarts += 1
+            self.start()
+            return True
+        return False
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+            self.proc = None
+        self._close_sock()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the engine to exit cleanly, then make sure it has."""
+        if self.proc is not None and self.proc.is_alive() and self.sock is not None:
+            try:
+                self.sock.send(P.pack({"stop": True}), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.proc.join(timeout)
+        self.kill()
+        self.state = DOWN
+
+    def _close_sock(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+            path = self.endpoint[len("ipc://"):]
+            if os.path.exists(path):
+                os.unlink(path)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0

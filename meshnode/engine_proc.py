@@ -1,0 +1,174 @@
+"""The engine process: owns the llama.cpp context, runs one tick per message.
+
+Isolation is the point: a crash, a hang or a leak in llama.cpp kills only this
+process; the front restarts it and re-prefills the sessions. The loop is
+initialize / loop / shutdown; it exits on a `stop` message, when the link
+closes, or when the front dies (PR_SET_PDEATHSIG, plus a getppid check for
+the window before prctl takes effect).
+
+Fault injection (`faults` in the config) exists only for tests; with no
+faults configured, none of its branches can run.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import zmq
+
+from ipc import protocol as P
+from ipc.shm import TokenArena
+from ipc.transport import engine_link_connect
+from meshnode.engine.plan import EngineError, Plan, Sampling, SeqChunk
+from meshnode.memory import host_memory, rss
+
+log = logging.getLogger("meshnode.engine")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() != parent:  # the front died before prctl took effect
+        os._exit(0)
+
+
+def build_engine(cfg: dict):
+    if cfg.get("kind") == "fake":
+        from meshnode.engine.fake import FakeEngine
+
+        fake = FakeEngine(**cfg.get("fake", {}))
+        fake.corrupt = set(cfg.get("corrupt_seqs", []))
+        return fake
+    from meshnode.engine.llama_engine import EngineConfig, LlamaEngine
+
+    return LlamaEngine(EngineConfig(**cfg["engine"]))
+
+
+def engine_info(engine) -> dict:
+    return {"pid": os.getpid(), "n_vocab": engine.n_vocab, "eos": engine.eos, "n_seq_max": engine.n_seq_max,
+            "n_ctx": engine.n_ctx, "n_ctx_seq": engine.n_ctx_seq, "n_batch": engine.n_batch,
+            "kv_bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": engine.weight_bytes,
+            "recipe": engine.recipe_fingerprint}
+
+
+def plan_from_tick(msg: dict, arena: TokenArena) -> Plan:
+    """Rebuild the Plan from a tick descriptor and the arena; entries are checked for shape."""
+    chunks = []
+    for e in msg.get("seqs", []):
+        if not isinstance(e, list) or len(e) not in (5, 9) or not all(isinstance(x, (int, float)) for x in e):
+            raise ValueError(f"malformed tick entry {e!r}")
+        seq, pos, off, n, draw = (int(x) for x in e[:5])
+        if off < 0 or n < 0 or off + n > arena.n_input:
+            raise ValueError(f"tick entry {e!r} points outside the arena")
+        sampling = Sampling.from_list(e[5:]) if len(e) == 9 else None
+        chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling))
+    return Plan(chunks, [int(s) for s in msg.get("release", [])])
+
+
+class EngineProcess:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.faults = cfg.get("faults") or {}
+        self.stop = False
+        self.ticks = 0
+
+    def initialize(self) -> None:
+        _die_with_parent(self.cfg["parent_pid"])
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front owns Ctrl-C and drains
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
+        logging.basicConfig(level=self.cfg.get("log_level", "WARNING"),
+                            format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+        if self.faults.get("die_at_start"):
+            os._exit(3)
+        self.ctx = zmq.Context()
+        self.sock = engine_link_connect(self.ctx, self.cfg["link"])
+        a = self.cfg["arena"]
+        self.arena = TokenArena.attach(a["name"], a["n_input"], a["n_output"])
+        try:
+            self.engine = build_engine(self.cfg)
+        except Exception as e:
+            self.sock.send(P.pack({"hello_error": f"{type(e).__name__}: {e}"}))
+            raise
+        self.sock.send(P.pack({"hello": engine_info(self.engine)}))
+
+    def loop(self) -> None:
+        parent = self.cfg["parent_pid"]
+        while not self.stop:
+            if not self.sock.poll(500):
+                if os.getppid() != parent:
+                    return
+                continue
+            msg = P.engine_unpack(self.sock.recv())
+            if msg.get("stop"):
+                return
+            self.sock.send(P.pack(self.tick(msg)))
+
+    def tick(self, msg: dict) -> dict:
+        t = msg.get("t")
+        self.ticks += 1
+        try:
+            plan = plan_from_tick(msg, self.arena)
+            self._inject_faults()
+            res = self.engine.step(plan)
+        except EngineError as e:
+            log.error("tick %s failed: %s", t, e)
+            return {"t": t, "ok": False, "fatal": e.fatal, "detail": str(e)}
+        except ValueError as e:
+            return {"t": t, "ok": False, "fatal": False, "detail": str(e)}
+        except Exception as e:  # an unexpected bug: the context can't be trusted any more
+            log.exception("tick %s raised", t)
+            return {"t": t, "ok": False, "fatal": True, "detail": f"{type(e).__name__}: {e}"}
+        out = self.arena.output
+        for k, c in enumerate(plan.chunks):
+            out[k] = res.tokens.get(c.seq_id, -1)
+        avail, total = host_memory()
+        return {"t": t, "ok": True, "miss": res.cache_miss, "ms": res.step_ms, "kv_cells": res.kv_cells,
+                "rss": rss(), "mem": [avail, total]}
+
+    def _inject_faults(self) -> None:
+        f = self.faults
+        if not f or self.ticks != f.get("at_tick", -1):
+            return
+        kind = f.get("kind")
+        if kind == "fatal":
+            from meshnode.engine.plan import FatalEngineError
+            raise FatalEngineError("injected: llama_decode returned -3")
+        if kind == "raise":
+            raise RuntimeError("injected exception in step")
+        if kind == "hang":
+            time.sleep(3600)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def shutdown(self) -> None:
+        for name in ("arena", "engine"):
+            obj = getattr(self, name, None)
+            if obj is not None and hasattr(obj, "close"):
+                obj.close()
+        if hasattr(self, "sock"):
+            self.sock.close(0)
+            self.ctx.term()
+
+
+def engine_main(cfg: dict) -> None:
+    """Spawn target."""
+    proc = EngineProcess(cfg)
+    code = 0
+    try:
+        proc.initialize()
+        proc.loop()
+    except Exception:
+        log.exception("engine process failed")
+        code = 1
+    finally:
+        proc.shutdown()
+    sys.exit(code)

@@ -1,0 +1,314 @@
+"""The front process: clients, admission, the tick loop, telemetry. One thread.
+
+One zmq poll loop multiplexes the client ROUTER, the engine link and timers:
+client frames are decoded and answered at once (admission never waits for a
+tick), the next tick is sent whenever the engine is idle, each reply becomes
+`tokens` / `done` events, and a full telemetry snapshot goes out every second.
+Signal handlers only set flags; the loop drains. All policy lives in the pure
+Scheduler; this file only moves bytes and keeps every session's promise of
+exactly one `done`.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import zmq
+
+from ipc import protocol as P
+from ipc import reasons as R
+from ipc.shm import TokenArena, clean_stale
+from ipc.transport import Curve, EndpointLock, client_router, default_listen, default_telemetry, run_dir, \
+    telemetry_pub
+from meshnode import __version__
+from meshnode.budget import NodeBudget
+from meshnode.config import NodeConfig
+from meshnode.engine.plan import StepResult
+from meshnode.engine_link import BUSY, FAILED, IDLE, EngineLink
+from meshnode.memory import rss
+from meshnode.scheduler import Event, Scheduler
+from meshnode.sdnotify import Notifier
+from meshnode.session import Session
+from meshnode.telemetry import Telemetry
+from meshnode.tokenizer import TextStream, Tokenizer
+
+log = logging.getLogger("meshnode.front")
+PUBLISH_EVERY_S = 1.0
+STATUS_EVERY_S = 5.0
+MAX_FRAMES_PER_POLL = 256  # bound client work per loop turn so ticks keep flowing
+
+
+class Front:
+    def __init__(self, cfg: NodeConfig):
+        self.cfg = cfg
+        self.stop_requested = 0  # signals: 1 = drain, 2 = stop now
+        self.stopping = False
+        self.streams: dict = {}
+        self.notifier = Notifier()
+        self._auth: list = []
+        self._locks: list[EndpointLock] = []
+
+    # -- initialize ------------------------------------------------------------------
+    def initialize(self) -> None:
+        cfg = self.cfg
+        if cfg.model is None:
+            from meshnode.demo_model import cached_model
+            cfg.model = str(cached_model("tiny"))
+        for name in clean_stale():
+            log.warning("removed stale shared memory segment %s", name)
+        self.run_dir = str(run_dir())
+        self.listen = cfg.listen or default_listen()
+        self.telemetry_ep = cfg.telemetry or default_telemetry()
+        self._locks = [EndpointLock(self.listen), EndpointLock(self.telemetry_ep)]
+        self.tok = Tokenizer(cfg.model)
+        self.zctx = zmq.Context()
+        self.arena = TokenArena.create(cfg.n_batch, cfg.n_seq_max)
+        engine_cfg = {"kind": cfg.engine_kind, "log_level": cfg.log_level, "fake": cfg.fake or {},
+                      "engine": {"model_path": cfg.model, "n_seq_max": cfg.n_seq_max, "n_ctx": cfg.ctx,
+                                 "n_batch": cfg.n_batch, "n_threads": cfg.threads, "type_k": cfg.type_k,
+                                 "type_v": cfg.type_v}}
+        self.link = EngineLink(self.zctx, self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults)
+        self.link.start()
+        info = self.link.wait_ready()
+        mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
+        self.budget = NodeBudget.from_engine(
+            info, max_active=cfg.max_active, max_queue=cfg.max_queue, max_batch_size=cfg.max_batch,
+            max_prefill_tokens_per_tick=cfg.prefill_chunk, kv_budget_bytes=mb(cfg.kv_budget_mb),
+            weight_budget_bytes=mb(cfg.weight_budget_mb), memory_floor_bytes=mb(cfg.memory_floor_mb))
+        self.recipe = info.recipe
+        self.sched = Scheduler(self.budget, info.eos, recipe=info.recipe)
+        self.telemetry = Telemetry(self.sched)
+        self.telemetry.engine["pid"] = info.pid
+        curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
+        self.router = client_router(self.zctx, self.listen, curve, cfg.insecure, self._auth)
+        self.pub = telemetry_pub(self.zctx, self.telemetry_ep)
+        self.metrics = None
+        if cfg.metrics_listen:
+            from meshnode.metrics_http import MetricsServer
+            self.metrics = MetricsServer(cfg.metrics_listen, self._snapshot)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        b = self.budget
+        log.info("meshnode ready: listen=%s telemetry=%s model=%s recipe=%s engine_pid=%d "
+                 "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token) "
+                 "ctx_per_seq=%d weights=%d B%s", self.listen, self.telemetry_ep, cfg.model, self.recipe,
+                 info.pid, b.effective_active_cap, b.max_queue, b.max_batch_size, b.max_prefill_tokens_per_tick,
+                 b.kv_budget_bytes, b.kv_bytes_per_token, b.n_ctx_seq, b.weight_bytes,
+                 f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
+        self.notifier.notify("READY=1", f"STATUS={self._status_line()}")
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.stop_requested += 1
+
+    # -- loop ---------------------------------------------------------------------------
+    def loop(self) -> None:
+        next_publish = next_status = time.monotonic()
+        drain_deadline = None
+        while not self.stopping:
+            now = time.monotonic()
+            if self.stop_requested and drain_deadline is None:
+                drain_deadline = self._begin_drain(now)
+            if self.stop_requested > 1 or (drain_deadline and (now >= drain_deadline or self.sched.idle)):
+                self._send(self.sched.end_all(R.DRAINED))
+                self.stopping = True
+                break
+            self._poll(timeout_ms=max(0, min(100, int((next_publish - now) * 1e3))))
+            now = time.monotonic()
+            why = self.link.check(now)
+            if why:
+                self._engine_died(why)
+            if self.link.maybe_restart(now):
+                self.telemetry.engine["restarts"] = self.link.restarts
+            if self.link.state == IDLE:
+                self._dispatch()
+            if now >= next_publish:
+                self.pub.send_multipart([b"telemetry", P.pack(self._snapshot())])
+                next_publish = now + PUBLISH_EVERY_S
+                if self.link.state != FAILED and self.notifier.watchdog_s:
+                    self.notifier.notify("WATCHDOG=1")
+            if now >= next_status:
+                self.notifier.notify(f"STATUS={self._status_line()}")
+                next_status = now + STATUS_EVERY_S
+
+    def _begin_drain(self, now: float) -> float:
+        log.info("draining: new sessions refused, %d live get up to %.1f s", len(self.sched.live),
+                 self.cfg.drain_timeout_s)
+        self.sched.draining = True
+        self.notifier.notify("STOPPING=1", "STATUS=draining")
+        return now + self.cfg.drain_timeout_s
+
+    def _poll(self, timeout_ms: int) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        if self.link.sock is not None:
+            poller.register(self.link.sock, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if self.link.sock is not None and ready.get(self.link.sock):
+            self._on_engine(self.link.on_message())
+        if ready.get(self.router):
+            for _ in range(MAX_FRAMES_PER_POLL):
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_client(frames[0], frames[1:])
+
+    # -- clients ------------------------------------------------------------------------
+    def _on_client(self, ident: bytes, frames: list[bytes]) -> None:
+        try:
+            req = P.decode_request(frames, self.tok.n_vocab)
+        except P.ProtocolError as e:
+            self.telemetry.count_bad_frame()
+            self._reply(ident, P.error(e.code, e.detail, e.id))
+            return
+        if isinstance(req, P.Ping):
+            self._reply(ident, P.event("pong"))
+        elif isinstance(req, P.Status):
+            self._reply(ident, P.event("status", node=self._node_info(), telemetry=self._snapshot()))
+        elif isinstance(req, P.Cancel):
+            ev = self.sched.cancel((ident, req.id))
+            if ev is None:
+                self._reply(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))
+            else:
+                self._send([ev])
+        else:
+            self._submit(ident, req)
+
+    def _submit(self, ident: bytes, req: P.Submit) -> None:
+        prompt = req.tokens if req.tokens is not None else self.tok.encode(req.text)
+        s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
+                    req.ignore_eos, req.recipe)
+        if self.link.state == FAILED:
+            d_reason, d_detail = R.REJECTED_ENGINE_UNAVAILABLE, f"engine unavailable: {self.link.last_error}"
+        else:
+            d = self.sched.submit(s)
+            d_reason, d_detail = d.reason, d.detail
+        if d_reason in (R.ADMITTED, R.QUEUED):
+            self.streams[s.key] = TextStream(self.tok)
+            self._reply(ident, P.admitted(req.id, d_reason))
+        else:
+            self.telemetry.count_reject(d_reason)
+            self._reply(ident, P.rejected(req.id, d_reason, d_detail))
+
+    def _send(self, events: list[Event]) -> None:
+        for ev in events:
+            ident, sid = ev.session.key
+            if ev.kind == "tokens":
+                stream = self.streams.get(ev.session.key)
+                text = stream.feed(ev.tokens) if stream else ""
+                self._reply(ident, P.event("tokens", id=sid, tokens=ev.tokens, text=text))
+            else:
+                self.streams.pop(ev.session.key, None)
+                s = ev.session
+                self._reply(ident, P.event("done", id=sid, reason=ev.reason, tokens=s.generated,
+                                           text=self.tok.decode(s.generated), usage=s.usage()))
+
+    def _reply(self, ident: bytes, frames: list[bytes]) -> None:
+        """Send to one client; a vanished or stalled client loses its sessions, nobody else does."""
+        try:
+            self.router.send_multipart([ident, *frames], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as e:
+            mine = [k for k in self.sched.live if k[0] == ident]
+            if mine:
+                log.warning("client %s unreachable (%s): cancelling its %d session(s)", ident.hex(), e, len(mine))
+                self.telemetry.client_faults_total += 1
+            for k in mine:
+                self.sched.cancel(k)
+                self.streams.pop(k, None)
+
+    # -- engine -------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        plan = self.sched.plan()
+        if plan is None:
+            return
+        seqs, off, buf = [], 0, self.arena.input
+        for c in plan.chunks:
+            n = len(c.tokens)
+            buf[off:off + n] = c.tokens
+            entry = [c.seq_id, c.pos, off, n, c.draw]
+            seqs.append(entry + c.sampling.as_list() if c.sampling is not None else entry)
+            off += n
+        self._plan = plan
+        self.link.send_tick(plan.release, seqs)
+
+    def _on_engine(self, msg: dict | None) -> None:
+        if msg is None:
+            return
+        if not msg.get("ok"):
+            if msg.get("fatal"):
+                self._engine_died(f"engine reported a fatal error: {msg.get('detail')}")
+            else:
+                log.error("engine refused a plan: %s", msg.get("detail"))
+                self._send(self.sched.fail_inflight(R.ENGINE_ERROR))
+            return
+        out = self.arena.output
+        res = StepResult({c.seq_id: int(out[k]) for k, c in enumerate(self._plan.chunks) if c.draw >= 0},
+                         list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
+        e = self.telemetry.engine
+        e.update(rss_bytes=int(msg.get("rss", 0)), last_tick_ms=round(res.step_ms, 3), kv_cells=res.kv_cells,
+                 healthy=True)
+        avail, total = msg.get("mem", [0, 0])
+        self.telemetry.set_memory(avail, total)
+        self._send(self.sched.apply(res))
+
+    def _engine_died(self, why: str) -> None:
+        self.link.died(why)
+        self.sched.engine_restarted()
+        if self.link.state == FAILED:
+            self.telemetry.engine["healthy"] = False
+            self._send(self.sched.end_all(R.ENGINE_ERROR))
+
+    # -- reporting ------------------------------------------------------------------------
+    def _snapshot(self) -> dict:
+        snap = self.telemetry.snapshot()
+        snap["engine"]["pid"] = self.link.pid
+        snap["front_rss_bytes"] = rss()
+        snap["healthy"] = self.link.state != FAILED
+        return snap
+
+    def _node_info(self) -> dict:
+        return {"version": __version__, "recipe": self.recipe, "model": self.cfg.model,
+                "budgets": self.budget.as_dict(), "engine_pid": self.link.pid, "listen": self.listen,
+                "telemetry": self.telemetry_ep, "healthy": self.link.state != FAILED,
+                "engine_state": self.link.state, "engine_error": self.link.last_error}
+
+    def _status_line(self) -> str:
+        t = self.telemetry.snapshot()
+        return (f"active={t['active_sessions']} queued={t['queue_depth']} kv={t['kv_pressure']:.0%} "
+                f"decode={t['decode_tokens_per_s']:.0f} tok/s restarts={t['engine']['restarts']}"
+                f"{' UNHEALTHY' if self.link.state == FAILED else ''}")
+
+    # -- shutdown -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if getattr(self, "sched", None) is not None and self.sched.live:
+            self._send(self.sched.end_all(R.DRAINED))
+        if getattr(self, "link", None) is not None:
+            self.link.stop()
+        for name in ("router", "pub"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(0)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+        for a in self._auth:
+            a.stop()
+        if getattr(self, "arena", None) is not None:
+            self.arena.close()
+        if getattr(self, "zctx", None) is not None:
+            self.zctx.term()
+        for lock in self._locks:
+            lock.release()
+        if getattr(self, "tok", None) is not None:
+            self.tok.close()
+        self.notifier.close()
+
+
+def serve(cfg: NodeConfig) -> int:
+    front = Front(cfg)
+    try:
+        front.initialize()
+        front.loop()
+    finally:
+        front.shutdown()
+    return 0

@@ -1,0 +1,224 @@
+"""The continuous-batching scheduler: pure Python, no sockets, no llama.cpp.
+
+Policy (fixed):
+1. Queued sessions start FIFO while a slot, their KV reservation and their
+   scratch fit; the head of the queue is never overtaken.
+2. Decode first: every running session with exactly one token pending (it is
+   generating) gets a row, up to `max_batch_size` sequences; when more wait,
+   the ones scheduled longest ago go first, so none starves.
+3. Then prefill: sessions with more than one token pending, oldest first, get
+   prompt chunks into the sequence slots left, up to
+   `max_prefill_tokens_per_tick` tokens in all (at least 1, so a huge prompt
+   still progresses). A long prompt spans ticks: prefill never stalls decode.
+A chunk that reaches the end of a session's tokens samples the next one.
+
+`plan()` then `apply(result)` is one tick. After an engine restart,
+`engine_restarted()` marks every running session's KV as gone; the same
+chunked prefill rebuilds prompt + generated tokens, and the counter-based
+sampler makes the continuation identical.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ipc import reasons as R
+from meshnode.admission import Admission, AdmissionDecision
+from meshnode.budget import NodeBudget
+from meshnode.engine.plan import Plan, SeqChunk, StepResult
+from meshnode.session import DONE, QUEUED, RUNNING, Session
+
+
+@dataclass
+class Event:
+    kind: str  # "tokens" or "done"
+    session: Session
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+
+
+@dataclass
+class Counters:
+    ticks: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    occupancy_last: int = 0
+    occupancy_max: int = 0
+    occupancy_sum: int = 0
+
+
+class Scheduler:
+    def __init__(self, budget: NodeBudget, eos: int, recipe: str | None = None, clock=time.monotonic):
+        self.budget, self.eos, self.clock = budget, eos, clock
+        self.admission = Admission(budget, recipe)
+        self.waiting: deque[Session] = deque()
+        self.running: list[Session] = []
+        self.live: dict = {}
+        self.free_seqs = list(range(budget.n_seq_max))
+        self.to_release: list[int] = []
+        self.counters = Counters()
+        self.draining = False
+        self.mem_available: int | None = None
+        self._inflight: list[tuple[Session, SeqChunk]] | None = None
+        self._lock = threading.RLock()
+
+    # -- requests (thread-safe) -------------------------------------------------
+    def submit(self, s: Session) -> AdmissionDecision:
+        with self._lock:
+            d = self.admission.check(s, live=s.key in self.live, queue_len=len(self.waiting),
+                                     draining=self.draining, mem_available=self.mem_available)
+            if not d.accepted:
+                return d
+            s.t_submit = self.clock()
+            self.live[s.key] = s
+            if d.reason == R.ADMITTED:
+                self._start(s)
+            else:
+                s.state = QUEUED
+                self.waiting.append(s)
+            return d
+
+    def cancel(self, key) -> Event | None:
+        """End a live session now; its reservation frees and its sequence is released next plan."""
+        with self._lock:
+            s = self.live.get(key)
+            return self._end(s, R.CANCELLED) if s else None
+
+    def end_all(self, reason: str) -> list[Event]:
+        """End every live session (drain deadline, unrecoverable engine): each gets its done."""
+        with self._lock:
+            return [self._end(s, reason) for s in list(self.live.values())]
+
+    # -- one tick -----------------------------------------------------------------
+    def plan(self) -> Plan | None:
+        """The next tick's work, or None when there is nothing to do."""
+        with self._lock:
+            self._promote()
+            b = self.budget
+            decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
+            chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
+            room, slots = b.max_prefill_tokens_per_tick, b.max_batch_size - len(chunks)
+            for s in self.running:
+                if room <= 0 or slots <= 0:
+                    break
+                if s.pending > 1:
+                    n = min(s.pending, room)
+                    chunks.append(self._chunk(s, n))
+                    room, slots = room - n, slots - 1
+                    self.counters.prefill_tokens += n
+            release, self.to_release = self.to_release, []
+            if not chunks and not release:
+                return None
+            self._inflight = chunks
+            if chunks:  # a release-only plan is housekeeping, not a tick of work
+                c = self.counters
+                c.ticks += 1
+                c.occupancy_last = len(chunks)
+                c.occupancy_max = max(c.occupancy_max, len(chunks))
+                c.occupancy_sum += len(chunks)
+            return Plan([ch for _, ch in chunks], release)
+
+    def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
+        s.last_tick = self.counters.ticks
+        toks = np.asarray(s.tokens[s.n_cached:s.n_cached + n], dtype=np.int32)
+        end = s.n_cached + n == len(s.tokens)
+        return s, SeqChunk(s.seq_id, s.n_cached, toks, draw=s.n_generated if end else -1,
+                           sampling=s.sampling if s.n_cached == 0 else None)
+
+    def apply(self, result: StepResult) -> list[Event]:
+        """Turn the engine's result for the last plan into per-session events."""
+        with self._lock:
+            events: list[Event] = []
+            inflight, self._inflight = self._inflight or [], None
+            missed = set(result.cache_miss)
+            for s, c in inflight:
+                if s.state != RUNNING or s.seq_id != c.seq_id:
+                    continue  # cancelled or restarted while the tick ran: its result is stale
+                if c.seq_id in missed:
+                    s.n_cached = 0
+                    events.append(self._end(s, R.CACHE_MISS, released=True))
+                    continue
+                s.n_cached = c.pos + len(c.tokens)
+                if c.draw < 0:
+                    continue
+                tok = result.tokens[c.seq_id]
+                s.tokens.append(tok)
+                self.counters.decode_tokens += 1
+                if s.n_generated == 1 and not s.t_first:
+                    s.t_first = self.clock()
+                events.append(Event("tokens", s, [tok]))
+                reason = self._finish_reason(s, tok)
+                if reason:
+                    events.append(self._end(s, reason))
+            return events
+
+    def _finish_reason(self, s: Session, tok: int) -> str | None:
+        if tok == self.eos and not s.ignore_eos:
+            return R.EOS
+        if tok in s.stop_tokens:
+            return R.STOP
+        if s.n_generated >= s.max_tokens:
+            return R.LENGTH
+        return None
+
+    def fail_inflight(self, reason: str) -> list[Event]:
+        """End the sessions of the last plan (the engine refused it); the others go on."""
+        with self._lock:
+            inflight, self._inflight = self._inflight or [], None
+            return [self._end(s, reason) for s, c in inflight if s.state == RUNNING and s.seq_id == c.seq_id]
+
+    def engine_restarted(self) -> None:
+        """The engine's KV is gone: rebuild every running session by re-prefilling it."""
+        with self._lock:
+            self._inflight = None
+            self.to_release = []
+            for s in self.running:
+                s.n_cached = 0
+
+    # -- internals -----------------------------------------------------------------
+    def _start(self, s: Session) -> None:
+        self.admission.reserve(s)
+        s.seq_id = self.free_seqs.pop(0)
+        s.state, s.t_start = RUNNING, self.clock()
+        self.running.append(s)
+
+    def _promote(self) -> None:
+        while self.waiting and self.admission.can_start(self.waiting[0]) and self.free_seqs:
+            self._start(self.waiting.popleft())
+
+    def _end(self, s: Session, reason: str, released: bool = False) -> Event:
+        if s.state == RUNNING:
+            self.admission.release(s)
+            self.running.remove(s)
+            if not released:
+                self.to_release.append(s.seq_id)
+            self.free_seqs.append(s.seq_id)
+        elif s.state == QUEUED:
+            self.waiting.remove(s)
+        s.state, s.reason, s.t_done = DONE, reason, self.clock()
+        self.live.pop(s.key, None)
+        return Event("done", s, s.generated, reason)
+
+    # -- in-process driving --------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return not self.live and not self.to_release
+
+    def run_tick(self, engine) -> list[Event]:
+        plan = self.plan()
+        return self.apply(engine.step(plan)) if plan else []
+
+    def run_to_completion(self, engine, max_ticks: int = 100_000) -> list[Event]:
+        """Tick until every session ends; bounded, so a misconfiguration cannot loop forever."""
+        events: list[Event] = []
+        for _ in range(max_ticks):
+            if self.idle:
+                return events
+            events += self.run_tick(engine)
+        if not self.idle:
+            raise RuntimeError(f"sessions still live after {max_ticks} ticks")
+        return events

@@ -1,0 +1,60 @@
+"""A generation session: the request, and how far it has got."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from meshnode.engine.plan import GREEDY, Sampling
+
+NEW, QUEUED, RUNNING, DONE = "NEW", "QUEUED", "RUNNING", "DONE"
+
+
+@dataclass(eq=False)
+class Session:
+    key: Hashable  # unique among live sessions; the front uses (client identity, id)
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = GREEDY
+    stop_tokens: frozenset = frozenset()
+    ignore_eos: bool = False
+    recipe: str | None = None
+    # progress: `tokens` is prompt + generated; the KV holds tokens[:n_cached]
+    tokens: list[int] = field(default_factory=list)
+    n_cached: int = 0
+    seq_id: int = -1
+    state: str = NEW
+    reason: str | None = None
+    last_tick: int = -1
+    t_submit: float = 0.0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+
+    def __post_init__(self):
+        self.prompt = list(self.prompt)
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to feed before the next sample: 1 when decoding, more in prefill."""
+        return len(self.tokens) - self.n_cached
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV cells reserved for the whole session, so it never runs out mid-generation."""
+        return len(self.prompt) + self.max_tokens
+
+    def usage(self) -> dict:
+        ms = lambda a, b: round(max(0.0, (a - b) * 1e3), 3) if a else 0.0  # noqa: E731
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": self.n_generated,
+                "queue_ms": ms(self.t_start, self.t_submit), "ttft_ms": ms(self.t_first, self.t_submit),
+                "total_ms": ms(self.t_done, self.t_submit)}

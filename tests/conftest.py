@@ -1,0 +1,25 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny demo GGUF (10 MB, f32), written once per test run; never downloaded."""
+    from meshnode.demo_model import make_model
+
+    return str(make_model(tmp_path_factory.mktemp("models") / "tiny.gguf", "tiny", 0))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory, tiny_model):
+    """A model cache for nodes started without --model, pre-filled with the tiny model."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("cache")
+    shutil.copy(tiny_model, d / "demo-tiny-seed0.gguf")
+    return str(d)

@@ -1,0 +1,200 @@
+"""Admission, budgets and the continuous-batching scheduler, driven by a fake engine."""
+import pytest
+
+from ipc import reasons as R
+from meshnode.budget import ConfigError, NodeBudget
+from meshnode.engine.fake import FakeEngine
+from meshnode.scheduler import Scheduler
+from meshnode.session import Session
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def node(max_active=2, max_queue=2, prefill=8, engine=None, **kw):
+    e = engine or FakeEngine(n_seq_max=8, n_ctx=4096)
+    b = NodeBudget.from_engine(e, max_active=max_active, max_queue=max_queue, max_prefill_tokens_per_tick=prefill,
+                               **kw)
+    return e, Scheduler(b, e.eos, recipe=e.recipe_fingerprint)
+
+
+def sess(key, n_prompt=4, max_tokens=5, **kw):
+    return Session(key, [3 + i % 400 for i in range(n_prompt)], max_tokens, **kw)
+
+
+def done_reasons(events):
+    return {e.session.key: e.reason for e in events if e.kind == "done"}
+
+
+def test_fill_slots_then_queue_then_reject_then_recover():
+    e, s = node(max_active=2, max_queue=2)
+    got = [s.submit(sess(i)).reason for i in range(5)]
+    assert got == [R.ADMITTED, R.ADMITTED, R.QUEUED, R.QUEUED, R.REJECTED_QUEUE_FULL]
+    assert len(s.running) == 2 and len(s.waiting) == 2
+    ends = done_reasons(s.run_to_completion(e, 200))
+    assert ends == {0: R.LENGTH, 1: R.LENGTH, 2: R.LENGTH, 3: R.LENGTH}
+    assert s.submit(sess(9)).reason == R.ADMITTED  # recovered
+    s.run_to_completion(e, 200)
+    assert s.admission.kv_reserved_bytes == 0 and s.admission.scratch_reserved_bytes == 0
+
+
+def test_permanent_misfits_are_rejected_with_their_own_reason():
+    e, s = node(kv_budget_bytes=1024 * 400, scratch_envelope_bytes=8 * 512 + 8 * 300, max_active=1)
+    assert s.submit(sess("kv", n_prompt=390, max_tokens=20)).reason == R.REJECTED_KV_BUDGET
+    assert s.submit(sess("ctx", n_prompt=4000, max_tokens=200)).reason == R.REJECTED_CONTEXT_TOO_LONG
+    assert s.submit(sess("scratch", n_prompt=300, max_tokens=20)).reason == R.REJECTED_SCRATCH_BUDGET
+    assert s.submit(sess("ok", n_prompt=10, max_tokens=10)).reason == R.ADMITTED
+    assert s.submit(sess("ok")).reason == R.REJECTED_DUPLICATE
+    assert s.submit(sess("r", recipe="other")).reason == R.REJECTED_RECIPE_MISMATCH
+    assert s.submit(Session("empty", [], 3)).reason == R.REJECTED_BAD_REQUEST
+    _, low = node(memory_floor_bytes=1 << 20)
+    low.mem_available = 10  # as the engine's psutil report would set it
+    assert low.submit(sess("mem")).reason == R.REJECTED_MEMORY_PRESSURE
+    s.draining = True
+    assert s.submit(sess("late")).reason == R.REJECTED_DRAINING
+
+
+def test_budget_reports_weights_and_refuses_what_cannot_work():
+    e = FakeEngine(weight_bytes=5000)
+    b = NodeBudget.from_engine(e)
+    assert b.weight_bytes == 5000 and b.as_dict()["effective_active_cap"] == 8
+    with pytest.raises(ConfigError, match="weight"):
+        NodeBudget.from_engine(e, weight_budget_bytes=4000)
+    with pytest.raises(ConfigError, match="below one token"):
+        NodeBudget.from_engine(e, kv_budget_bytes=10)
+    with pytest.raises(ConfigError, match="max_active"):
+        NodeBudget.from_engine(e, max_active=0)
+    with pytest.raises(ConfigError, match="max_prefill_tokens_per_tick"):
+        NodeBudget.from_engine(e, max_prefill_tokens_per_tick=-3)
+    assert NodeBudget.from_engine(e, scratch_envelope_bytes=3 * 4096).effective_active_cap == 3
+
+
+def test_kv_reservation_limits_concurrency_and_returns_to_zero():
+    e, s = node(max_active=8, max_queue=8, kv_budget_bytes=1024 * 30)
+    reasons = [s.submit(sess(i, n_prompt=5, max_tokens=5)).reason for i in range(4)]
+    assert reasons == [R.ADMITTED, R.ADMITTED, R.ADMITTED, R.QUEUED]  # 3 x 10 tokens fill 30
+    assert s.admission.kv_reserved_bytes == 30 * 1024
+    s.run_to_completion(e, 100)
+    assert s.admission.kv_reserved_bytes == 0
+
+
+def test_cancel_frees_the_reservation_and_releases_the_sequence_next_plan():
+    e, s = node()
+    s.submit(sess("a", max_tokens=50))
+    s.run_tick(e)
+    seq = s.live["a"].seq_id
+    ev = s.cancel("a")
+    assert ev.reason == R.CANCELLED and s.admission.kv_reserved_bytes == 0
+    assert s.plan().release == [seq]
+    assert s.cancel("a") is None
+
+
+def test_decode_first_and_prefill_bound():
+    e, s = node(max_active=5, max_queue=0, prefill=8)
+    s.submit(sess("live", n_prompt=2, max_tokens=40))
+    s.run_tick(e)  # prompt in; now decoding
+    for i in range(4):
+        assert s.submit(sess(f"burst{i}", n_prompt=30, max_tokens=3)).reason == R.ADMITTED
+    plan = s.plan()
+    assert plan.chunks[0].seq_id == s.live["live"].seq_id and len(plan.chunks[0].tokens) == 1  # decode first
+    s.apply(e.step(plan))
+    decoded_every_tick = True
+    while any(x.pending > 1 for x in s.running):
+        before = s.counters.prefill_tokens
+        plan = s.plan()
+        assert 0 < s.counters.prefill_tokens - before <= 8
+        decoded_every_tick &= any(c.seq_id == s.live["live"].seq_id for c in plan.chunks)
+        s.apply(e.step(plan))
+    assert decoded_every_tick
+
+
+def test_huge_prompt_progresses_with_a_one_token_budget():
+    e, s = node(prefill=1)
+    s.submit(sess("big", n_prompt=50, max_tokens=2))
+    ends = done_reasons(s.run_to_completion(e, 60))
+    assert ends == {"big": R.LENGTH}
+
+
+def test_batched_decode_matches_serialized_and_occupancy_reaches_four():
+    lengths = [1, 3, 7, 12]
+    e, s = node(max_active=4, max_queue=0)
+    for i, n in enumerate(lengths):
+        s.submit(Session(i, [3 + (i * 13 + k) % 400 for k in range(n)], 12))
+    batched = {ev.session.key: ev.tokens for ev in s.run_to_completion(e, 100) if ev.kind == "done"}
+    assert s.counters.occupancy_max == 4
+    for i, n in enumerate(lengths):
+        e2, s2 = node(max_active=1)
+        s2.submit(Session(i, [3 + (i * 13 + k) % 400 for k in range(n)], 12))
+        alone = [ev.tokens for ev in s2.run_to_completion(e2, 100) if ev.kind == "done"][0]
+        assert batched[i] == alone
+    assert len({tuple(t) for t in batched.values()}) == 4  # divergent sessions
+
+
+def test_endings_eos_stop_and_ignore_eos():
+    e = FakeEngine(n_seq_max=4)
+    _, s = node(engine=e, max_active=4)
+    s.submit(sess("stop", max_tokens=30))
+    s.run_tick(e)
+    first = s.live["stop"].generated[0]
+    e2, s2 = node(engine=FakeEngine(n_seq_max=4, eos=first), max_active=4)
+    s2.submit(sess("eos", max_tokens=30))
+    s2.submit(sess("ign", max_tokens=3, ignore_eos=True))
+    e3, s3 = node(max_active=4)
+    s3.submit(sess("stop", max_tokens=30, stop_tokens=frozenset({first})))
+    assert done_reasons(s2.run_to_completion(e2, 50)) == {"eos": R.EOS, "ign": R.LENGTH}
+    assert done_reasons(s3.run_to_completion(e3, 50)) == {"stop": R.STOP}
+
+
+def test_engine_restart_reprefills_with_identical_tokens():
+    e, s = node(max_active=3)
+    for i in range(3):
+        s.submit(sess(i, n_prompt=5 + i, max_tokens=12))
+    want = {ev.session.key: ev.tokens for ev in s.run_to_completion(e, 100) if ev.kind == "done"}
+    e, s = node(max_active=3)
+    for i in range(3):
+        s.submit(sess(i, n_prompt=5 + i, max_tokens=12))
+    for _ in range(6):
+        s.run_tick(e)
+    s.plan()  # a tick in flight when the engine dies
+    e = FakeEngine(n_seq_max=8, n_ctx=4096)  # the restarted engine: empty KV
+    s.engine_restarted()
+    got = {ev.session.key: ev.tokens for ev in s.run_to_completion(e, 100) if ev.kind == "done"}
+    assert got == want
+
+
+def test_cache_miss_ends_the_session_and_frees_kv():
+    e, s = node()
+    s.submit(sess("a", max_tokens=10))
+    plan = s.plan()
+    res = e.step(plan)
+    res.cache_miss, res.tokens = [plan.chunks[0].seq_id], {}
+    assert done_reasons(s.apply(res)) == {"a": R.CACHE_MISS}
+    assert s.admission.kv_reserved_bytes == 0 and s.plan() is None
+
+
+def test_usage_times_come_from_the_clock():
+    clock = Clock()
+    e = FakeEngine()
+    s = Scheduler(NodeBudget.from_engine(e, max_active=1), e.eos, clock=clock)
+    s.submit(sess("a", max_tokens=2))
+    s.submit(sess("b", max_tokens=2))
+    clock.t += 1.0
+    evs = []
+    while not s.idle:
+        clock.t += 0.5
+        evs += s.run_tick(e)
+    usage = {ev.session.key: ev.session.usage() for ev in evs if ev.kind == "done"}
+    assert usage["a"]["queue_ms"] == 0 and usage["a"]["ttft_ms"] == 1500.0
+    assert usage["b"]["queue_ms"] > 0 and usage["b"]["completion_tokens"] == 2
+
+
+def test_run_to_completion_is_bounded():
+    e, s = node()
+    s.submit(sess("long", max_tokens=1000))
+    with pytest.raises(RuntimeError, match="still live"):
+        s.run_to_completion(e, max_ticks=5)

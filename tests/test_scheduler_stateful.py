@@ -1,0 +1,83 @@
+"""Hypothesis drives submit / tick / cancel / engine failure against the invariants."""
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from ipc import reasons as R
+from meshnode.budget import NodeBudget
+from meshnode.engine.fake import FakeEngine
+from meshnode.scheduler import Scheduler
+from meshnode.session import Session
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.engine = FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256)
+        self.budget = NodeBudget.from_engine(self.engine, max_active=3, max_queue=3, max_batch_size=3,
+                                             max_prefill_tokens_per_tick=7, kv_budget_bytes=1024 * 300)
+        self.sched = Scheduler(self.budget, self.engine.eos)
+        self.n = 0
+        self.submitted = self.accepted = self.rejected = 0
+        self.ends: dict = {}  # key -> number of done events
+
+    def _record(self, events):
+        for ev in events:
+            if ev.kind == "done":
+                self.ends[ev.session.key] = self.ends.get(ev.session.key, 0) + 1
+
+    @rule(n_prompt=st.integers(0, 120), max_tokens=st.integers(0, 60), stop=st.sets(st.integers(3, 511), max_size=3))
+    def submit(self, n_prompt, max_tokens, stop):
+        self.n += 1
+        s = Session(self.n, [3 + (self.n * 7 + i) % 500 for i in range(n_prompt)], max_tokens,
+                    stop_tokens=frozenset(stop))
+        d = self.sched.submit(s)
+        self.submitted += 1
+        if d.accepted:
+            self.accepted += 1
+            self.ends.setdefault(s.key, 0)
+        else:
+            self.rejected += 1
+            assert d.reason in R.REJECTIONS
+
+    @rule()
+    def tick(self):
+        before = self.sched.counters.prefill_tokens
+        plan = self.sched.plan()
+        if plan is None:
+            return
+        assert len(plan.chunks) <= self.budget.max_batch_size
+        assert self.sched.counters.prefill_tokens - before <= self.budget.max_prefill_tokens_per_tick
+        self._record(self.sched.apply(self.engine.step(plan)))
+
+    @rule(k=st.integers(1, 40))
+    def cancel(self, k):
+        ev = self.sched.cancel(k)
+        if ev is not None:
+            self._record([ev])
+
+    @rule()
+    def engine_fails(self):
+        """A tick goes out and the engine dies with it: a fresh engine, every session re-prefilled."""
+        self.sched.plan()
+        self.engine = FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256)
+        self.sched.engine_restarted()
+
+    @invariant()
+    def bounds_hold(self):
+        s, b = self.sched, self.budget
+        assert len(s.waiting) <= b.max_queue
+        assert len(s.running) <= b.effective_active_cap
+        assert 0 <= s.admission.kv_reserved_bytes <= b.kv_budget_bytes
+        assert 0 <= s.admission.scratch_reserved_bytes <= b.scratch_envelope_bytes
+        assert self.accepted + self.rejected == self.submitted
+        assert all(n <= 1 for n in self.ends.values())  # never two dones
+
+    def teardown(self):
+        self._record(self.sched.run_to_completion(self.engine, 5000))
+        assert all(n == 1 for n in self.ends.values()), "a session ended without exactly one done"
+        assert len(self.ends) == self.accepted
+        assert self.sched.admission.kv_reserved_bytes == 0 and not self.sched.live
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,0 +1,85 @@
+"""Telemetry snapshot keys, deterministic rates, and the Prometheus exposition."""
+import json
+import re
+
+from meshnode.budget import NodeBudget
+from meshnode.engine.fake import FakeEngine
+from meshnode.scheduler import Scheduler
+from meshnode.session import Session
+from meshnode.telemetry import Telemetry, to_prometheus
+
+# every key shared/protocol.md lists
+PROTOCOL_KEYS = """active_sessions queue_depth batch_occupancy_last batch_occupancy_avg batch_occupancy_max
+kv_bytes kv_budget_bytes kv_pressure scratch_bytes scratch_budget_bytes scratch_pressure weight_bytes
+prefill_tokens_total decode_tokens_total prefill_tokens_per_s decode_tokens_per_s ticks_total rejected_total
+rejected_by_reason bad_frames_total engine memory uptime_s draining""".split()
+
+
+class Clock:
+    t = 50.0
+
+    def __call__(self):
+        return self.t
+
+
+def setup():
+    clock = Clock()
+    e = FakeEngine()
+    s = Scheduler(NodeBudget.from_engine(e, max_active=2, max_queue=1), e.eos, clock=clock)
+    return clock, e, s, Telemetry(s, clock=clock)
+
+
+def test_snapshot_has_every_protocol_key_and_is_json_safe():
+    clock, e, s, t = setup()
+    snap = t.snapshot()
+    assert set(PROTOCOL_KEYS) <= set(snap)
+    assert set(snap["engine"]) >= {"pid", "rss_bytes", "restarts", "last_tick_ms"}
+    assert set(snap["memory"]) >= {"available_bytes", "total_bytes", "pressure"}
+    assert json.loads(json.dumps(snap)) == snap
+
+
+def test_rates_are_deterministic_under_an_injected_clock():
+    clock, e, s, t = setup()
+    t.snapshot()
+    s.submit(Session("a", [3] * 10, 4))
+    for _ in range(5):
+        s.run_tick(e)
+    clock.t += 2.0
+    snap = t.snapshot()
+    assert snap["prefill_tokens_total"] == 10 and snap["decode_tokens_total"] == 4
+    assert snap["prefill_tokens_per_s"] == 5.0 and snap["decode_tokens_per_s"] == 2.0
+    assert snap["uptime_s"] == 2.0 and snap["ticks_total"] == 4
+
+
+def test_rejects_and_occupancy_are_counted():
+    clock, e, s, t = setup()
+    for i in range(4):
+        d = s.submit(Session(i, [3, 4], 3))
+        if not d.accepted:
+            t.count_reject(d.reason)
+    t.count_bad_frame()
+    s.run_tick(e)
+    snap = t.snapshot()
+    assert snap["rejected_total"] == 1 and snap["rejected_by_reason"]["REJECTED_QUEUE_FULL"] == 1
+    assert snap["bad_frames_total"] == 1 and snap["batch_occupancy_max"] == 2
+    assert snap["kv_bytes"] == 2 * 5 * e.kv_bytes_per_token and 0 < snap["kv_pressure"] < 1
+
+
+def test_prometheus_exposition_parses():
+    clock, e, s, t = setup()
+    t.count_reject("REJECTED_QUEUE_FULL")
+    text = to_prometheus(t.snapshot())
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"# (HELP|TYPE) meshnode_\w+ .+", line)
+            continue
+        m = re.match(r'^(meshnode_\w+)(\{reason="(\w+)"\})? (-?[0-9.e+-]+)$', line)
+        assert m, line
+        samples[(m.group(1), m.group(3))] = float(m.group(4))
+    for name in ("meshnode_requests_running", "meshnode_requests_waiting", "meshnode_kv_cache_usage_ratio",
+                 "meshnode_prompt_tokens_total", "meshnode_generation_tokens_total", "meshnode_batch_occupancy",
+                 "meshnode_engine_restarts_total"):
+        assert (name, None) in samples
+    assert samples[("meshnode_requests_rejected_total", "REJECTED_QUEUE_FULL")] == 1.0
+    assert "# TYPE meshnode_requests_rejected_total counter" in text
