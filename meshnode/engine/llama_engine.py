@@ -27,7 +27,8 @@ log = logging.getLogger("meshnode.llama")
 # ggml type -> (block size, bytes per block), for the KV types a user may pick
 _TYPE_SIZE = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18)}
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}
-_LEVELS = {2: logging.ERROR, 3: logging.WARNING, 4: logging.INFO, 5: logging.DEBUG}
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
 _LOG_CB = None  # ctypes keeps only a weak pointer: a collected callback crashes the process
 
 
@@ -57,6 +58,7 @@ class EngineConfig:
     n_threads: int = 0  # 0 = all cores
     type_k: str = "f16"
     type_v: str = "f16"
+    flash_attn: str = "auto"  # llama.cpp's flash attention computes in f16 on CPU: "off" for f32 numerics
 
     def validate(self) -> None:
         if not os.path.isfile(self.model_path):
@@ -65,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
         if self.n_ctx < 1 or self.n_batch < 1:
             raise ValueError("n_ctx and n_batch must be >= 1")
+        if self.flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
         for t in (self.type_k, self.type_v):
             if t not in KV_TYPES:
                 raise ValueError(f"unknown KV type {t!r}; choose one of {sorted(KV_TYPES)}")
@@ -89,6 +93,7 @@ class LlamaEngine:
         cp.n_threads = cp.n_threads_batch = threads
         cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
         cp.no_perf = True
+        cp.flash_attn_type = FLASH_ATTN[cfg.flash_attn]
         self._ctx = L.llama_init_from_model(self._model, cp)
         if not self._ctx:
             L.llama_model_free(self._model)
@@ -230,5 +235,6 @@ def _row_bytes(n: int, ggml_type: int) -> int:
 
 def _fingerprint(cfg: EngineConfig, llama_version: str) -> str:
     """Model identity plus every setting that changes numerics, never batch shape or threads."""
-    parts = [file_digest(cfg.model_path), llama_version, cfg.type_k, cfg.type_v, str(cfg.n_batch), "unified"]
+    parts = [file_digest(cfg.model_path), llama_version, cfg.type_k, cfg.type_v, cfg.flash_attn,
+             str(cfg.n_batch), "unified"]
     return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -56,8 +56,9 @@ class SeqChunk:
 
     `draw` >= 0 asks for a token to be sampled from the chunk's last row, using
     the session's `draw`-th random number (the index of the token generated);
-    -1 means no sample (a middle prompt chunk). `sampling` must accompany the
-    sequence's first chunk (pos 0); the engine remembers it until release.
+    -1 means no sample (a middle prompt chunk). `sampling` rides on the
+    sequence's first chunk (pos 0; None there means greedy); the engine
+    remembers it until the sequence is released.
     """
 
     seq_id: int
@@ -113,7 +114,7 @@ def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_c
             raise InvalidPlan(f"sequence {c.seq_id} tokens are not a 1-d integer array")
         if toks.min() < 0 or toks.max() >= n_vocab:
             raise InvalidPlan(f"sequence {c.seq_id} has a token id outside [0, {n_vocab})")
-        if c.draw >= 0 and c.sampling is None and (c.pos == 0 or c.seq_id not in samplers):
+        if c.draw >= 0 and c.sampling is None and c.pos > 0 and c.seq_id not in samplers:
             raise InvalidPlan(f"sequence {c.seq_id} asks for a sample but has no sampling parameters")
         if c.sampling is not None and c.sampling.temperature < 0:
             raise InvalidPlan(f"sequence {c.seq_id} has a negative temperature")
