@@ -25,7 +25,7 @@ MAX_LIST = 1 << 16  # tokens in one prompt, entries in one list
 MAX_TEXT_BYTES = 256 * 1024
 MAX_NEW_TOKENS = 1 << 20
 MAX_STOP_TOKENS = 64
-_UNPACK = dict(max_buffer_size=MAX_MESSAGE_BYTES, max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
+_UNPACK = dict(max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
                max_array_len=MAX_LIST, max_map_len=64, max_ext_len=0, strict_map_key=True, raw=False,
                use_list=True)
 
@@ -40,8 +40,10 @@ def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: bytes, **limits):
-    """msgpack with the link's limits; an ext type or oversize item raises ValueError."""
+def unpack(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, **limits):
+    """msgpack with the link's limits; an ext type or an oversize item raises ValueError."""
+    if len(data) > max_bytes:
+        raise ValueError(f"message of {len(data)} bytes exceeds max_bytes {max_bytes}")
     return msgpack.unpackb(data, **{**_UNPACK, **limits})
 
 
@@ -186,7 +188,7 @@ def decode_event(frames: list[bytes]) -> dict:
     """Client side: two frames -> the event map (trusted peer, but still bounded)."""
     if len(frames) != 2 or frames[0] != VERSION:
         raise ProtocolError(R.UNSUPPORTED_VERSION, "not an MN1 event")
-    msg = unpack(frames[1], max_buffer_size=64 * MAX_MESSAGE_BYTES)
+    msg = unpack(frames[1], max_bytes=64 * MAX_MESSAGE_BYTES)
     if not isinstance(msg, dict) or "event" not in msg:
         raise ProtocolError(R.BAD_REQUEST, "event is not a map with an 'event' key")
     return msg
@@ -204,7 +206,7 @@ def tick_message(t: int, release: list[int], seqs: list[list]) -> bytes:
 
 
 def engine_unpack(data: bytes) -> dict:
-    msg = unpack(data, max_buffer_size=16 * MAX_MESSAGE_BYTES)
+    msg = unpack(data, max_bytes=16 * MAX_MESSAGE_BYTES)
     if not isinstance(msg, dict):
         raise ValueError("engine link message is not a map")
     return msg

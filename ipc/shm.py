@@ -41,11 +41,7 @@ class TokenArena:
 
     @classmethod
     def attach(cls, name: str, n_input: int, n_output: int) -> "TokenArena":
-        shm = shared_memory.SharedMemory(name=name, create=False)
-        try:  # gh-82300: the attacher's tracker would unlink the creator's segment at exit
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
+        shm = _attach_untracked(name)
         if shm.size < 4 * (n_input + n_output):
             shm.close()
             raise ValueError(f"shared memory {name} is smaller than the arena it should hold")
@@ -63,6 +59,25 @@ class TokenArena:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _attach_untracked(name: str) -> shared_memory.SharedMemory:
+    """Attach without registering with a resource tracker (gh-82300).
+
+    3.13+ has track=False. Before that, registering is suppressed during the
+    attach: unregistering afterwards is not enough, because a spawned child
+    shares its parent's tracker and would remove the creator's registration.
+    """
+    try:
+        return shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]
+    except TypeError:
+        pass
+    register = resource_tracker.register
+    resource_tracker.register = lambda *a, **k: None  # type: ignore[assignment]
+    try:
+        return shared_memory.SharedMemory(name=name, create=False)
+    finally:
+        resource_tracker.register = register  # type: ignore[assignment]
 
 
 def clean_stale(shm_dir: str = "/dev/shm") -> list[str]:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 
 
@@ -36,6 +38,8 @@ def cmd_serve(a) -> int:
     keys = set(config.public_keys()) - {"model"}
     overrides = {k: getattr(a, k) for k in keys if hasattr(a, k)}
     overrides["model"] = a.model
+    if os.environ.get("MESHNODE_TEST_CONFIG"):  # test/drill-only settings; inert unless a test sets it
+        overrides.update(json.loads(os.environ["MESHNODE_TEST_CONFIG"]))
     try:
         cfg = config.load(a.config, overrides)
     except ValueError as e:

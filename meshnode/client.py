@@ -61,21 +61,24 @@ class Client:
             return None
         return P.decode_event(self.sock.recv_multipart())
 
-    def wait_for(self, pred, timeout_s: float | None = None) -> dict:
-        """The first event matching `pred`; others stay buffered, in order."""
+    def wait_for(self, pred, timeout_s: float | None = None, keep: bool = False) -> dict:
+        """The first event matching `pred`; others stay buffered, in order (that one too if `keep`)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         for i, ev in enumerate(self.buffer):
             if pred(ev):
-                del self.buffer[i]
+                if not keep:
+                    del self.buffer[i]
                 return ev
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
                 raise TimeoutError("no matching event from the node in time")
             ev = P.decode_event(self.sock.recv_multipart())
-            if pred(ev):
+            if pred(ev) and not keep:
                 return ev
             self.buffer.append(ev)
+            if pred(ev):
+                return ev
 
     def status(self) -> dict:
         self.send(P.Status())

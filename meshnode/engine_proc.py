@@ -18,7 +18,6 @@ import signal
 import sys
 import time
 
-import numpy as np
 import zmq
 
 from ipc import protocol as P
@@ -45,9 +44,7 @@ def build_engine(cfg: dict):
     if cfg.get("kind") == "fake":
         from meshnode.engine.fake import FakeEngine
 
-        fake = FakeEngine(**cfg.get("fake", {}))
-        fake.corrupt = set(cfg.get("corrupt_seqs", []))
-        return fake
+        return FakeEngine(**cfg.get("fake", {}))
     from meshnode.engine.llama_engine import EngineConfig, LlamaEngine
 
     return LlamaEngine(EngineConfig(**cfg["engine"]))
@@ -87,6 +84,8 @@ class EngineProcess:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop", True))
         logging.basicConfig(level=self.cfg.get("log_level", "WARNING"),
                             format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+        if self.cfg.get("log_level") != "DEBUG":  # llama.cpp's load chatter only when debugging
+            logging.getLogger("meshnode.llama").setLevel(logging.WARNING)
         if self.faults.get("die_at_start"):
             os._exit(3)
         self.ctx = zmq.Context()

@@ -11,6 +11,7 @@ exactly one `done`.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 
@@ -245,9 +246,7 @@ class Front:
         out = self.arena.output
         res = StepResult({c.seq_id: int(out[k]) for k, c in enumerate(self._plan.chunks) if c.draw >= 0},
                          list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
-        e = self.telemetry.engine
-        e.update(rss_bytes=int(msg.get("rss", 0)), last_tick_ms=round(res.step_ms, 3), kv_cells=res.kv_cells,
-                 healthy=True)
+        self.telemetry.record_tick(int(msg.get("rss", 0)), res.step_ms, res.kv_cells)
         avail, total = msg.get("mem", [0, 0])
         self.telemetry.set_memory(avail, total)
         self._send(self.sched.apply(res))
@@ -265,6 +264,7 @@ class Front:
         snap["engine"]["pid"] = self.link.pid
         snap["front_rss_bytes"] = rss()
         snap["healthy"] = self.link.state != FAILED
+        snap["model"], snap["recipe"] = os.path.basename(self.cfg.model), self.recipe
         return snap
 
     def _node_info(self) -> dict:

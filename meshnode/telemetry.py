@@ -22,8 +22,8 @@ class Telemetry:
         self.rejected = Counter()
         self.bad_frames_total = 0
         self.client_faults_total = 0  # sessions cancelled because their client vanished or stalled
-        self.engine = {"pid": 0, "rss_bytes": 0, "restarts": 0, "last_tick_ms": 0.0, "kv_cells": 0,
-                       "healthy": True}
+        self.engine = {"pid": 0, "rss_bytes": 0, "rss_peak_bytes": 0, "restarts": 0, "last_tick_ms": 0.0,
+                       "kv_cells": 0, "kv_cells_peak": 0, "healthy": True}
         self.memory = {"available_bytes": 0, "total_bytes": 0, "pressure": 0.0}
         self._samples: deque = deque()
 
@@ -32,6 +32,11 @@ class Telemetry:
 
     def count_bad_frame(self) -> None:
         self.bad_frames_total += 1
+
+    def record_tick(self, rss: int, step_ms: float, kv_cells: int) -> None:
+        e = self.engine
+        e.update(rss_bytes=rss, last_tick_ms=round(step_ms, 3), kv_cells=kv_cells, healthy=True,
+                 rss_peak_bytes=max(e["rss_peak_bytes"], rss), kv_cells_peak=max(e["kv_cells_peak"], kv_cells))
 
     def set_memory(self, available: int, total: int) -> None:
         pressure = 1.0 - available / total if total else 0.0
@@ -61,6 +66,7 @@ class Telemetry:
                 "max_batch_size": b.max_batch_size,
                 "kv_bytes": a.kv_reserved_bytes,
                 "kv_used_bytes": self.engine["kv_cells"] * b.kv_bytes_per_token,
+                "kv_used_peak_bytes": self.engine["kv_cells_peak"] * b.kv_bytes_per_token,
                 "kv_budget_bytes": b.kv_budget_bytes,
                 "kv_pressure": round(a.kv_reserved_bytes / b.kv_budget_bytes, 4),
                 "scratch_bytes": a.scratch_reserved_bytes,

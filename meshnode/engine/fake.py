@@ -18,14 +18,14 @@ from meshnode.engine.plan import FatalEngineError, Plan, StepResult, validate_pl
 class FakeEngine:
     def __init__(self, n_vocab: int = 512, n_seq_max: int = 8, n_ctx: int = 4096, n_batch: int = 512,
                  n_ctx_seq: int | None = None, eos: int = 2, kv_bytes_per_token: int = 1024,
-                 weight_bytes: int = 1 << 20, step_s: float = 0.0):
+                 weight_bytes: int = 1 << 20, step_s: float = 0.0, corrupt=()):
         self.n_vocab, self.n_seq_max, self.n_ctx, self.n_batch = n_vocab, n_seq_max, n_ctx, n_batch
         self.n_ctx_seq = n_ctx_seq or n_ctx
         self.eos, self.kv_bytes_per_token, self.weight_bytes = eos, kv_bytes_per_token, weight_bytes
         self.recipe_fingerprint = f"fake-{n_vocab}"
         self.step_s = step_s
         self.fail_next = False  # the next step raises a fatal error, as llama_decode rc < -1 would
-        self.corrupt: set[int] = set()  # sequence ids whose samples are deliberately wrong
+        self.corrupt: set[int] = set(corrupt)  # sequence ids whose samples are deliberately wrong
         self.plans: list[Plan] = []
         self._next_pos = [0] * n_seq_max
         self._hash = [0] * n_seq_max

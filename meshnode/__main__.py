@@ -1,0 +1,5 @@
+import sys
+
+from meshnode.cli import main
+
+sys.exit(main())

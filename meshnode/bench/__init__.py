@@ -1,0 +1,41 @@
+"""`meshnode bench ...`: benchmarks that print ratios measured side by side in one run.
+
+Speed targets are checked here, not in timed unit tests: the machines are
+shared and noisy, so only figures measured in the same run are compared.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "engine": "decode tok/s at batch 1/2/4/8 in-process vs llama-cpp-python's Llama.generate",
+    "overhead": "the full node vs the engine in-process with the same scheduler",
+    "peers": "16 jobs through the node at concurrency 8 vs Llama serving them one at a time",
+    "burst": "in-flight ITL and burst TTFT for each prefill chunk size",
+    "soak": "mixed load, random cancels and engine kills; nothing may be lost",
+}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
+    p.add_argument("--preset", default="bench", choices=["tiny", "bench"])
+    p.add_argument("--model", help="a GGUF instead of the preset")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
+    p.add_argument("--minutes", type=float, default=1.0, help="soak: how long")
+    p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
+    p.add_argument("--json", help="also write the figures as JSON here")
+
+
+def model_path(a) -> str:
+    if a.model:
+        return a.model
+    from meshnode.demo_model import cached_model
+
+    return str(cached_model(a.preset))
+
+
+def run(a) -> int:
+    mod = importlib.import_module(f"meshnode.bench.{a.which}")
+    return mod.main(a)

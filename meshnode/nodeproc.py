@@ -1,0 +1,73 @@
+"""Run a node as a child process (sweeps, benchmarks, tests): start, wait for ready, stop.
+
+Each node gets its own run dir, so several can run side by side, and `stop()`
+sends SIGTERM and waits, so the node drains and cleans up like in production.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from meshnode.client import Client
+
+
+class NodeProcess:
+    def __init__(self, model: str, *args: str, internal: dict | None = None, log_path: str | None = None,
+                 run_dir: str | None = None, env: dict | None = None):
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="meshnode-node-")
+        self.listen = f"ipc://{self.run_dir}/node.sock"
+        self.telemetry = f"ipc://{self.run_dir}/telemetry.sock"
+        self.args = [sys.executable, "-m", "meshnode", "serve", "--model", model, "--listen", self.listen,
+                     "--telemetry", self.telemetry, *args]
+        self.env = dict(os.environ, MESHNODE_RUN_DIR=self.run_dir, **(env or {}))
+        if internal:  # test/drill-only settings (fake engine, fault injection)
+            self.env["MESHNODE_TEST_CONFIG"] = json.dumps(internal)
+        self.log_path = log_path or os.path.join(self.run_dir, "node.log")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> "NodeProcess":
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        with Client(self.listen, timeout_s=1.0) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.log()}")
+                if c.ping(0.5):
+                    return self
+        self.stop()
+        raise RuntimeError(f"node not ready within {timeout_s} s:\n{self.log()}")
+
+    def client(self, timeout_s: float = 60.0) -> Client:
+        return Client(self.listen, timeout_s=timeout_s)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path) as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

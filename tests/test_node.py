@@ -1,0 +1,226 @@
+"""The deployable node: real front and engine processes on the tiny model, over ipc://."""
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from ipc import protocol as P
+from ipc import reasons as R
+from ipc.shm import leftover_segments
+from meshnode.engine.plan import Sampling
+from meshnode.nodeproc import NodeProcess
+from nodes import assert_clean, children_of, wait_until
+
+
+def prompt(n, salt=0):
+    return [3 + (i * 29 + salt * 7) % 500 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model):
+    before = leftover_segments()
+    n = NodeProcess(tiny_model, "--max-active", "4", "--max-queue", "8").start()
+    yield n
+    n.stop()
+    assert_clean(n, before)
+
+
+def test_submit_streams_tokens_then_done_with_usage(node):
+    with node.client() as c:
+        r = c.generate("a", tokens=prompt(5), max_tokens=6, ignore_eos=True)
+    assert r.admission == {"event": "admitted", "id": "a", "state": "RUNNING", "reason": "ADMITTED"}
+    d = r.done
+    assert d["reason"] == R.LENGTH and d["tokens"] == r.tokens and len(r.tokens) == 6
+    assert d["usage"]["prompt_tokens"] == 5 and d["usage"]["completion_tokens"] == 6
+    assert d["usage"]["total_ms"] >= d["usage"]["ttft_ms"] > 0 and isinstance(d["text"], str)
+
+
+def test_text_in_text_out(node):
+    with node.client() as c:
+        r = c.generate("t", text="hello mesh node", max_tokens=5, ignore_eos=True)
+        tok_events = []
+        c.submit("t2", text="hello mesh node", max_tokens=5, ignore_eos=True)
+        while True:
+            ev = c.recv()
+            if ev["event"] == "tokens":
+                tok_events.append(ev)
+            if ev["event"] == "done":
+                break
+    assert r.done["usage"]["prompt_tokens"] > 3 and len(r.done["text"]) > 0
+    assert "".join(e["text"] for e in tok_events) == ev["text"]  # streamed pieces add up to the final text
+
+
+def test_seeded_sampling_over_the_wire_is_reproducible(node):
+    s = Sampling(0.8, 50, 0.9, 42)
+    with node.client() as c:
+        a = c.generate("s1", tokens=prompt(6), max_tokens=8, sampling=s, ignore_eos=True)
+        b = c.generate("s2", tokens=prompt(6), max_tokens=8, sampling=s, ignore_eos=True)
+    assert a.tokens == b.tokens
+
+
+def test_cancel_and_unknown_cancel(node):
+    with node.client() as c:
+        c.submit("long", tokens=prompt(4), max_tokens=3000, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "tokens")
+        c.cancel("long")
+        done = c.wait_for(lambda e: e["event"] == "done")
+        assert done["reason"] == R.CANCELLED and done["id"] == "long"
+        c.cancel("long")
+        err = c.wait_for(lambda e: e["event"] == "error")
+        assert err["code"] == R.UNKNOWN_SESSION and err["id"] == "long"
+        assert wait_until(lambda: c.status()["telemetry"]["kv_bytes"] == 0)
+
+
+def test_duplicate_live_id_is_rejected(node):
+    with node.client() as c:
+        c.submit("dup", tokens=prompt(4), max_tokens=2000, ignore_eos=True)
+        c.submit("dup", tokens=prompt(4), max_tokens=5)
+        rej = c.wait_for(lambda e: e["event"] == "rejected")
+        assert rej["reason"] == R.REJECTED_DUPLICATE and rej["detail"]
+        c.cancel("dup")
+        c.wait_for(lambda e: e["event"] == "done")
+
+
+def test_rejections_for_sizes_and_recipe(node):
+    with node.client() as c:
+        c.submit("big", tokens=prompt(10), max_tokens=5000)
+        assert c.wait_for(lambda e: e["event"] == "rejected")["reason"] == R.REJECTED_CONTEXT_TOO_LONG
+        c.submit("rec", tokens=prompt(3), max_tokens=2, recipe="mn1-not-this-one")
+        assert c.wait_for(lambda e: e["event"] == "rejected")["reason"] == R.REJECTED_RECIPE_MISMATCH
+        recipe = c.status()["node"]["recipe"]
+        assert c.generate("rec2", tokens=prompt(3), max_tokens=2, recipe=recipe).done["reason"] == R.LENGTH
+
+
+def raw(node, frames):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(node.listen)
+    s.send_multipart(frames)
+    assert s.poll(5000), f"no answer to {frames!r}"
+    ev = P.decode_event(s.recv_multipart())
+    s.close()
+    return ev
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([b"MN0", msgpack.packb({"op": "ping"})], R.UNSUPPORTED_VERSION),
+    ([b"MN1"], R.BAD_REQUEST),
+    ([b"MN1", b"\xc1garbage"], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb([1, 2, 3])], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb({"op": "launch"})], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb({"op": "submit", "id": 7, "tokens": [1], "max_tokens": 2})], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb({"op": "submit", "id": "x", "tokens": [1], "max_tokens": "2"})], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb({"op": "submit", "id": "x", "tokens": [1, 99999], "max_tokens": 2})], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb({"op": "submit", "id": "x", "tokens": [1], "text": "a", "max_tokens": 2})], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb({"op": "submit", "id": "x" * 129, "tokens": [1], "max_tokens": 2})], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb({"op": "submit", "id": "x", "tokens": [1], "max_tokens": 2**40})], R.BAD_REQUEST),
+    ([b"MN1", msgpack.packb({"op": "submit", "id": "x", "text": "a" * 300_000, "max_tokens": 2})], R.TOO_LARGE),
+])
+def test_malformed_frames_get_structured_errors_and_are_counted(node, frames, code):
+    with node.client() as c:
+        before = c.status()["telemetry"]["bad_frames_total"]
+        ev = raw(node, frames)
+        assert ev["event"] == "error" and ev["code"] == code and ev["detail"]
+        assert c.status()["telemetry"]["bad_frames_total"] == before + 1
+        assert c.ping()
+
+
+def test_oversize_message_is_refused_and_counted_and_the_node_serves_on(node):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(node.listen)
+    s.send_multipart([b"MN1", b"\x00" * (P.MAX_MESSAGE_BYTES + 4096)])  # over MAXMSGSIZE: dropped by zmq
+    s.close()
+    with node.client() as c:
+        assert c.generate("after", tokens=prompt(3), max_tokens=2).done["reason"] == R.LENGTH
+
+
+def test_status_and_ping(node):
+    with node.client() as c:
+        assert c.ping()
+        st = c.status()
+    info = st["node"]
+    assert info["recipe"].startswith("mn1-") and info["engine_pid"] > 0 and info["version"]
+    assert info["budgets"]["max_queue"] == 8 and info["budgets"]["effective_active_cap"] == 4
+    assert "active_sessions" in st["telemetry"]
+
+
+def test_telemetry_pub_publishes_complete_snapshots(node):
+    from test_telemetry import PROTOCOL_KEYS
+
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"telemetry")
+    sub.connect(node.telemetry)
+    assert sub.poll(5000)
+    topic, body = sub.recv_multipart()
+    sub.close()
+    snap = P.unpack(body)
+    assert topic == b"telemetry" and set(PROTOCOL_KEYS) <= set(snap)
+
+
+def test_queue_full_with_one_slot_and_two_queued(tiny_model):
+    with NodeProcess(tiny_model, "--max-active", "1", "--max-queue", "2") as n, n.client() as c:
+        for i in range(4):
+            c.submit(f"q{i}", tokens=prompt(4, i), max_tokens=40, ignore_eos=True)
+        res = c.collect([f"q{i}" for i in range(4)])
+    assert [res[f"q{i}"].admission["reason"] for i in range(4)] == [R.ADMITTED, R.QUEUED, R.QUEUED,
+                                                                      R.REJECTED_QUEUE_FULL]
+    assert res["q1"].admission["state"] == "QUEUED" and res["q3"].done is None
+    assert all(res[f"q{i}"].done["reason"] == R.LENGTH for i in range(3))
+
+
+def test_engine_sigkill_mid_generation_loses_nothing(tiny_model):
+    before = leftover_segments()
+    jobs = {f"k{i}": dict(tokens=prompt(3 + 5 * i, i), max_tokens=400, ignore_eos=True,
+                          sampling=Sampling(0.7, 0, 1.0, i) if i % 2 else None) for i in range(4)}
+    with NodeProcess(tiny_model, "--max-active", "4") as n, n.client() as c:
+        for sid, kw in jobs.items():
+            c.submit(sid, **kw)
+        want = {sid: r.tokens for sid, r in c.collect(list(jobs)).items()}
+        for sid, kw in jobs.items():
+            c.submit(sid, **kw)
+        c.wait_for(lambda e: e["event"] == "tokens", keep=True)
+        pid = c.status()["node"]["engine_pid"]
+        os.kill(pid, signal.SIGKILL)
+        got = c.collect(list(jobs))
+        assert {sid: r.tokens for sid, r in got.items()} == want
+        assert all(r.done["reason"] == R.LENGTH for r in got.values())
+        st = c.status()
+        assert st["telemetry"]["engine"]["restarts"] == 1 and st["node"]["engine_pid"] not in (0, pid)
+        prompts = sum(len(kw["tokens"]) for kw in jobs.values())
+        assert st["telemetry"]["prefill_tokens_total"] > 2 * prompts  # the live sessions were re-prefilled
+        assert c.generate("after", tokens=prompt(4), max_tokens=3).done["reason"] == R.LENGTH
+    assert_clean(n, before)
+
+
+def test_vanished_client_sessions_are_cancelled_and_kv_freed(node):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(node.listen)
+    s.send_multipart(P.encode_request(P.Submit("gone", 100000 // 50, prompt(4), ignore_eos=True)))
+    assert s.poll(5000)
+    s.close()
+    ctx.term()
+    with node.client() as c:
+        t = wait_until(lambda: (lambda t: t if t["active_sessions"] == 0 else None)(c.status()["telemetry"]))
+        assert t["kv_bytes"] == 0 and t["client_faults_total"] >= 1
+        assert c.generate("other", tokens=prompt(3), max_tokens=2).done["reason"] == R.LENGTH
+
+
+def test_shutdown_leaves_no_process_segment_or_socket(tiny_model):
+    before = leftover_segments()
+    n = NodeProcess(tiny_model).start()
+    kids = children_of(n.proc.pid)
+    assert kids
+    assert n.stop() == 0
+    assert wait_until(lambda: all(not k.is_running() or k.status() == "zombie" for k in kids), 5)
+    time.sleep(0.1)
+    assert_clean(n, before)
