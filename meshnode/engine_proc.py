@@ -28,6 +28,7 @@ from meshnode.memory import host_memory, rss
 
 log = logging.getLogger("meshnode.engine")
 PR_SET_PDEATHSIG = 1
+MEMORY_EVERY_S = 0.25
 
 
 def _die_with_parent(parent: int) -> None:
@@ -77,6 +78,7 @@ class EngineProcess:
         self.faults = cfg.get("faults") or {}
         self.stop = False
         self.ticks = 0
+        self._mem, self._mem_at = {}, -MEMORY_EVERY_S
 
     def initialize(self) -> None:
         _die_with_parent(self.cfg["parent_pid"])
@@ -129,9 +131,16 @@ class EngineProcess:
         out = self.arena.output
         for k, c in enumerate(plan.chunks):
             out[k] = res.tokens.get(c.seq_id, -1)
-        avail, total = host_memory()
         return {"t": t, "ok": True, "miss": res.cache_miss, "ms": res.step_ms, "kv_cells": res.kv_cells,
-                "rss": rss(), "mem": [avail, total]}
+                **self._memory()}
+
+    def _memory(self) -> dict:
+        """psutil figures, re-read at most every MEMORY_EVERY_S: they cost more than a small tick."""
+        now = time.monotonic()
+        if now - self._mem_at >= MEMORY_EVERY_S:
+            avail, total = host_memory()
+            self._mem, self._mem_at = {"rss": rss(), "mem": [avail, total]}, now
+        return self._mem
 
     def _inject_faults(self) -> None:
         f = self.faults

@@ -38,6 +38,7 @@ log = logging.getLogger("meshnode.front")
 PUBLISH_EVERY_S = 1.0
 STATUS_EVERY_S = 5.0
 MAX_FRAMES_PER_POLL = 256  # bound client work per loop turn so ticks keep flowing
+_MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
 class Front:
@@ -49,6 +50,7 @@ class Front:
         self.notifier = Notifier()
         self._auth: list = []
         self._locks: list[EndpointLock] = []
+        self._poller_link = False  # the link socket the poller watches; False = no poller yet
 
     # -- initialize ------------------------------------------------------------------
     def initialize(self) -> None:
@@ -118,7 +120,7 @@ class Front:
             now = time.monotonic()
             why = self.link.check(now)
             if why:
-                self._engine_died(why)
+                self._send(self._engine_died(why))
             if self.link.maybe_restart(now):
                 self.telemetry.engine["restarts"] = self.link.restarts
             if self.link.state == IDLE:
@@ -140,13 +142,18 @@ class Front:
         return now + self.cfg.drain_timeout_s
 
     def _poll(self, timeout_ms: int) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        if self.link.sock is not None:
-            poller.register(self.link.sock, zmq.POLLIN)
-        ready = dict(poller.poll(timeout_ms))
+        if self._poller_link is not self.link.sock:  # a new engine incarnation: a new link socket
+            self._poller = zmq.Poller()
+            self._poller.register(self.router, zmq.POLLIN)
+            if self.link.sock is not None:
+                self._poller.register(self.link.sock, zmq.POLLIN)
+            self._poller_link = self.link.sock
+        ready = dict(self._poller.poll(timeout_ms))
         if self.link.sock is not None and ready.get(self.link.sock):
-            self._on_engine(self.link.on_message())
+            events = self._on_engine(self.link.on_message())
+            if self.link.state == IDLE:
+                self._dispatch()  # the engine computes the next tick while we talk to clients
+            self._send(events)
         if ready.get(self.router):
             for _ in range(MAX_FRAMES_PER_POLL):
                 try:
@@ -207,8 +214,11 @@ class Front:
 
     def _reply(self, ident: bytes, frames: list[bytes]) -> None:
         """Send to one client; a vanished or stalled client loses its sessions, nobody else does."""
-        try:
-            self.router.send_multipart([ident, *frames], zmq.NOBLOCK)
+        send = self.router.send
+        try:  # plain int flags: send_multipart's enum arithmetic costs more than the send
+            send(ident, _MORE)
+            send(frames[0], _MORE)
+            send(frames[1], _LAST)
         except (zmq.Again, zmq.ZMQError) as e:
             mine = [k for k in self.sched.live if k[0] == ident]
             if mine:
@@ -233,30 +243,32 @@ class Front:
         self._plan = plan
         self.link.send_tick(plan.release, seqs)
 
-    def _on_engine(self, msg: dict | None) -> None:
+    def _on_engine(self, msg: dict | None) -> list[Event]:
+        """A tick's reply -> the sessions' events (sent by the caller, after the next dispatch)."""
         if msg is None:
-            return
+            return []
         if not msg.get("ok"):
             if msg.get("fatal"):
-                self._engine_died(f"engine reported a fatal error: {msg.get('detail')}")
-            else:
-                log.error("engine refused a plan: %s", msg.get("detail"))
-                self._send(self.sched.fail_inflight(R.ENGINE_ERROR))
-            return
+                return self._engine_died(f"engine reported a fatal error: {msg.get('detail')}")
+            log.error("engine refused a plan: %s", msg.get("detail"))
+            return self.sched.fail_inflight(R.ENGINE_ERROR)
         out = self.arena.output
         res = StepResult({c.seq_id: int(out[k]) for k, c in enumerate(self._plan.chunks) if c.draw >= 0},
                          list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
-        self.telemetry.record_tick(int(msg.get("rss", 0)), res.step_ms, res.kv_cells)
-        avail, total = msg.get("mem", [0, 0])
-        self.telemetry.set_memory(avail, total)
-        self._send(self.sched.apply(res))
+        self.telemetry.record_tick(int(msg.get("rss", self.telemetry.engine["rss_bytes"])), res.step_ms,
+                                   res.kv_cells)
+        if "mem" in msg:
+            self.telemetry.set_memory(*msg["mem"])
+        return self.sched.apply(res)
 
-    def _engine_died(self, why: str) -> None:
+    def _engine_died(self, why: str) -> list[Event]:
+        """Restart with backoff and re-prefill; in a crash loop, end every session instead."""
         self.link.died(why)
         self.sched.engine_restarted()
-        if self.link.state == FAILED:
-            self.telemetry.engine["healthy"] = False
-            self._send(self.sched.end_all(R.ENGINE_ERROR))
+        if self.link.state != FAILED:
+            return []
+        self.telemetry.engine["healthy"] = False
+        return self.sched.end_all(R.ENGINE_ERROR)
 
     # -- reporting ------------------------------------------------------------------------
     def _snapshot(self) -> dict:

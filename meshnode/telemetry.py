@@ -23,7 +23,7 @@ class Telemetry:
         self.bad_frames_total = 0
         self.client_faults_total = 0  # sessions cancelled because their client vanished or stalled
         self.engine = {"pid": 0, "rss_bytes": 0, "rss_peak_bytes": 0, "restarts": 0, "last_tick_ms": 0.0,
-                       "kv_cells": 0, "kv_cells_peak": 0, "healthy": True}
+                       "kv_cells": 0, "kv_cells_peak": 0, "step_ms_total": 0.0, "healthy": True}
         self.memory = {"available_bytes": 0, "total_bytes": 0, "pressure": 0.0}
         self._samples: deque = deque()
 
@@ -36,6 +36,7 @@ class Telemetry:
     def record_tick(self, rss: int, step_ms: float, kv_cells: int) -> None:
         e = self.engine
         e.update(rss_bytes=rss, last_tick_ms=round(step_ms, 3), kv_cells=kv_cells, healthy=True,
+                 step_ms_total=e["step_ms_total"] + step_ms,
                  rss_peak_bytes=max(e["rss_peak_bytes"], rss), kv_cells_peak=max(e["kv_cells_peak"], kv_cells))
 
     def set_memory(self, available: int, total: int) -> None:

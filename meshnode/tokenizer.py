@@ -26,6 +26,7 @@ class Tokenizer:
         self._vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self._buf = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}  # the vocab is fixed: each piece is looked up once
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         data = text.encode("utf-8")
@@ -37,8 +38,11 @@ class Tokenizer:
         return list(out[:n])
 
     def piece(self, token: int) -> bytes:
-        n = self._L.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
-        return self._buf.raw[:max(n, 0)]
+        p = self._pieces.get(token)
+        if p is None:
+            n = self._L.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
+            p = self._pieces[token] = self._buf.raw[:max(n, 0)]
+        return p
 
     def decode(self, tokens: list[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
