@@ -120,7 +120,8 @@ def client_router(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, i
     s.setsockopt(zmq.ROUTER_MANDATORY, 1)
     s.setsockopt(zmq.SNDHWM, CLIENT_HWM)
     s.setsockopt(zmq.RCVHWM, CLIENT_HWM)
-    s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
+    # up to 2x the protocol limit arrives and is answered TOO_LARGE (and counted); beyond, zmq drops the peer
+    s.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
     if curve is not None:
         _enable_curve(ctx, s, curve, auth_holder)
     _bind(s, endpoint)

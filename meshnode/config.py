@@ -35,6 +35,7 @@ class NodeConfig:
     threads: int = 0  # 0 = all cores
     type_k: str = "f16"
     type_v: str = "f16"
+    flash_attn: str = "auto"  # auto, on, off (off = f32 attention numerics)
     tick_deadline_s: float = 30.0  # an engine tick longer than this is a hung engine
     drain_timeout_s: float = 30.0  # on SIGTERM, sessions get this long to finish
     metrics_listen: str | None = None  # host:port for Prometheus /metrics; None = off
@@ -73,6 +74,15 @@ class NodeConfig:
             raise ConfigError(f"model: no such file {self.model}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
             raise ConfigError("curve_secret_key and curve_allow_dir must be given together")
+        from meshnode.engine.llama_engine import FLASH_ATTN, KV_TYPES
+
+        for name in ("type_k", "type_v"):
+            if getattr(self, name) not in KV_TYPES:
+                raise ConfigError(f"{name}: must be one of {sorted(KV_TYPES)}, got {getattr(self, name)!r}")
+        if self.flash_attn not in FLASH_ATTN:
+            raise ConfigError(f"flash_attn: must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level: must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.engine_kind not in ("llama", "fake"):
             raise ConfigError(f"engine_kind: unknown {self.engine_kind!r}")
 

@@ -60,8 +60,8 @@ class EngineLink:
         self.sock = engine_link_bind(self.zctx, self.endpoint)
         cfg = dict(self.engine_cfg, link=self.endpoint, parent_pid=os.getpid(),
                    arena={"name": self.arena.name, "n_input": self.arena.n_input, "n_output": self.arena.n_output})
-        if self.faults and (self.generation == 1 or self.faults.get("every_start")):
-            cfg["faults"] = self.faults
+        if self.faults:  # tests only: the first incarnation gets `faults`, later ones `faults["later"]`
+            cfg["faults"] = self.faults if self.generation == 1 else self.faults.get("later")
         self.proc = mp.get_context("spawn").Process(target=engine_main, args=(cfg,), daemon=True,
                                                    name=f"meshnode-engine-{self.generation}")
         self.proc.start()

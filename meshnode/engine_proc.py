@@ -32,9 +32,10 @@ MEMORY_EVERY_S = 0.25
 
 
 def _die_with_parent(parent: int) -> None:
+    """SIGTERM us when the front dies: the loop then exits and cleans up what the front left."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
     if os.getppid() != parent:  # the front died before prctl took effect
@@ -158,13 +159,26 @@ class EngineProcess:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def shutdown(self) -> None:
+        orphaned = os.getppid() != self.cfg["parent_pid"]
         for name in ("arena", "engine"):
             obj = getattr(self, name, None)
             if obj is not None and hasattr(obj, "close"):
                 obj.close()
+        if orphaned:  # the front was killed: nobody else will remove its sockets, locks and arena
+            self._remove_orphans()
         if hasattr(self, "sock"):
             self.sock.close(0)
             self.ctx.term()
+
+
+    def _remove_orphans(self) -> None:
+        paths = self.cfg.get("orphan_files", []) + [self.cfg["link"][len("ipc://"):],
+                                                     f"/dev/shm/{self.cfg['arena']['name']}"]
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def engine_main(cfg: dict) -> None:

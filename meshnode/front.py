@@ -67,10 +67,12 @@ class Front:
         self.tok = Tokenizer(cfg.model)
         self.zctx = zmq.Context()
         self.arena = TokenArena.create(cfg.n_batch, cfg.n_seq_max)
+        orphans = [f for lock in self._locks if lock.path for f in (lock.path, lock.path + ".lock")]
         engine_cfg = {"kind": cfg.engine_kind, "log_level": cfg.log_level, "fake": cfg.fake or {},
+                      "orphan_files": orphans,
                       "engine": {"model_path": cfg.model, "n_seq_max": cfg.n_seq_max, "n_ctx": cfg.ctx,
                                  "n_batch": cfg.n_batch, "n_threads": cfg.threads, "type_k": cfg.type_k,
-                                 "type_v": cfg.type_v}}
+                                 "type_v": cfg.type_v, "flash_attn": cfg.flash_attn}}
         self.link = EngineLink(self.zctx, self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults)
         self.link.start()
         info = self.link.wait_ready()
@@ -112,7 +114,7 @@ class Front:
             now = time.monotonic()
             if self.stop_requested and drain_deadline is None:
                 drain_deadline = self._begin_drain(now)
-            if self.stop_requested > 1 or (drain_deadline and (now >= drain_deadline or self.sched.idle)):
+            if self.stop_requested > 1 or (drain_deadline and (now >= drain_deadline or not self.sched.live)):
                 self._send(self.sched.end_all(R.DRAINED))
                 self.stopping = True
                 break
@@ -220,6 +222,7 @@ class Front:
             send(frames[0], _MORE)
             send(frames[1], _LAST)
         except (zmq.Again, zmq.ZMQError) as e:
+            self.telemetry.undeliverable_total += 1
             mine = [k for k in self.sched.live if k[0] == ident]
             if mine:
                 log.warning("client %s unreachable (%s): cancelling its %d session(s)", ident.hex(), e, len(mine))

@@ -18,23 +18,26 @@ from meshnode.client import Client
 
 class NodeProcess:
     def __init__(self, model: str, *args: str, internal: dict | None = None, log_path: str | None = None,
-                 run_dir: str | None = None, env: dict | None = None):
+                 run_dir: str | None = None, env: dict | None = None, listen: str | None = None,
+                 connect: str | None = None, client_kw: dict | None = None):
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="meshnode-node-")
-        self.listen = f"ipc://{self.run_dir}/node.sock"
+        listen = listen or f"ipc://{self.run_dir}/node.sock"
+        self.listen = connect or listen  # where clients connect (a wildcard bind is not an address)
         self.telemetry = f"ipc://{self.run_dir}/telemetry.sock"
-        self.args = [sys.executable, "-m", "meshnode", "serve", "--model", model, "--listen", self.listen,
+        self.args = [sys.executable, "-m", "meshnode", "serve", "--model", model, "--listen", listen,
                      "--telemetry", self.telemetry, *args]
         self.env = dict(os.environ, MESHNODE_RUN_DIR=self.run_dir, **(env or {}))
         if internal:  # test/drill-only settings (fake engine, fault injection)
             self.env["MESHNODE_TEST_CONFIG"] = json.dumps(internal)
         self.log_path = log_path or os.path.join(self.run_dir, "node.log")
         self.proc: subprocess.Popen | None = None
+        self.client_kw = client_kw or {}  # e.g. CURVE keys for the readiness ping
 
     def start(self, timeout_s: float = 120.0) -> "NodeProcess":
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
-        with Client(self.listen, timeout_s=1.0) as c:
+        with Client(self.listen, timeout_s=1.0, **self.client_kw) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.log()}")
@@ -44,7 +47,7 @@ class NodeProcess:
         raise RuntimeError(f"node not ready within {timeout_s} s:\n{self.log()}")
 
     def client(self, timeout_s: float = 60.0) -> Client:
-        return Client(self.listen, timeout_s=timeout_s)
+        return Client(self.listen, timeout_s=timeout_s, **self.client_kw)
 
     def log(self) -> str:
         try:

@@ -21,7 +21,8 @@ class Telemetry:
         self.t0 = clock()
         self.rejected = Counter()
         self.bad_frames_total = 0
-        self.client_faults_total = 0  # sessions cancelled because their client vanished or stalled
+        self.client_faults_total = 0  # clients whose sessions were cancelled because they vanished or stalled
+        self.undeliverable_total = 0  # events that could not be sent (client gone or at its HWM)
         self.engine = {"pid": 0, "rss_bytes": 0, "rss_peak_bytes": 0, "restarts": 0, "last_tick_ms": 0.0,
                        "kv_cells": 0, "kv_cells_peak": 0, "step_ms_total": 0.0, "healthy": True}
         self.memory = {"available_bytes": 0, "total_bytes": 0, "pressure": 0.0}
@@ -83,6 +84,7 @@ class Telemetry:
                 "rejected_by_reason": {r: self.rejected.get(r, 0) for r in R.REJECTIONS},
                 "bad_frames_total": self.bad_frames_total,
                 "client_faults_total": self.client_faults_total,
+                "undeliverable_total": self.undeliverable_total,
                 "engine": dict(self.engine),
                 "memory": dict(self.memory),
                 "uptime_s": round(now - self.t0, 3),

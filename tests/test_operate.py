@@ -1,0 +1,186 @@
+"""Operating a node: config file, drain, sd_notify, tools/top, /metrics."""
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from ipc import reasons as R
+from ipc.shm import leftover_segments
+from ipc.transport import free_tcp_port
+from meshnode import config
+from meshnode.budget import ConfigError
+from meshnode.nodeproc import NodeProcess
+from nodes import assert_clean, wait_until
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(tmp_path, text):
+    p = tmp_path / "node.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_config_file_then_flags(tmp_path, tiny_model):
+    path = write(tmp_path, f'model = "{tiny_model}"\nmax_queue = 5\nprefill_chunk = 32\nkv_budget_mb = 2\n')
+    cfg = config.load(path, {"max_queue": 7, "prefill_chunk": None})
+    assert cfg.max_queue == 7 and cfg.prefill_chunk == 32 and cfg.kv_budget_mb == 2.0
+
+
+@pytest.mark.parametrize("text, key", [
+    ("max_qeue = 5\n", "max_qeue"),
+    ('max_queue = "five"\n', "max_queue"),
+    ("max_active = 0\n", "max_active"),
+    ("kv_budget_mb = -1\n", "kv_budget_mb"),
+    ('type_k = "f8"\n', "type_k"),
+    ("insecure = 1\n", "insecure"),
+    ('model = "/nonexistent.gguf"\n', "model"),
+    ("engine_kind = 'fake'\n", "engine_kind"),  # internal knobs are not config keys
+    ("max_queue = [\n", "not valid TOML"),
+])
+def test_config_errors_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key):
+        config.load(write(tmp_path, text))
+
+
+def test_example_file_documents_every_key_and_only_real_ones():
+    example = open(os.path.join(ROOT, "tools", "meshnode.toml.example")).read()
+    keys = {m.group(1) for m in re.finditer(r"^#? ?([a-z_]+) *=", example, re.M)}
+    assert set(config.public_keys()) <= keys
+    assert keys - set(config.public_keys()) == set()
+
+
+def test_serve_reports_a_config_error_and_exits_2(tmp_path):
+    path = write(tmp_path, "max_queue = -4\n")
+    out = subprocess.run([sys.executable, "-m", "meshnode", "serve", "--config", path], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "max_queue" in out.stderr
+
+
+def test_drain_finishes_short_sessions_and_drains_the_rest(tiny_model):
+    before = leftover_segments()
+    n = NodeProcess(tiny_model, "--max-active", "2", "--drain-timeout-s", "1.5").start()
+    with n.client() as c:
+        c.submit("long", tokens=[3, 4, 5], max_tokens=100000 // 30, ignore_eos=True)
+        c.submit("short", tokens=[3, 4, 6], max_tokens=400, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "short", keep=True)
+        n.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        c.submit("late", tokens=[3], max_tokens=2)
+        res = c.collect(["long", "short", "late"], timeout_s=20)
+    assert res["late"].admission["reason"] == R.REJECTED_DRAINING
+    assert res["short"].done["reason"] == R.LENGTH
+    assert res["long"].done["reason"] == R.DRAINED and 0 < len(res["long"].tokens) < 3333
+    n.proc.wait(20)
+    assert_clean(n, before)
+
+
+def test_second_signal_stops_at_once_still_answering_everyone(tiny_model):
+    n = NodeProcess(tiny_model, "--drain-timeout-s", "60").start()
+    with n.client() as c:
+        c.submit("long", tokens=[3, 4, 5], max_tokens=3000, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "tokens", keep=True)
+        n.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        n.proc.send_signal(signal.SIGINT)
+        res = c.collect(["long"], timeout_s=10)
+    assert res["long"].done["reason"] == R.DRAINED
+    assert n.proc.wait(10) == 0
+
+
+def test_sd_notify_ready_status_stopping_and_engine_does_not_inherit(tiny_model, tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(10)
+    n = NodeProcess(tiny_model, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}).start()
+    msgs = []
+    try:
+        while not any("READY=1" in m for m in msgs):
+            msgs.append(sock.recv(4096).decode())
+        engine_pid = n.client().status()["node"]["engine_pid"]
+        env = psutil.Process(engine_pid).environ()
+        assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
+        while not any(m.startswith("WATCHDOG=1") for m in msgs):
+            msgs.append(sock.recv(4096).decode())
+        n.proc.send_signal(signal.SIGTERM)
+        while not any("STOPPING=1" in m for m in msgs):
+            msgs.append(sock.recv(4096).decode())
+    finally:
+        n.stop()
+        sock.close()
+    lines = [ln for m in msgs for ln in m.split("\n")]
+    first = {k: next(i for i, ln in enumerate(lines) if ln.startswith(k)) for k in ("READY=1", "STATUS=", "STOPPING=1")}
+    assert first["READY=1"] < first["STATUS="] < first["STOPPING=1"], lines
+    assert "active=" in next(ln for ln in lines if ln.startswith("STATUS="))
+
+
+def test_top_once_prints_a_snapshot(tiny_model):
+    with NodeProcess(tiny_model) as n:
+        with n.client() as c:
+            c.generate("x", tokens=[3, 4, 5], max_tokens=4)
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "top"), "--connect", n.telemetry, "--once"],
+                             capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    for word in ("meshnode", "recipe mn1-", "KV", "scratch", "memory", "sessions active", "batch",
+                 "tokens/s", "rejected", "engine pid"):
+        assert word in out.stdout
+
+
+def test_top_once_without_a_node_says_so(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "top"), "--connect",
+                          f"ipc://{tmp_path}/none.sock", "--once", "--timeout", "1"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "no telemetry" in out.stderr
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_top_in_tmux_like_a_person(tiny_model, tmp_path):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    ep = f"ipc://{run_dir}/telemetry.sock"
+    name = f"mntop{os.getpid()}"
+
+    def screen():
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True).stdout
+
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "100", "-y", "30",
+                    f"{sys.executable} {ROOT}/tools/top --connect {ep}"], check=True)
+    try:
+        assert wait_until(lambda: "waiting for node" in screen(), 10)
+        with NodeProcess(tiny_model, run_dir=run_dir):
+            assert wait_until(lambda: "sessions active" in screen(), 15), screen()
+            subprocess.run(["tmux", "resize-window", "-t", name, "-x", "70", "-y", "25"])
+            time.sleep(0.5)
+            assert "sessions active" in screen()
+            subprocess.run(["tmux", "send-keys", "-t", name, "q"], check=True)
+            assert wait_until(lambda: subprocess.run(["tmux", "has-session", "-t", name],
+                                                     capture_output=True).returncode != 0, 10)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+
+
+def test_metrics_endpoint_serves_prometheus_text(tiny_model):
+    port = free_tcp_port()
+    with NodeProcess(tiny_model, "--metrics-listen", f"127.0.0.1:{port}") as n:
+        with n.client() as c:
+            c.generate("m", tokens=[3, 4, 5], max_tokens=3)
+            c.submit("bad", tokens=[3], max_tokens=10**6)
+            c.wait_for(lambda e: e["event"] == "rejected")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples["meshnode_generation_tokens_total"] >= 3
+    assert samples['meshnode_requests_rejected_total{reason="REJECTED_CONTEXT_TOO_LONG"}'] == 1
+    assert "meshnode_kv_cache_usage_ratio" in samples and "meshnode_engine_restarts_total" in samples

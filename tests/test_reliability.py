@@ -1,0 +1,267 @@
+"""Reliability: fuzzed frames, overload, engine faults, front death, stalled clients, security."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import psutil
+import pytest
+import zmq
+from hypothesis import given, settings, strategies as st
+
+from ipc import protocol as P
+from ipc import reasons as R
+from ipc.shm import leftover_segments
+from ipc.transport import free_tcp_port
+from meshnode.client import Client
+from meshnode.engine.plan import Sampling
+from meshnode.nodeproc import NodeProcess
+from nodes import assert_clean, wait_until
+
+# -- fuzzing the decoder ------------------------------------------------------------------------
+ints = st.integers(-(2**63), 2**64 - 1)  # everything msgpack can carry
+leaf = st.one_of(st.none(), st.booleans(), ints,
+                 st.floats(allow_nan=True), st.text(max_size=300), st.binary(max_size=64))
+tree = st.recursive(leaf, lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(max_size=12), kids,
+                                                                                       max_size=6), max_leaves=30)
+ops = st.sampled_from(["submit", "cancel", "status", "ping", "launch", "", 7, None])
+request = st.fixed_dictionaries({"op": ops}, optional={
+    "id": st.one_of(st.text(max_size=140), ints), "tokens": st.one_of(st.lists(st.integers(-5, 600)), tree),
+    "text": st.one_of(st.text(max_size=50), tree), "max_tokens": st.one_of(st.integers(-3, 2**40), tree),
+    "sampling": st.one_of(st.fixed_dictionaries({}, optional={"temperature": leaf, "top_k": leaf, "top_p": leaf,
+                                                               "seed": leaf}), tree),
+    "stop_tokens": tree, "ignore_eos": tree, "recipe": tree})
+
+
+def decode_only_structured(frames):
+    try:
+        P.decode_request(frames, 512)
+    except P.ProtocolError as e:
+        assert e.code in (R.BAD_REQUEST, R.UNSUPPORTED_VERSION, R.TOO_LARGE, R.UNKNOWN_SESSION) and e.detail
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.binary(max_size=200), max_size=4))
+def test_fuzz_arbitrary_frames(frames):
+    decode_only_structured(frames)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(request, tree))
+def test_fuzz_msgpack_trees(obj):
+    decode_only_structured([P.VERSION, msgpack.packb(obj, use_bin_type=True)])
+
+
+def random_frames(rng: random.Random):
+    kind = rng.randrange(6)
+    if kind == 0:
+        return [bytes(rng.randrange(256) for _ in range(rng.randrange(40)))]
+    if kind == 1:
+        return [P.VERSION, bytes(rng.randrange(256) for _ in range(rng.randrange(80)))]
+    if kind == 2:
+        return [b"MN2", msgpack.packb({"op": "ping"})]
+    body = {"op": rng.choice(["submit", "cancel", "launch", 5]), "id": rng.choice(["f", 3, "x" * 200, None]),
+            "tokens": rng.choice([[1, 2], [999999], "abc", None, [1] * 3]), "max_tokens": rng.choice([-1, "2", 2**50, 0])}
+    if kind == 4:
+        body = rng.choice([[1, 2], "str", 17, {"op": {"nested": [1]}}])
+    return [P.VERSION, msgpack.packb(body), *([b"extra"] if kind == 5 else [])]
+
+
+def test_three_thousand_random_frames_then_a_valid_session(tiny_model):
+    rng = random.Random(1234)
+    frames = [random_frames(rng) for _ in range(3000)]
+    bad = 0
+    for f in frames:
+        try:
+            P.decode_request(f, 512)
+        except P.ProtocolError:
+            bad += 1
+    assert bad > 2800  # the rest are well-formed cancels of unknown ids: answered, not counted as bad
+    with NodeProcess(tiny_model) as n, n.client() as c:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(n.listen)
+        answers = 0
+        for i in range(0, 3000, 250):  # read as we go: a client that never reads is a stalled client
+            for f in frames[i:i + 250]:
+                s.send_multipart(f)
+            while answers < i + 250 and s.poll(5000):
+                ev = P.decode_event(s.recv_multipart())
+                assert ev["event"] == "error"
+                answers += 1
+        s.close()
+        ctx.term()
+        assert answers == 3000
+        assert c.generate("valid", tokens=[3, 4, 5], max_tokens=4).done["reason"] == R.LENGTH
+        assert c.status()["telemetry"]["bad_frames_total"] == bad
+
+
+# -- overload -----------------------------------------------------------------------------------
+def test_overload_thousand_submits_nothing_lost(tiny_model):
+    with NodeProcess(tiny_model, "--max-active", "8", "--max-queue", "32") as n:
+        with n.client() as c:
+            rss0 = c.status()["telemetry"]["front_rss_bytes"]
+        tally = {"submitted": 0, "admitted": 0, "rejected": 0, "done": 0, "double": 0}
+        lock = threading.Lock()
+
+        def worker(k):
+            with Client(n.listen, timeout_s=60) as c:
+                ids = [f"c{k}-{i}" for i in range(200)]
+                for sid in ids:
+                    c.submit(sid, tokens=[3 + k, 4, 5], max_tokens=4, ignore_eos=True)
+                res = c.collect(ids, timeout_s=120)
+                extra = c.recv(0.5)  # nothing more may come: no second done
+            with lock:
+                tally["submitted"] += len(ids)
+                tally["admitted"] += sum(not r.rejected for r in res.values())
+                tally["rejected"] += sum(r.rejected for r in res.values())
+                tally["done"] += sum(r.done is not None for r in res.values())
+                tally["double"] += extra is not None
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with n.client() as c:
+            t = c.status()["telemetry"]
+    assert tally["submitted"] == 1000 and tally["admitted"] + tally["rejected"] == 1000
+    assert tally["done"] == tally["admitted"] and tally["double"] == 0 and tally["rejected"] > 0
+    assert t["rejected_by_reason"][R.REJECTED_QUEUE_FULL] == tally["rejected"]
+    assert t["kv_bytes"] == 0 and t["active_sessions"] == 0 and t["queue_depth"] == 0
+    growth = t["front_rss_bytes"] - rss0
+    print(f"overload: admitted {tally['admitted']} rejected {tally['rejected']} front RSS growth {growth / 2**20:.1f} MiB")
+    assert growth < 64 * 2**20
+
+
+# -- engine faults ------------------------------------------------------------------------------
+JOBS = {f"f{i}": dict(tokens=[3 + (i * 17 + k) % 500 for k in range(3 + 4 * i)], max_tokens=60, ignore_eos=True,
+                      sampling=Sampling(0.8, 40, 0.95, 7 + i) if i % 2 else None) for i in range(3)}
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_model):
+    with NodeProcess(tiny_model) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        return {sid: r.tokens for sid, r in c.collect(list(JOBS)).items()}
+
+
+@pytest.mark.parametrize("kind", ["fatal", "raise", "hang", "kill"])
+def test_engine_fault_reprefills_with_identical_tokens(tiny_model, reference_tokens, kind):
+    internal = {"faults": {"kind": kind, "at_tick": 20}}
+    with NodeProcess(tiny_model, "--tick-deadline-s", "1", internal=internal) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        got = c.collect(list(JOBS))
+        t = c.status()["telemetry"]
+    assert {sid: r.tokens for sid, r in got.items()} == reference_tokens
+    assert all(r.done["reason"] == R.LENGTH for r in got.values())
+    assert t["engine"]["restarts"] == 1 and t["healthy"]
+
+
+def test_crash_loop_makes_the_node_unhealthy_instead_of_spinning(tiny_model):
+    internal = {"faults": {"kind": "kill", "at_tick": 5, "later": {"die_at_start": True}}}
+    with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
+        c.submit("s", tokens=[3, 4, 5], max_tokens=500, ignore_eos=True)
+        done = c.wait_for(lambda e: e["event"] == "done", timeout_s=30)
+        assert done["reason"] == R.ENGINE_ERROR
+        st_ = c.status()
+        assert st_["node"]["healthy"] is False and st_["telemetry"]["engine"]["healthy"] is False
+        c.submit("t", tokens=[3], max_tokens=2)
+        rej = c.wait_for(lambda e: e["event"] == "rejected")
+        assert rej["reason"] == R.REJECTED_ENGINE_UNAVAILABLE and "engine" in rej["detail"]
+        restarts = st_["telemetry"]["engine"]["restarts"]
+        time.sleep(1.0)
+        assert c.status()["telemetry"]["engine"]["restarts"] == restarts  # not spinning
+
+
+def test_front_death_takes_the_engine_and_leaves_nothing(tiny_model):
+    before = leftover_segments()
+    n = NodeProcess(tiny_model).start()
+    engine_pid = n.client().status()["node"]["engine_pid"]
+    n.proc.kill()
+    n.proc.wait()
+    t0 = time.monotonic()
+    gone = wait_until(lambda: not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == "zombie", 5)
+    took = time.monotonic() - t0
+    print(f"engine exited {took:.2f} s after the front was killed")
+    assert gone and took < 2.0
+    assert wait_until(lambda: set(leftover_segments()) <= set(before), 3)
+    left = [f for f in os.listdir(n.run_dir) if f.endswith((".sock", ".lock"))]
+    assert not left, left
+
+
+# -- client faults --------------------------------------------------------------------------------
+def test_client_that_stops_reading_loses_its_sessions_only(tiny_model):
+    with NodeProcess(tiny_model, "--max-active", "8", "--ctx", "8192") as n:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, 1)
+        s.setsockopt(zmq.RCVBUF, 4096)
+        s.connect(n.listen)
+        for i in range(6):  # never read: the node's send queue to us fills up
+            s.send_multipart(P.encode_request(P.Submit(f"stall{i}", 1000, [3 + i, 4], ignore_eos=True)))
+        with n.client() as c:
+            assert c.generate("meanwhile", tokens=[3, 4, 5], max_tokens=5).done["reason"] == R.LENGTH
+            t = wait_until(lambda: (lambda t: t if t["client_faults_total"] >= 1 and t["active_sessions"] == 0
+                                    else None)(c.status()["telemetry"]), 30)
+            assert t and t["kv_bytes"] == 0
+            assert c.generate("after", tokens=[3, 4, 5], max_tokens=5).done["reason"] == R.LENGTH
+        s.close()
+        ctx.term()
+
+
+# -- security -------------------------------------------------------------------------------------
+def serve(model, *args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "meshnode", "serve", "--model", model, *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_non_loopback_tcp_needs_curve_or_insecure(tiny_model, tmp_path):
+    out = serve(tiny_model, "--listen", f"tcp://0.0.0.0:{free_tcp_port()}",
+                "--telemetry", f"ipc://{tmp_path}/t.sock")
+    assert out.returncode == 1 and "CURVE" in out.stderr
+    port = free_tcp_port()
+    with NodeProcess(tiny_model, "--insecure", listen=f"tcp://0.0.0.0:{port}",
+                     connect=f"tcp://127.0.0.1:{port}") as n:
+        with n.client() as c:
+            assert c.ping()
+
+
+def test_curve_admits_known_clients_only(tiny_model, tmp_path):
+    import zmq.auth
+
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    _, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(keys), "client")
+    zmq.auth.create_certificates(str(keys), "stranger")
+    os.rename(client_public, allowed / "client.key")
+    server_pub, _ = zmq.auth.load_certificate(server_secret)
+    port = free_tcp_port()
+    known = {"server_public_key": server_pub, "client_cert": zmq.auth.load_certificate(client_secret)}
+    with NodeProcess(tiny_model, "--curve-secret-key", server_secret, "--curve-allow-dir", str(allowed),
+                     listen=f"tcp://127.0.0.1:{port}", client_kw=known) as n:
+        with n.client(timeout_s=5) as c:
+            assert c.generate("c", tokens=[3, 4], max_tokens=2).done["reason"] == R.LENGTH
+        stranger = zmq.auth.load_certificate(str(keys / "stranger.key_secret"))
+        with Client(n.listen, timeout_s=2, server_public_key=server_pub, client_cert=stranger) as c:
+            assert not c.ping(2.0)
+        with Client(n.listen, timeout_s=2) as c:  # plaintext
+            assert not c.ping(2.0)
+
+
+def test_second_node_on_the_same_ipc_path_refuses(tiny_model):
+    with NodeProcess(tiny_model) as n:
+        out = serve(tiny_model, "--listen", n.listen, "--telemetry", n.telemetry + ".2")
+        assert out.returncode == 1 and "in use by another meshnode" in out.stderr
+        with n.client() as c:
+            assert c.ping()
