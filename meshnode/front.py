@@ -26,7 +26,7 @@ from meshnode import __version__
 from meshnode.budget import NodeBudget
 from meshnode.config import NodeConfig
 from meshnode.engine.plan import StepResult
-from meshnode.engine_link import BUSY, FAILED, IDLE, EngineLink
+from meshnode.engine_link import FAILED, IDLE, EngineLink
 from meshnode.memory import rss
 from meshnode.scheduler import Event, Scheduler
 from meshnode.sdnotify import Notifier
@@ -51,6 +51,9 @@ class Front:
         self._auth: list = []
         self._locks: list[EndpointLock] = []
         self._poller_link = False  # the link socket the poller watches; False = no poller yet
+        # set by initialize(); shutdown() releases whichever of them exist
+        self.sched = self.link = self.router = self.pub = self.metrics = None
+        self.arena = self.zctx = self.tok = None
 
     # -- initialize ------------------------------------------------------------------
     def initialize(self) -> None:
@@ -296,27 +299,15 @@ class Front:
 
     # -- shutdown -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        if getattr(self, "sched", None) is not None and self.sched.live:
+        """Release everything initialize() got this far, in reverse dependency order."""
+        if self.sched is not None and self.sched.live:
             self._send(self.sched.end_all(R.DRAINED))
-        if getattr(self, "link", None) is not None:
-            self.link.stop()
-        for name in ("router", "pub"):
-            sock = getattr(self, name, None)
-            if sock is not None:
-                sock.close(0)
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.close()
-        for a in self._auth:
-            a.stop()
-        if getattr(self, "arena", None) is not None:
-            self.arena.close()
-        if getattr(self, "zctx", None) is not None:
-            self.zctx.term()
-        for lock in self._locks:
-            lock.release()
-        if getattr(self, "tok", None) is not None:
-            self.tok.close()
-        self.notifier.close()
+        steps = [(self.link, "stop"), (self.router, "close"), (self.pub, "close"), (self.metrics, "close"),
+                 *((a, "stop") for a in self._auth), (self.arena, "close"), (self.zctx, "term"),
+                 *((lock, "release") for lock in self._locks), (self.tok, "close"), (self.notifier, "close")]
+        for obj, method in steps:
+            if obj is not None:
+                getattr(obj, method)()
 
 
 def serve(cfg: NodeConfig) -> int:

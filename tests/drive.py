@@ -33,9 +33,9 @@ def generate(engine, prompts: dict, n_new: int, chunk: int | None = None, sampli
         plan = Plan(chunks)
         if logits_out is not None:
             got = engine.logits_for(plan)
-            res = {sid: int(np.argmax(l)) for sid, l in got.items()}
-            for sid, l in got.items():
-                logits_out.setdefault(sid, []).append(l)
+            res = {sid: int(np.argmax(row)) for sid, row in got.items()}
+            for sid, row in got.items():
+                logits_out.setdefault(sid, []).append(row)
         else:
             res = engine.step(plan).tokens
         for c in chunks:

@@ -146,7 +146,7 @@ def test_reference_engine_step_contract(reference):
 def test_logits_are_spread_enough(engine):
     logits = {}
     generate(engine, {i: prompt(5 + i, i) for i in range(4)}, 16, logits_out=logits)
-    margins = [float(np.diff(np.sort(l)[-2:])[0]) for ls in logits.values() for l in ls]
+    margins = [float(np.diff(np.sort(row)[-2:])[0]) for rows in logits.values() for row in rows]
     median = float(np.median(margins))
     print(f"median top-1 margin: {median:.3f}")
     assert median > 0.05

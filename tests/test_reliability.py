@@ -1,7 +1,6 @@
 """Reliability: fuzzed frames, overload, engine faults, front death, stalled clients, security."""
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from ipc.transport import free_tcp_port
 from meshnode.client import Client
 from meshnode.engine.plan import Sampling
 from meshnode.nodeproc import NodeProcess
-from nodes import assert_clean, wait_until
+from nodes import wait_until
 
 # -- fuzzing the decoder ------------------------------------------------------------------------
 ints = st.integers(-(2**63), 2**64 - 1)  # everything msgpack can carry

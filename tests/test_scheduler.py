@@ -198,3 +198,23 @@ def test_run_to_completion_is_bounded():
     s.submit(sess("long", max_tokens=1000))
     with pytest.raises(RuntimeError, match="still live"):
         s.run_to_completion(e, max_ticks=5)
+
+
+def test_real_engine_batched_sessions_equal_serialized(tiny_model):
+    """The scheduler over the real tiny-model engine: 4 divergent sessions, prompts 1/3/7/12."""
+    from meshnode.engine.llama_engine import EngineConfig, LlamaEngine
+
+    lengths = [1, 3, 7, 12]
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
+        def run(keys, max_active):
+            s = Scheduler(NodeBudget.from_engine(e, max_active=max_active, max_prefill_tokens_per_tick=5), e.eos)
+            for i in keys:
+                s.submit(Session(i, [3 + (i * 13 + k) % 400 for k in range(lengths[i])], 10, ignore_eos=True))
+            out = {ev.session.key: ev.tokens for ev in s.run_to_completion(e, 200) if ev.kind == "done"}
+            return out, s.counters.occupancy_max
+
+        batched, occupancy = run(range(4), 4)
+        assert occupancy == 4
+        for i in range(4):
+            assert batched[i] == run([i], 1)[0][i]
+    assert len({tuple(t) for t in batched.values()}) == 4

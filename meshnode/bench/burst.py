@@ -27,8 +27,8 @@ def one(path: str, threads: int, chunk: int) -> dict:
             "--threads", str(threads), "--log-level", "WARNING"]
     with NodeProcess(path, *args) as node, node.client(timeout_s=600) as c:
         steady = [f"s{i}" for i in range(4)]
-        for i, sid in enumerate(steady):
-            c.submit(sid, tokens=[3 + (i * 7 + k) % 500 for k in range(8)], max_tokens=1000, ignore_eos=True)  # 4 x 1008 + 4 x 1004 cells fit --ctx 8192
+        for i, sid in enumerate(steady):  # 4 x (8 + 1000) + 4 x (1000 + 4) KV cells fit --ctx 8192
+            c.submit(sid, tokens=[3 + (i * 7 + k) % 500 for k in range(8)], max_tokens=1000, ignore_eos=True)
         times: dict[str, list[float]] = {sid: [] for sid in steady}
         first: dict[str, float] = {}
 
