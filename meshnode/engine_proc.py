@@ -80,6 +80,7 @@ class EngineProcess:
         self.stop = False
         self.ticks = 0
         self._mem, self._mem_at = {}, -MEMORY_EVERY_S
+        self._replied_at = 0.0
 
     def initialize(self) -> None:
         _die_with_parent(self.cfg["parent_pid"])
@@ -110,9 +111,14 @@ class EngineProcess:
                     return
                 continue
             msg = P.engine_unpack(self.sock.recv())
+            arrived = time.perf_counter()
             if msg.get("stop"):
                 return
-            self.sock.send(P.pack(self.tick(msg)))
+            reply = self.tick(msg)
+            # how long the front took to send this tick after our last reply (front + IPC, one clock)
+            reply["gap_ms"] = (arrived - self._replied_at) * 1e3 if self._replied_at else -1.0
+            self.sock.send(P.pack(reply))
+            self._replied_at = time.perf_counter()
 
     def tick(self, msg: dict) -> dict:
         t = msg.get("t")

@@ -262,7 +262,7 @@ class Front:
         res = StepResult({c.seq_id: int(out[k]) for k, c in enumerate(self._plan.chunks) if c.draw >= 0},
                          list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
         self.telemetry.record_tick(int(msg.get("rss", self.telemetry.engine["rss_bytes"])), res.step_ms,
-                                   res.kv_cells)
+                                   res.kv_cells, float(msg.get("gap_ms", -1.0)))
         if "mem" in msg:
             self.telemetry.set_memory(*msg["mem"])
         return self.sched.apply(res)

@@ -24,7 +24,8 @@ class Telemetry:
         self.client_faults_total = 0  # clients whose sessions were cancelled because they vanished or stalled
         self.undeliverable_total = 0  # events that could not be sent (client gone or at its HWM)
         self.engine = {"pid": 0, "rss_bytes": 0, "rss_peak_bytes": 0, "restarts": 0, "last_tick_ms": 0.0,
-                       "kv_cells": 0, "kv_cells_peak": 0, "step_ms_total": 0.0, "healthy": True}
+                       "kv_cells": 0, "kv_cells_peak": 0, "step_ms_total": 0.0, "healthy": True,
+                       "busy_gap_ms_total": 0.0, "busy_gaps": 0}
         self.memory = {"available_bytes": 0, "total_bytes": 0, "pressure": 0.0}
         self._samples: deque = deque()
 
@@ -34,8 +35,13 @@ class Telemetry:
     def count_bad_frame(self) -> None:
         self.bad_frames_total += 1
 
-    def record_tick(self, rss: int, step_ms: float, kv_cells: int) -> None:
+    def record_tick(self, rss: int, step_ms: float, kv_cells: int, gap_ms: float = -1.0) -> None:
+        """`gap_ms`: the engine's wait for this tick since its last reply; under 50 ms it was
+        back-to-back work, so it measures the front + IPC cost of a tick (else the node was idle)."""
         e = self.engine
+        if 0 <= gap_ms < 50:
+            e["busy_gap_ms_total"] += gap_ms
+            e["busy_gaps"] += 1
         e.update(rss_bytes=rss, last_tick_ms=round(step_ms, 3), kv_cells=kv_cells, healthy=True,
                  step_ms_total=e["step_ms_total"] + step_ms,
                  rss_peak_bytes=max(e["rss_peak_bytes"], rss), kv_cells_peak=max(e["kv_cells_peak"], kv_cells))

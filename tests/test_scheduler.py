@@ -218,3 +218,32 @@ def test_real_engine_batched_sessions_equal_serialized(tiny_model):
         for i in range(4):
             assert batched[i] == run([i], 1)[0][i]
     assert len({tuple(t) for t in batched.values()}) == 4
+
+
+def test_submit_and_cancel_are_safe_against_a_running_loop():
+    import threading
+
+    e, s = node(max_active=4, max_queue=8)
+    done, stop = {}, threading.Event()
+
+    def loop():
+        while not stop.is_set() or not s.idle:
+            for ev in s.run_tick(e):
+                if ev.kind == "done":
+                    done[ev.session.key] = done.get(ev.session.key, 0) + 1
+
+    t = threading.Thread(target=loop)
+    t.start()
+    accepted = set()
+    for i in range(300):
+        if s.submit(sess(i, n_prompt=1 + i % 9, max_tokens=1 + i % 7)).accepted:
+            accepted.add(i)
+        if i % 3 == 0:
+            ev = s.cancel(i - 1)
+            if ev is not None:
+                done[ev.session.key] = done.get(ev.session.key, 0) + 1
+    stop.set()
+    t.join(30)
+    assert not t.is_alive()
+    assert set(done) == accepted and set(done.values()) == {1}
+    assert s.admission.kv_reserved_bytes == 0 and s.admission.n_active == 0
