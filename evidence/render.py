@@ -125,7 +125,8 @@ def main() -> int:
         md += ["", "Non-engine time = wall time (client's view) minus the engine's step time, per tick. The last",
                "column is measured inside the engine process: from sending a reply to receiving the next tick,",
                "i.e. the front's work plus both IPC hops. Targets: ratio >= 0.97 and front + IPC < 150 us per tick.",
-               ""]
+               "", f"All runs together: node / in-process = **{overhead['ratio_all_runs']:.3f}**; the engine's wait for "
+               f"the next tick, median over runs: **{overhead['engine_wait_us_median']:.0f} us**.", ""]
     if peers:
         md += ["## Peer: llama-cpp-python serving one request at a time (bench model, 16 jobs)", "",
                "`meshnode bench peers --preset bench --json evidence/peers-bench.json`", "",
