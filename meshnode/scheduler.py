@@ -64,6 +64,7 @@ class Scheduler:
         self.draining = False
         self.mem_available: int | None = None
         self._inflight: list[tuple[Session, SeqChunk]] | None = None
+        self._inflight_release: list[int] = []
         self._lock = threading.RLock()
 
     # -- requests (thread-safe) -------------------------------------------------
@@ -113,7 +114,7 @@ class Scheduler:
             release, self.to_release = self.to_release, []
             if not chunks and not release:
                 return None
-            self._inflight = chunks
+            self._inflight, self._inflight_release = chunks, release
             if chunks:  # a release-only plan is housekeeping, not a tick of work
                 c = self.counters
                 c.ticks += 1
@@ -166,9 +167,15 @@ class Scheduler:
         return None
 
     def fail_inflight(self, reason: str) -> list[Event]:
-        """End the sessions of the last plan (the engine refused it); the others go on."""
+        """End the sessions of the last plan (the engine refused it); the others go on.
+
+        The refused plan's releases may not have run, so they go out again with the next plan
+        (releasing an empty sequence is harmless; a lost release would poison its id).
+        """
         with self._lock:
             inflight, self._inflight = self._inflight or [], None
+            self.to_release = self._inflight_release + self.to_release
+            self._inflight_release = []
             return [self._end(s, reason) for s, c in inflight if s.state == RUNNING and s.seq_id == c.seq_id]
 
     def engine_restarted(self) -> None:

@@ -247,3 +247,19 @@ def test_submit_and_cancel_are_safe_against_a_running_loop():
     assert not t.is_alive()
     assert set(done) == accepted and set(done.values()) == {1}
     assert s.admission.kv_reserved_bytes == 0 and s.admission.n_active == 0
+
+
+def test_a_refused_plan_ends_its_sessions_and_keeps_its_releases():
+    e, s = node(max_active=2, max_queue=2)
+    s.submit(sess("a", max_tokens=20))
+    s.run_tick(e)
+    s.cancel("a")  # its sequence is to be released with the next plan
+    s.submit(sess("b", max_tokens=50))
+    s.submit(sess("c", max_tokens=50))
+    plan = s.plan()
+    assert plan.release  # the release rides on the plan that the engine now refuses
+    ends = done_reasons(s.fail_inflight(R.ENGINE_ERROR))
+    assert ends == {"b": R.ENGINE_ERROR, "c": R.ENGINE_ERROR}
+    assert set(plan.release) <= set(s.plan().release)
+    s.submit(sess("d", max_tokens=3))
+    assert done_reasons(s.run_to_completion(e, 20)) == {"d": R.LENGTH}  # ids are not poisoned
