@@ -17,15 +17,15 @@ from meshnode.client import Client
 
 
 class NodeProcess:
-    def __init__(self, model: str, *args: str, internal: dict | None = None, log_path: str | None = None,
+    def __init__(self, model: str | None, *args: str, internal: dict | None = None, log_path: str | None = None,
                  run_dir: str | None = None, env: dict | None = None, listen: str | None = None,
                  connect: str | None = None, client_kw: dict | None = None):
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="meshnode-node-")
         listen = listen or f"ipc://{self.run_dir}/node.sock"
         self.listen = connect or listen  # where clients connect (a wildcard bind is not an address)
         self.telemetry = f"ipc://{self.run_dir}/telemetry.sock"
-        self.args = [sys.executable, "-m", "meshnode", "serve", "--model", model, "--listen", listen,
-                     "--telemetry", self.telemetry, *args]
+        self.args = [sys.executable, "-m", "meshnode", "serve", *(["--model", model] if model else []),
+                     "--listen", listen, "--telemetry", self.telemetry, *args]
         self.env = dict(os.environ, MESHNODE_RUN_DIR=self.run_dir, **(env or {}))
         if internal:  # test/drill-only settings (fake engine, fault injection)
             self.env["MESHNODE_TEST_CONFIG"] = json.dumps(internal)

@@ -224,3 +224,24 @@ def test_shutdown_leaves_no_process_segment_or_socket(tiny_model):
     assert wait_until(lambda: all(not k.is_running() or k.status() == "zombie" for k in kids), 5)
     time.sleep(0.1)
     assert_clean(n, before)
+
+
+def test_serve_without_a_model_generates_and_serves_the_tiny_demo(tmp_path):
+    with NodeProcess(None, env={"MESHNODE_CACHE": str(tmp_path)}) as n, n.client() as c:
+        info = c.status()["node"]
+        assert info["model"] == str(tmp_path / "demo-tiny-seed0.gguf")
+        assert c.generate("d", text="hi", max_tokens=3).done["reason"] == R.LENGTH
+    assert (tmp_path / "demo-tiny-seed0.gguf").stat().st_size > 5_000_000
+
+
+def test_generate_command_streams_to_the_terminal(node):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "meshnode", "generate", "--connect", node.listen, "--tokens", "3,4,5",
+                          "--max-tokens", "4", "--ignore-eos"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split()) == 4 and "[LENGTH]" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "meshnode", "generate", "--connect", node.listen, "--tokens", "3",
+                          "--max-tokens", "99999"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "REJECTED_CONTEXT_TOO_LONG" in bad.stderr
