@@ -91,7 +91,6 @@ class Front:
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
         self.router = client_router(self.zctx, self.listen, curve, cfg.insecure, self._auth)
         self.pub = telemetry_pub(self.zctx, self.telemetry_ep)
-        self.metrics = None
         if cfg.metrics_listen:
             from meshnode.metrics_http import MetricsServer
             self.metrics = MetricsServer(cfg.metrics_listen, self._snapshot)
