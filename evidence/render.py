@@ -149,6 +149,16 @@ def main() -> int:
                    "TTFT <= 1.3x unchunked).", ""]
         if "burst.png" in made:
             md += ["![in-flight ITL and burst TTFT per chunk size](burst.png)", ""]
+    restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
+    if restarts:
+        md += ["## Engine death: SIGKILL to the first token of the restarted engine", ""]
+        md += [f"- {k}: `meshnode bench restart --preset {k} --json evidence/restart-{k}.json`: "
+               + ", ".join(f"{w:.2f} s" for w in v["waits_s"]) for k, v in restarts.items()]
+        md.append("")
+    ipc_path = os.path.join(HERE, "ipc.txt")
+    if os.path.exists(ipc_path):
+        md += ["## Engine-link transport round trip (diagnostic)", "",
+               "`meshnode bench ipc > evidence/ipc.txt`", "", "```", open(ipc_path).read().rstrip(), "```", ""]
     if soak:
         md += ["## Soak (tiny model)", "", f"`meshnode bench soak --preset tiny --minutes {soak['minutes']:g} "
                f"--kill-every {soak['kill_every_s']:g} --json evidence/soak-tiny.json`", "",

@@ -14,6 +14,8 @@ BENCHES = {
     "peers": "16 jobs through the node at concurrency 8 vs Llama serving them one at a time",
     "burst": "in-flight ITL and burst TTFT for each prefill chunk size",
     "soak": "mixed load, random cancels and engine kills; nothing may be lost",
+    "restart": "SIGKILL of the engine to the first token from the restarted engine",
+    "ipc": "round trip of the engine link's zmq PAIR vs a raw socketpair (diagnostic)",
 }
 
 
