@@ -62,6 +62,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.engine = FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256)
         self.sched.engine_restarted()
 
+    @rule()
+    def engine_refuses_plan(self):
+        """The engine refuses a plan (InvalidPlan): its sessions end, the rest go on."""
+        if self.sched.plan() is not None:
+            self._record(self.sched.fail_inflight("ENGINE_ERROR"))
+
     @invariant()
     def bounds_hold(self):
         s, b = self.sched, self.budget
