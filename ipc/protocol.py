@@ -19,6 +19,7 @@ from ipc import reasons as R
 from meshnode.engine.plan import Sampling
 
 VERSION = b"MN1"
+TELEMETRY_TOPIC = b"telemetry"
 MAX_MESSAGE_BYTES = 1 << 20  # also the client socket's MAXMSGSIZE
 MAX_ID_CHARS = 128
 MAX_LIST = 1 << 16  # tokens in one prompt, entries in one list
@@ -172,6 +173,27 @@ def event(kind: str, **fields) -> list[bytes]:
     return [VERSION, pack({"event": kind, **fields})]
 
 
+def pong() -> list[bytes]:
+    return event("pong")
+
+
+def status(node: dict, telemetry: dict) -> list[bytes]:
+    return event("status", node=node, telemetry=telemetry)
+
+
+def tokens(id: str, toks: list[int], text: str) -> list[bytes]:
+    return event("tokens", id=id, tokens=toks, text=text)
+
+
+def done(id: str, reason: str, toks: list[int], text: str, usage: dict) -> list[bytes]:
+    return event("done", id=id, reason=reason, tokens=toks, text=text, usage=usage)
+
+
+def telemetry(snapshot: dict) -> list[bytes]:
+    """A PUB publication: the topic frame, then one full snapshot."""
+    return [TELEMETRY_TOPIC, pack(snapshot)]
+
+
 def admitted(id: str, reason: str) -> list[bytes]:
     return event("admitted", id=id, state=R.RUNNING if reason == R.ADMITTED else R.QUEUED, reason=reason)
 
@@ -203,6 +225,27 @@ def decode_event(frames: list[bytes]) -> dict:
 
 def tick_message(t: int, release: list[int], seqs: list[list]) -> bytes:
     return pack({"t": t, "release": release, "seqs": seqs})
+
+
+def tick_ok(t, miss: list[int], step_ms: float, kv_cells: int, memory: dict) -> dict:
+    """`memory` is {"rss": bytes, "mem": [available, total]} (may be re-used between ticks)."""
+    return {"t": t, "ok": True, "miss": miss, "ms": step_ms, "kv_cells": kv_cells, **memory}
+
+
+def tick_failed(t, fatal: bool, detail: str) -> dict:
+    return {"t": t, "ok": False, "fatal": fatal, "detail": detail}
+
+
+def hello(info: dict) -> bytes:
+    """The engine's first message: its shape (n_vocab, n_seq_max, ..., recipe, pid)."""
+    return pack({"hello": info})
+
+
+def hello_failed(detail: str) -> bytes:
+    return pack({"hello_error": detail})
+
+
+STOP = pack({"stop": True})
 
 
 def engine_unpack(data: bytes) -> dict:

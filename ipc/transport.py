@@ -18,7 +18,7 @@ from pathlib import Path
 
 import zmq
 
-from ipc.protocol import MAX_MESSAGE_BYTES
+from ipc.protocol import MAX_MESSAGE_BYTES, TELEMETRY_TOPIC
 
 CLIENT_HWM = 1000
 
@@ -175,7 +175,7 @@ def client_dealer(ctx: zmq.Context, endpoint: str, server_public_key: bytes | No
 
 def telemetry_sub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     s = _base(ctx.socket(zmq.SUB))
-    s.setsockopt(zmq.SUBSCRIBE, b"telemetry")
+    s.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
     s.setsockopt(zmq.RCVHWM, 10)
     s.connect(endpoint)
     return s

@@ -143,7 +143,7 @@ class EngineLink:
         """Ask the engine to exit cleanly, then make sure it has."""
         if self.proc is not None and self.proc.is_alive() and self.sock is not None:
             try:
-                self.sock.send(P.pack({"stop": True}), zmq.NOBLOCK)
+                self.sock.send(P.STOP, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self.proc.join(timeout)

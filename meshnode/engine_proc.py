@@ -99,9 +99,9 @@ class EngineProcess:
         try:
             self.engine = build_engine(self.cfg)
         except Exception as e:
-            self.sock.send(P.pack({"hello_error": f"{type(e).__name__}: {e}"}))
+            self.sock.send(P.hello_failed(f"{type(e).__name__}: {e}"))
             raise
-        self.sock.send(P.pack({"hello": engine_info(self.engine)}))
+        self.sock.send(P.hello(engine_info(self.engine)))
 
     def loop(self) -> None:
         parent = self.cfg["parent_pid"]
@@ -129,17 +129,16 @@ class EngineProcess:
             res = self.engine.step(plan)
         except EngineError as e:
             log.error("tick %s failed: %s", t, e)
-            return {"t": t, "ok": False, "fatal": e.fatal, "detail": str(e)}
+            return P.tick_failed(t, e.fatal, str(e))
         except ValueError as e:
-            return {"t": t, "ok": False, "fatal": False, "detail": str(e)}
+            return P.tick_failed(t, False, str(e))
         except Exception as e:  # an unexpected bug: the context can't be trusted any more
             log.exception("tick %s raised", t)
-            return {"t": t, "ok": False, "fatal": True, "detail": f"{type(e).__name__}: {e}"}
+            return P.tick_failed(t, True, f"{type(e).__name__}: {e}")
         out = self.arena.output
         for k, c in enumerate(plan.chunks):
             out[k] = res.tokens.get(c.seq_id, -1)
-        return {"t": t, "ok": True, "miss": res.cache_miss, "ms": res.step_ms, "kv_cells": res.kv_cells,
-                **self._memory()}
+        return P.tick_ok(t, res.cache_miss, res.step_ms, res.kv_cells, self._memory())
 
     def _memory(self) -> dict:
         """psutil figures, re-read at most every MEMORY_EVERY_S: they cost more than a small tick."""

@@ -130,7 +130,7 @@ class Front:
             if self.link.state == IDLE:
                 self._dispatch()
             if now >= next_publish:
-                self.pub.send_multipart([b"telemetry", P.pack(self._snapshot())])
+                self.pub.send_multipart(P.telemetry(self._snapshot()))
                 next_publish = now + PUBLISH_EVERY_S
                 if self.link.state != FAILED and self.notifier.watchdog_s:
                     self.notifier.notify("WATCHDOG=1")
@@ -175,9 +175,9 @@ class Front:
             self._reply(ident, P.error(e.code, e.detail, e.id))
             return
         if isinstance(req, P.Ping):
-            self._reply(ident, P.event("pong"))
+            self._reply(ident, P.pong())
         elif isinstance(req, P.Status):
-            self._reply(ident, P.event("status", node=self._node_info(), telemetry=self._snapshot()))
+            self._reply(ident, P.status(self._node_info(), self._snapshot()))
         elif isinstance(req, P.Cancel):
             ev = self.sched.cancel((ident, req.id))
             if ev is None:
@@ -209,12 +209,11 @@ class Front:
             if ev.kind == "tokens":
                 stream = self.streams.get(ev.session.key)
                 text = stream.feed(ev.tokens) if stream else ""
-                self._reply(ident, P.event("tokens", id=sid, tokens=ev.tokens, text=text))
+                self._reply(ident, P.tokens(sid, ev.tokens, text))
             else:
                 self.streams.pop(ev.session.key, None)
                 s = ev.session
-                self._reply(ident, P.event("done", id=sid, reason=ev.reason, tokens=s.generated,
-                                           text=self.tok.decode(s.generated), usage=s.usage()))
+                self._reply(ident, P.done(sid, ev.reason, s.generated, self.tok.decode(s.generated), s.usage()))
 
     def _reply(self, ident: bytes, frames: list[bytes]) -> None:
         """Send to one client; a vanished or stalled client loses its sessions, nobody else does."""
