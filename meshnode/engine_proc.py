@@ -53,10 +53,10 @@ def build_engine(cfg: dict):
 
 
 def engine_info(engine) -> dict:
-    return {"pid": os.getpid(), "n_vocab": engine.n_vocab, "eos": engine.eos, "n_seq_max": engine.n_seq_max,
-            "n_ctx": engine.n_ctx, "n_ctx_seq": engine.n_ctx_seq, "n_batch": engine.n_batch,
-            "kv_bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": engine.weight_bytes,
-            "recipe": engine.recipe_fingerprint}
+    return {"pid": os.getpid(), "n_vocab": engine.n_vocab, "eos": engine.eos, "eog": list(engine.eog),
+            "n_seq_max": engine.n_seq_max, "n_ctx": engine.n_ctx, "n_ctx_seq": engine.n_ctx_seq,
+            "n_batch": engine.n_batch, "kv_bytes_per_token": engine.kv_bytes_per_token,
+            "weight_bytes": engine.weight_bytes, "recipe": engine.recipe_fingerprint}
 
 
 def plan_from_tick(msg: dict, arena: TokenArena) -> Plan:

@@ -85,7 +85,7 @@ class Front:
             max_prefill_tokens_per_tick=cfg.prefill_chunk, kv_budget_bytes=mb(cfg.kv_budget_mb),
             weight_budget_bytes=mb(cfg.weight_budget_mb), memory_floor_bytes=mb(cfg.memory_floor_mb))
         self.recipe = info.recipe
-        self.sched = Scheduler(self.budget, info.eos, recipe=info.recipe)
+        self.sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe)
         self.telemetry = Telemetry(self.sched)
         self.telemetry.engine["pid"] = info.pid
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None

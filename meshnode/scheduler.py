@@ -52,8 +52,11 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, budget: NodeBudget, eos: int, recipe: str | None = None, clock=time.monotonic):
-        self.budget, self.eos, self.clock = budget, eos, clock
+    def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic):
+        """`eos`: the end-of-generation token id, or all of them (chat models end turns with
+        tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG)."""
+        self.budget, self.clock = budget, clock
+        self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe)
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
@@ -158,7 +161,7 @@ class Scheduler:
             return events
 
     def _finish_reason(self, s: Session, tok: int) -> str | None:
-        if tok == self.eos and not s.ignore_eos:
+        if tok in self.eog and not s.ignore_eos:
             return R.EOS
         if tok in s.stop_tokens:
             return R.STOP

@@ -263,3 +263,15 @@ def test_a_refused_plan_ends_its_sessions_and_keeps_its_releases():
     assert set(plan.release) <= set(s.plan().release)
     s.submit(sess("d", max_tokens=3))
     assert done_reasons(s.run_to_completion(e, 20)) == {"d": R.LENGTH}  # ids are not poisoned
+
+
+def test_any_end_of_generation_token_ends_with_eos():
+    e = FakeEngine()
+    _, s = node(engine=e, max_active=2)
+    s.submit(sess("probe", max_tokens=3))
+    s.run_tick(e)
+    first = s.live["probe"].generated[0]
+    e2 = FakeEngine()
+    s2 = Scheduler(NodeBudget.from_engine(e2), [e2.eos, first])  # e.g. EOS and an end-of-turn token
+    s2.submit(sess("chat", max_tokens=30))
+    assert done_reasons(s2.run_to_completion(e2, 50)) == {"chat": R.EOS}

@@ -22,6 +22,7 @@ class FakeEngine:
         self.n_vocab, self.n_seq_max, self.n_ctx, self.n_batch = n_vocab, n_seq_max, n_ctx, n_batch
         self.n_ctx_seq = n_ctx_seq or n_ctx
         self.eos, self.kv_bytes_per_token, self.weight_bytes = eos, kv_bytes_per_token, weight_bytes
+        self.eog = [eos]
         self.recipe_fingerprint = f"fake-{n_vocab}"
         self.step_s = step_s
         self.fail_next = False  # the next step raises a fatal error, as llama_decode rc < -1 would

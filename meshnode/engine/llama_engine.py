@@ -102,6 +102,8 @@ class LlamaEngine:
         vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = L.llama_vocab_n_tokens(vocab)
         self.eos = L.llama_vocab_eos(vocab)
+        # every end-of-generation token (EOS, EOT, ...): one pass over the vocab at load
+        self.eog = sorted(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(vocab, t))
         self.n_seq_max = L.llama_n_seq_max(self._ctx)
         self.n_batch = L.llama_n_batch(self._ctx)
         self.n_ctx = L.llama_n_ctx(self._ctx)
