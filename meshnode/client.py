@@ -92,8 +92,11 @@ class Client:
         except TimeoutError:
             return False
 
-    def collect(self, ids: list[str], timeout_s: float | None = None) -> dict[str, Result]:
-        """Gather admission, streamed tokens and done for already-submitted `ids`."""
+    def collect(self, ids: list[str], timeout_s: float | None = None, on_end=None) -> dict[str, Result]:
+        """Gather admission, streamed tokens and done for already-submitted `ids`.
+
+        `on_end(n_ended, n_total)` is called as each session ends (progress lines).
+        """
         results: dict[str, Result] = {}
         open_ = set(ids)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -105,6 +108,8 @@ class Client:
             if sid not in open_:
                 continue
             kind = ev["event"]
+            if kind in ("rejected", "done", "error") and on_end:
+                on_end(len(ids) - len(open_) + 1, len(ids))
             if kind in ("admitted", "rejected"):
                 results[sid] = Result(sid, ev)
                 if kind == "rejected":

@@ -55,26 +55,13 @@ def run_level(model: str, level: int, jobs: list[dict], threads: int = 0, intern
         t0 = time.monotonic()
         for j in jobs:
             c.submit(j["id"], tokens=j["tokens"], max_tokens=j["max_tokens"], ignore_eos=True)
-        results, done = {}, 0
-        while done < len(jobs):
-            ev = c.recv(600)
-            if ev is None:
-                raise TimeoutError(f"level {level}: the node stopped answering")
-            sid = ev.get("id")
-            rec = results.setdefault(sid, {"tokens": [], "times": []})
-            if ev["event"] == "tokens":
-                rec["tokens"] += ev["tokens"]
-                rec["times"].append(time.monotonic())
-            elif ev["event"] in ("done", "rejected", "error"):
-                rec["end"] = ev
-                done += 1
-                if progress:
-                    progress(level, done, len(jobs))
+        results = c.collect([j["id"] for j in jobs], timeout_s=600,
+                            on_end=(lambda done, total: progress(level, done, total)) if progress else None)
         wall = time.monotonic() - t0
         tele = c.status()["telemetry"]
-    ttft = [(r["times"][0] - t0) * 1e3 for r in results.values() if r["times"]]
-    itl = [d * 1e3 for r in results.values() for d in np.diff(r["times"])]
-    generated = sum(len(r["tokens"]) for r in results.values())
+    ttft = [(r.token_times[0] - t0) * 1e3 for r in results.values() if r.token_times]
+    itl = [d * 1e3 for r in results.values() for d in np.diff(r.token_times)]
+    generated = sum(len(r.tokens) for r in results.values())
     row = {
         "concurrency": level, "ticks": tele["ticks_total"],
         "avg_batch_occupancy": tele["batch_occupancy_avg"], "max_batch_occupancy": tele["batch_occupancy_max"],
@@ -83,9 +70,9 @@ def run_level(model: str, level: int, jobs: list[dict], threads: int = 0, intern
         "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
         "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
         "peak_kv_bytes": tele["kv_used_peak_bytes"], "engine_peak_rss_bytes": tele["engine"]["rss_peak_bytes"],
-        "ended": sorted({r["end"].get("reason", r["end"]["event"]) for r in results.values()}),
+        "ended": sorted({(r.done or r.admission).get("reason", "?") for r in results.values()}),
     }
-    return row, {sid: r["tokens"] for sid, r in results.items()}
+    return row, {sid: r.tokens for sid, r in results.items()}
 
 
 def find_mismatches(reference: dict[str, list[int]], level: int, got: dict[str, list[int]]) -> list[dict]:
