@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Re-run every benchmark behind evidence/README.md (about 15 minutes on 2 cores), then re-render it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m meshnode sweep --json evidence/sweep-tiny.json > evidence/sweep-tiny.txt 2>/dev/null
+python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --json evidence/sweep-bench.json > evidence/sweep-bench.txt 2>/dev/null
+python -m meshnode bench engine --preset bench --json evidence/engine-bench.json > evidence/engine-bench.txt 2>&1
+python -m meshnode bench overhead --preset bench --json evidence/overhead-bench.json > evidence/overhead-bench.txt 2>&1
+python -m meshnode bench peers --preset bench --json evidence/peers-bench.json > evidence/peers-bench.txt 2>&1
+python -m meshnode bench burst --preset bench --json evidence/burst-bench.json > evidence/burst-bench.txt 2>&1
+python -m meshnode bench restart --preset tiny --json evidence/restart-tiny.json > evidence/restart-tiny.txt 2>&1
+python -m meshnode bench restart --preset bench --json evidence/restart-bench.json > evidence/restart-bench.txt 2>&1
+python -m meshnode bench ipc > evidence/ipc.txt 2>&1
+python -m meshnode bench soak --preset tiny --minutes 2 --kill-every 10 --json evidence/soak-tiny.json > evidence/soak-tiny.txt 2>&1
+python evidence/render.py
