@@ -164,17 +164,28 @@ class EngineProcess:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def shutdown(self) -> None:
-        orphaned = os.getppid() != self.cfg["parent_pid"]
+        if self._front_gone():  # the front was killed: nobody else will clean up
+            log.warning("front %d is gone: removing its sockets, locks and arena", self.cfg["parent_pid"])
+            self._remove_orphans()  # first, so nothing below can prevent it
         for name in ("arena", "engine"):
             obj = getattr(self, name, None)
             if obj is not None and hasattr(obj, "close"):
                 obj.close()
-        if orphaned:  # the front was killed: nobody else will remove its sockets, locks and arena
-            self._remove_orphans()
         if hasattr(self, "sock"):
             self.sock.close(0)
             self.ctx.term()
 
+
+    def _front_gone(self) -> bool:
+        """Whether the front died. PDEATHSIG fires when the front's main thread exits, which can be
+        before its other threads have: until then getppid() still names the front, so after a
+        SIGTERM we give the kernel a moment to reparent us."""
+        deadline = time.monotonic() + (1.0 if self.stop else 0.0)
+        while os.getppid() == self.cfg["parent_pid"]:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def _remove_orphans(self) -> None:
         paths = self.cfg.get("orphan_files", []) + [self.cfg["link"][len("ipc://"):],

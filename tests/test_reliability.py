@@ -192,8 +192,10 @@ def test_front_death_takes_the_engine_and_leaves_nothing(tiny_model):
     print(f"engine exited {took:.2f} s after the front was killed")
     assert gone and took < 2.0
     assert wait_until(lambda: set(leftover_segments()) <= set(before), 3)
-    left = [f for f in os.listdir(n.run_dir) if f.endswith((".sock", ".lock"))]
-    assert not left, left
+    def left():
+        return [f for f in os.listdir(n.run_dir) if f.endswith((".sock", ".lock"))]
+
+    assert wait_until(lambda: not left(), 2), (left(), n.log())
 
 
 # -- client faults --------------------------------------------------------------------------------
