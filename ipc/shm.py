@@ -92,7 +92,7 @@ def clean_stale(shm_dir: str = "/dev/shm") -> list[str]:
         if not m:
             continue
         pid = int(m.group(1))
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not alive(pid):
             try:
                 os.unlink(os.path.join(shm_dir, n))
                 removed.append(n)
@@ -101,7 +101,7 @@ def clean_stale(shm_dir: str = "/dev/shm") -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

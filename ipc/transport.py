@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import re
 import socket as _socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import zmq
 
 from ipc.protocol import MAX_MESSAGE_BYTES, TELEMETRY_TOPIC
+from ipc.shm import alive
 
 CLIENT_HWM = 1000
 
@@ -45,6 +47,17 @@ def default_listen() -> str:
 
 def default_telemetry() -> str:
     return f"ipc://{run_dir()}/telemetry.sock"
+
+
+def clean_stale_links(directory: str) -> list[str]:
+    """Remove engine-link sockets (engine-<front pid>-<n>.sock) whose front no longer exists."""
+    removed = []
+    for name in os.listdir(directory):
+        m = re.fullmatch(r"engine-(\d+)-\d+\.sock", name)
+        if m and int(m.group(1)) != os.getpid() and not alive(int(m.group(1))):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
 
 
 def ipc_path(endpoint: str) -> str | None:

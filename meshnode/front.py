@@ -20,8 +20,8 @@ import zmq
 from ipc import protocol as P
 from ipc import reasons as R
 from ipc.shm import TokenArena, clean_stale
-from ipc.transport import Curve, EndpointLock, client_router, default_listen, default_telemetry, run_dir, \
-    telemetry_pub
+from ipc.transport import Curve, EndpointLock, clean_stale_links, client_router, default_listen, \
+    default_telemetry, run_dir, telemetry_pub
 from meshnode import __version__
 from meshnode.budget import NodeBudget
 from meshnode.config import NodeConfig
@@ -64,6 +64,8 @@ class Front:
         for name in clean_stale():
             log.warning("removed stale shared memory segment %s", name)
         self.run_dir = str(run_dir())
+        for name in clean_stale_links(self.run_dir):
+            log.warning("removed a dead node's engine socket %s", name)
         self.listen = cfg.listen or default_listen()
         self.telemetry_ep = cfg.telemetry or default_telemetry()
         self._locks = [EndpointLock(self.listen), EndpointLock(self.telemetry_ep)]

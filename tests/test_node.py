@@ -245,3 +245,16 @@ def test_generate_command_streams_to_the_terminal(node):
     bad = subprocess.run([sys.executable, "-m", "meshnode", "generate", "--connect", node.listen, "--tokens", "3",
                           "--max-tokens", "99999"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "REJECTED_CONTEXT_TOO_LONG" in bad.stderr
+
+
+def test_start_removes_a_dead_nodes_leftovers(tiny_model, tmp_path):
+    stale_pid = 4_000_000  # above pid_max: never alive
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / f"engine-{stale_pid}-1.sock").write_text("")
+    (run_dir / "node.sock").write_text("")  # a crashed node's socket; its lock is free
+    shm = f"/dev/shm/meshnode_{stale_pid}_deadbeef"
+    open(shm, "wb").close()
+    with NodeProcess(tiny_model, run_dir=str(run_dir)) as n, n.client() as c:
+        assert c.ping()
+        assert not (run_dir / f"engine-{stale_pid}-1.sock").exists() and not os.path.exists(shm)
