@@ -34,11 +34,14 @@ class Admission:
         self.n_active = 0
 
     def check(self, s: Session, *, live: bool, queue_len: int, draining: bool,
-              mem_available: int | None) -> AdmissionDecision:
-        """Decide for a new session; does not reserve anything."""
+              mem_available: int | None, engine_down: str | None = None) -> AdmissionDecision:
+        """Decide for a new session; does not reserve anything. `engine_down`: why the engine is
+        unusable (a crash loop), or None."""
         b = self.budget
         if draining:
             return AdmissionDecision(R.REJECTED_DRAINING, "the node is draining and takes no new sessions")
+        if engine_down:
+            return AdmissionDecision(R.REJECTED_ENGINE_UNAVAILABLE, f"engine unavailable: {engine_down}")
         if live:
             return AdmissionDecision(R.REJECTED_DUPLICATE, f"session id {s.key!r} is already live")
         if not s.prompt or s.max_tokens < 1:

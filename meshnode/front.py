@@ -193,17 +193,13 @@ class Front:
         prompt = req.tokens if req.tokens is not None else self.tok.encode(req.text)
         s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
                     req.ignore_eos, req.recipe)
-        if self.link.state == FAILED:
-            d_reason, d_detail = R.REJECTED_ENGINE_UNAVAILABLE, f"engine unavailable: {self.link.last_error}"
-        else:
-            d = self.sched.submit(s)
-            d_reason, d_detail = d.reason, d.detail
-        if d_reason in (R.ADMITTED, R.QUEUED):
+        d = self.sched.submit(s)
+        if d.accepted:
             self.streams[s.key] = TextStream(self.tok)
-            self._reply(ident, P.admitted(req.id, d_reason))
+            self._reply(ident, P.admitted(req.id, d.reason))
         else:
-            self.telemetry.count_reject(d_reason)
-            self._reply(ident, P.rejected(req.id, d_reason, d_detail))
+            self.telemetry.count_reject(d.reason)
+            self._reply(ident, P.rejected(req.id, d.reason, d.detail))
 
     def _send(self, events: list[Event]) -> None:
         for ev in events:
@@ -274,6 +270,7 @@ class Front:
         if self.link.state != FAILED:
             return []
         self.telemetry.engine["healthy"] = False
+        self.sched.engine_down = self.link.last_error
         return self.sched.end_all(R.ENGINE_ERROR)
 
     # -- reporting ------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class Scheduler:
         self.to_release: list[int] = []
         self.counters = Counters()
         self.draining = False
+        self.engine_down: str | None = None  # set when the engine is in a crash loop: new work is refused
         self.mem_available: int | None = None
         self._inflight: list[tuple[Session, SeqChunk]] | None = None
         self._inflight_release: list[int] = []
@@ -74,7 +75,8 @@ class Scheduler:
     def submit(self, s: Session) -> AdmissionDecision:
         with self._lock:
             d = self.admission.check(s, live=s.key in self.live, queue_len=len(self.waiting),
-                                     draining=self.draining, mem_available=self.mem_available)
+                                     draining=self.draining, mem_available=self.mem_available,
+                                     engine_down=self.engine_down)
             if not d.accepted:
                 return d
             s.t_submit = self.clock()

@@ -275,3 +275,10 @@ def test_any_end_of_generation_token_ends_with_eos():
     s2 = Scheduler(NodeBudget.from_engine(e2), [e2.eos, first])  # e.g. EOS and an end-of-turn token
     s2.submit(sess("chat", max_tokens=30))
     assert done_reasons(s2.run_to_completion(e2, 50)) == {"chat": R.EOS}
+
+
+def test_an_engine_in_a_crash_loop_refuses_new_work():
+    e, s = node()
+    s.engine_down = "engine process exited (code 3)"
+    d = s.submit(sess("x"))
+    assert d.reason == R.REJECTED_ENGINE_UNAVAILABLE and "code 3" in d.detail
