@@ -41,9 +41,6 @@ class Client:
     def send(self, req) -> None:
         self.sock.send_multipart(P.encode_request(req))
 
-    def send_raw(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
-
     def submit(self, id: str, *, tokens: list[int] | None = None, text: str | None = None, max_tokens: int = 16,
                sampling: Sampling | None = None, stop_tokens: list[int] | None = None, ignore_eos: bool = False,
                recipe: str | None = None) -> None:

@@ -175,7 +175,6 @@ class EngineProcess:
             self.sock.close(0)
             self.ctx.term()
 
-
     def _front_gone(self) -> bool:
         """Whether the front died. PDEATHSIG fires when the front's main thread exits, which can be
         before its other threads have: until then getppid() still names the front, so after a
