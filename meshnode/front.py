@@ -89,7 +89,6 @@ class Front:
         self.recipe = info.recipe
         self.sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe)
         self.telemetry = Telemetry(self.sched)
-        self.telemetry.engine["pid"] = info.pid
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
         self.router = client_router(self.zctx, self.listen, curve, cfg.insecure, self._auth)
         self.pub = telemetry_pub(self.zctx, self.telemetry_ep)
@@ -127,8 +126,7 @@ class Front:
             why = self.link.check(now)
             if why:
                 self._send(self._engine_died(why))
-            if self.link.maybe_restart(now):
-                self.telemetry.engine["restarts"] = self.link.restarts
+            self.link.maybe_restart(now)
             if self.link.state == IDLE:
                 self._dispatch()
             if now >= next_publish:
@@ -276,7 +274,7 @@ class Front:
     # -- reporting ------------------------------------------------------------------------
     def _snapshot(self) -> dict:
         snap = self.telemetry.snapshot()
-        snap["engine"]["pid"] = self.link.pid
+        snap["engine"].update(pid=self.link.pid, restarts=self.link.restarts)  # the link owns both
         snap["front_rss_bytes"] = rss()
         snap["healthy"] = self.link.state != FAILED
         snap["model"], snap["recipe"] = os.path.basename(self.cfg.model), self.recipe
@@ -289,7 +287,7 @@ class Front:
                 "engine_state": self.link.state, "engine_error": self.link.last_error}
 
     def _status_line(self) -> str:
-        t = self.telemetry.snapshot()
+        t = self._snapshot()
         return (f"active={t['active_sessions']} queued={t['queue_depth']} kv={t['kv_pressure']:.0%} "
                 f"decode={t['decode_tokens_per_s']:.0f} tok/s restarts={t['engine']['restarts']}"
                 f"{' UNHEALTHY' if self.link.state == FAILED else ''}")

@@ -67,10 +67,10 @@ def test_serve_reports_a_config_error_and_exits_2(tmp_path):
 
 def test_drain_finishes_short_sessions_and_drains_the_rest(tiny_model):
     before = leftover_segments()
-    n = NodeProcess(tiny_model, "--max-active", "2", "--drain-timeout-s", "1.5").start()
+    n = NodeProcess(tiny_model, "--max-active", "2", "--drain-timeout-s", "3").start()
     with n.client() as c:
         c.submit("long", tokens=[3, 4, 5], max_tokens=100000 // 30, ignore_eos=True)
-        c.submit("short", tokens=[3, 4, 6], max_tokens=400, ignore_eos=True)
+        c.submit("short", tokens=[3, 4, 6], max_tokens=300, ignore_eos=True)
         c.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "short", keep=True)
         n.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
