@@ -1,8 +1,7 @@
-"""Every message on both links, with its validation, in one place.
+"""Every client-link message, with its validation, in one place.
 
 Client link (shared/protocol.md, version 1): two frames `[b"MN1", msgpack map]`.
-Engine link: one msgpack map per message (`Hello`, `Tick`, `TickReply`); the
-tick's token data travels through the shared-memory arena (ipc/shm.py).
+The engine link's messages are in ipc/link.py.
 
 Decoding never trusts input: msgpack runs with explicit size limits and no ext
 types (no pickle anywhere), and every field is type- and range-checked, so a
@@ -213,43 +212,4 @@ def decode_event(frames: list[bytes]) -> dict:
     msg = unpack(frames[1], max_bytes=64 * MAX_MESSAGE_BYTES)
     if not isinstance(msg, dict) or "event" not in msg:
         raise ProtocolError(R.BAD_REQUEST, "event is not a map with an 'event' key")
-    return msg
-
-
-# -- engine link ----------------------------------------------------------------------
-# A tick: {"t": n, "release": [seq...], "seqs": [[seq, pos, offset, n, draw, *sampling?], ...]}
-# where tokens are arena.input[offset:offset+n]; sampling (4 numbers) rides on a
-# sequence's first chunk (pos 0). The reply writes the k-th entry's sampled token
-# to arena.output[k] and carries {"t", "ok", "miss", "ms", "kv_cells", "rss", "mem"}.
-# Errors reply {"t", "ok": False, "fatal": bool, "detail": str}.
-
-def tick_message(t: int, release: list[int], seqs: list[list]) -> bytes:
-    return pack({"t": t, "release": release, "seqs": seqs})
-
-
-def tick_ok(t, miss: list[int], step_ms: float, kv_cells: int, memory: dict) -> dict:
-    """`memory` is {"rss": bytes, "mem": [available, total]} (may be re-used between ticks)."""
-    return {"t": t, "ok": True, "miss": miss, "ms": step_ms, "kv_cells": kv_cells, **memory}
-
-
-def tick_failed(t, fatal: bool, detail: str) -> dict:
-    return {"t": t, "ok": False, "fatal": fatal, "detail": detail}
-
-
-def hello(info: dict) -> bytes:
-    """The engine's first message: its shape (n_vocab, n_seq_max, ..., recipe, pid)."""
-    return pack({"hello": info})
-
-
-def hello_failed(detail: str) -> bytes:
-    return pack({"hello_error": detail})
-
-
-STOP = pack({"stop": True})
-
-
-def engine_unpack(data: bytes) -> dict:
-    msg = unpack(data, max_bytes=16 * MAX_MESSAGE_BYTES)
-    if not isinstance(msg, dict):
-        raise ValueError("engine link message is not a map")
     return msg

@@ -16,7 +16,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     for name, help_ in [("max-active", "sessions running at once"), ("max-queue", "sessions waiting"),
                         ("max-batch", "sequences per tick"), ("prefill-chunk", "prompt tokens per tick"),
                         ("ctx", "KV cells in the unified pool"), ("n-seq-max", "llama.cpp sequence slots"),
-                        ("n-batch", "most tokens per llama_decode"), ("threads", "CPU threads (0 = all)")]:
+                        ("n-batch", "most tokens per llama_decode"), ("threads", "CPU threads (0 = all)"),
+                        ("pipeline-depth", "ticks in flight: 2 = plan ahead (default), 1 = lockstep")]:
         p.add_argument(f"--{name}", type=int, help=help_)
     for name, help_ in [("kv-budget-mb", "KV byte budget"), ("weight-budget-mb", "refuse to start above this"),
                         ("memory-floor-mb", "reject new sessions below this available memory"),

@@ -37,6 +37,7 @@ class NodeConfig:
     type_v: str = "f16"
     flash_attn: str = "auto"  # auto, on, off (off = f32 attention numerics)
     tick_deadline_s: float = 30.0  # an engine tick longer than this is a hung engine
+    pipeline_depth: int = 2  # ticks in flight: 2 plans the next tick while the engine runs one; 1 = lockstep
     drain_timeout_s: float = 30.0  # on SIGTERM, sessions get this long to finish
     metrics_listen: str | None = None  # host:port for Prometheus /metrics; None = off
     curve_secret_key: str | None = None
@@ -70,6 +71,8 @@ class NodeConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name}: must be > 0, got {v}")
+        if self.pipeline_depth not in (1, 2):
+            raise ConfigError(f"pipeline_depth: must be 1 or 2, got {self.pipeline_depth}")
         if self.model is not None and not os.path.isfile(self.model):
             raise ConfigError(f"model: no such file {self.model}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):

@@ -1,5 +1,11 @@
 """The front's handle on the engine process: spawn, tick, detect death, restart.
 
+Up to `depth` ticks are in flight: the front plans the next tick while the
+engine runs the current one, and the engine finds it queued when it replies.
+Replies come back in order. When the engine refuses a tick, the ticks queued
+behind it are refused too (they were planned on top of it): their replies
+are dropped here, and the next tick sent carries `resync`.
+
 Death is any of: the process sentinel fires, the link answers with a fatal
 error, or a tick runs past its deadline (a hang: the process is killed). Each
 incarnation gets a fresh PAIR endpoint, so no message of a dead engine can be
@@ -13,13 +19,16 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from collections import deque
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import zmq
 
-from ipc import protocol as P
+from ipc import link as L
 from ipc.shm import TokenArena
 from ipc.transport import engine_link_bind
+from meshnode.engine.plan import Plan
 from meshnode.engine_proc import engine_main
 
 log = logging.getLogger("meshnode.front")
@@ -30,12 +39,23 @@ CRASH_LOOP_DEATHS = 5  # deaths in a row with no good tick between them
 START_TIMEOUT_S = 300.0  # loading a big model from a cold disk can be slow
 
 
+@dataclass
+class Flight:
+    """A tick sent and not answered yet."""
+    t: int
+    plan: Plan
+    discard: bool = False  # queued behind a refused tick: the engine refuses it too
+
+
 class EngineLink:
     def __init__(self, zctx: zmq.Context, run_dir: str, engine_cfg: dict, arena: TokenArena,
-                 tick_deadline_s: float, faults: dict | None = None):
+                 tick_deadline_s: float, faults: dict | None = None, depth: int = 2):
         self.zctx, self.run_dir, self.engine_cfg, self.arena = zctx, run_dir, engine_cfg, arena
         self.tick_deadline_s = tick_deadline_s
         self.faults = faults
+        self.depth = depth
+        self.inflight: deque[Flight] = deque()
+        self.resync = False
         self.state = DOWN
         self.info: SimpleNamespace | None = None
         self.proc = None
@@ -44,7 +64,7 @@ class EngineLink:
         self.restarts = 0
         self.deaths_in_row = 0
         self.next_start_at = 0.0
-        self.sent_at = 0.0
+        self.busy_since = 0.0  # when the oldest tick in flight started running
         self.started_at = 0.0
         self.tick_seq = 0
         self.last_error = ""
@@ -79,9 +99,9 @@ class EngineLink:
             raise RuntimeError(f"engine did not start: {self.last_error or 'timeout'}")
         return self.info
 
-    def on_message(self):
-        """Read one message from the link: a hello (returns None) or a tick reply (returned)."""
-        msg = P.engine_unpack(self.sock.recv())
+    def on_message(self) -> tuple[dict, Plan] | None:
+        """Read one message: a tick's reply and the plan it answers, or None (hello, stale, dropped)."""
+        msg = L.unpack_message(self.sock.recv())
         if "hello" in msg:
             self.info = SimpleNamespace(**msg["hello"])
             self.state = IDLE
@@ -89,23 +109,40 @@ class EngineLink:
         if "hello_error" in msg:
             self.last_error = msg["hello_error"]
             return None
-        if self.state != BUSY or msg.get("t") != self.tick_seq:
+        if not self.inflight or msg.get("t") != self.inflight[0].t:
             return None  # a stale reply from before a restart
-        self.state = IDLE
+        flight = self.inflight.popleft()
+        self.busy_since = time.monotonic()
+        if not self.inflight:
+            self.state = IDLE
+        if flight.discard:
+            return None
         if msg.get("ok"):
             self.deaths_in_row = 0
-        return msg
+        elif not msg.get("fatal"):
+            for f in self.inflight:
+                f.discard = True
+            self.resync = True
+        return msg, flight.plan
 
-    def send_tick(self, release: list[int], seqs: list[list]) -> None:
+    @property
+    def can_send(self) -> bool:
+        return self.state in (IDLE, BUSY) and len(self.inflight) < self.depth
+
+    def send_tick(self, plan: Plan, fresh: bool = False) -> None:
         self.tick_seq += 1
-        self.sock.send(P.tick_message(self.tick_seq, release, seqs))
-        self.state, self.sent_at = BUSY, time.monotonic()
+        self.sock.send(L.encode_tick(self.tick_seq, plan, self.arena, self.resync, fresh))
+        self.resync = False
+        if not self.inflight:
+            self.busy_since = time.monotonic()
+        self.inflight.append(Flight(self.tick_seq, plan))
+        self.state = BUSY
 
     def check(self, now: float) -> str | None:
         """Why the engine is dead now, or None: exited, or its tick overran the deadline."""
         if self.state in (STARTING, IDLE, BUSY) and self.proc is not None and not self.proc.is_alive():
             return f"engine process exited (code {self.proc.exitcode})"
-        if self.state == BUSY and now - self.sent_at > self.tick_deadline_s:
+        if self.state == BUSY and now - self.busy_since > self.tick_deadline_s:
             return f"tick ran past its {self.tick_deadline_s:.1f} s deadline"
         if self.state == STARTING and now - self.started_at > START_TIMEOUT_S:
             return "engine did not say hello in time"
@@ -116,6 +153,8 @@ class EngineLink:
         log.error("engine died: %s", why)
         self.last_error = why
         self.kill()
+        self.inflight.clear()
+        self.resync = False
         self.deaths_in_row += 1
         if self.deaths_in_row >= CRASH_LOOP_DEATHS:
             self.state = FAILED
@@ -143,7 +182,7 @@ class EngineLink:
         """Ask the engine to exit cleanly, then make sure it has."""
         if self.proc is not None and self.proc.is_alive() and self.sock is not None:
             try:
-                self.sock.send(P.STOP, zmq.NOBLOCK)
+                self.sock.send(L.STOP, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self.proc.join(timeout)

@@ -20,10 +20,12 @@ import time
 
 import zmq
 
-from ipc import protocol as P
+from ipc import link as L
+from ipc.protocol import pack
 from ipc.shm import TokenArena
 from ipc.transport import engine_link_connect
-from meshnode.engine.plan import EngineError, Plan, Sampling, SeqChunk
+from meshnode.engine.chain import Chain
+from meshnode.engine.plan import EngineError
 from meshnode.memory import host_memory, rss
 
 log = logging.getLogger("meshnode.engine")
@@ -59,20 +61,6 @@ def engine_info(engine) -> dict:
             "weight_bytes": engine.weight_bytes, "recipe": engine.recipe_fingerprint}
 
 
-def plan_from_tick(msg: dict, arena: TokenArena) -> Plan:
-    """Rebuild the Plan from a tick descriptor and the arena; entries are checked for shape."""
-    chunks = []
-    for e in msg.get("seqs", []):
-        if not isinstance(e, list) or len(e) not in (5, 9) or not all(isinstance(x, (int, float)) for x in e):
-            raise ValueError(f"malformed tick entry {e!r}")
-        seq, pos, off, n, draw = (int(x) for x in e[:5])
-        if off < 0 or n < 0 or off + n > arena.n_input:
-            raise ValueError(f"tick entry {e!r} points outside the arena")
-        sampling = Sampling.from_list(e[5:]) if len(e) == 9 else None
-        chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling))
-    return Plan(chunks, [int(s) for s in msg.get("release", [])])
-
-
 class EngineProcess:
     def __init__(self, cfg: dict):
         self.cfg = cfg
@@ -81,6 +69,7 @@ class EngineProcess:
         self.ticks = 0
         self._mem, self._mem_at = {}, -MEMORY_EVERY_S
         self._replied_at = 0.0
+        self.chain = Chain()
 
     def initialize(self) -> None:
         _die_with_parent(self.cfg["parent_pid"])
@@ -99,9 +88,9 @@ class EngineProcess:
         try:
             self.engine = build_engine(self.cfg)
         except Exception as e:
-            self.sock.send(P.hello_failed(f"{type(e).__name__}: {e}"))
+            self.sock.send(L.hello_failed(f"{type(e).__name__}: {e}"))
             raise
-        self.sock.send(P.hello(engine_info(self.engine)))
+        self.sock.send(L.hello(engine_info(self.engine)))
 
     def loop(self) -> None:
         parent = self.cfg["parent_pid"]
@@ -110,35 +99,35 @@ class EngineProcess:
                 if os.getppid() != parent:
                     return
                 continue
-            msg = P.engine_unpack(self.sock.recv())
+            msg = L.unpack_message(self.sock.recv())
             arrived = time.perf_counter()
             if msg.get("stop"):
                 return
             reply = self.tick(msg)
             # how long the front took to send this tick after our last reply (front + IPC, one clock)
-            reply["gap_ms"] = (arrived - self._replied_at) * 1e3 if self._replied_at else -1.0
-            self.sock.send(P.pack(reply))
+            back_to_back = self._replied_at and not msg.get("fresh")
+            reply["gap_ms"] = (arrived - self._replied_at) * 1e3 if back_to_back else -1.0
+            self.sock.send(pack(reply))
             self._replied_at = time.perf_counter()
 
     def tick(self, msg: dict) -> dict:
         t = msg.get("t")
         self.ticks += 1
         try:
-            plan = plan_from_tick(msg, self.arena)
+            plan, out, resync = L.decode_tick(msg, self.arena)
             self._inject_faults()
-            res = self.engine.step(plan)
-        except EngineError as e:
+            res = self.chain.step(self.engine, plan, resync)
+        except (EngineError, ValueError) as e:
+            fatal = getattr(e, "fatal", False)
+            if not fatal:
+                self.chain.failed()
             log.error("tick %s failed: %s", t, e)
-            return P.tick_failed(t, e.fatal, str(e))
-        except ValueError as e:
-            return P.tick_failed(t, False, str(e))
+            return L.tick_failed(t, fatal, str(e))
         except Exception as e:  # an unexpected bug: the context can't be trusted any more
             log.exception("tick %s raised", t)
-            return P.tick_failed(t, True, f"{type(e).__name__}: {e}")
-        out = self.arena.output
-        for k, c in enumerate(plan.chunks):
-            out[k] = res.tokens.get(c.seq_id, -1)
-        return P.tick_ok(t, res.cache_miss, res.step_ms, res.kv_cells, self._memory())
+            return L.tick_failed(t, True, f"{type(e).__name__}: {e}")
+        L.write_samples(self.arena, out, plan, res)
+        return L.tick_ok(t, res.cache_miss, res.step_ms, res.kv_cells, self._memory())
 
     def _memory(self) -> dict:
         """psutil figures, re-read at most every MEMORY_EVERY_S: they cost more than a small tick."""
@@ -158,6 +147,9 @@ class EngineProcess:
             raise FatalEngineError("injected: llama_decode returned -3")
         if kind == "raise":
             raise RuntimeError("injected exception in step")
+        if kind == "refuse":
+            from meshnode.engine.plan import InvalidPlan
+            raise InvalidPlan("injected: a plan the engine refuses")
         if kind == "hang":
             time.sleep(3600)
         if kind == "kill":

@@ -2,7 +2,8 @@
 
 One zmq poll loop multiplexes the client ROUTER, the engine link and timers:
 client frames are decoded and answered at once (admission never waits for a
-tick), the next tick is sent whenever the engine is idle, each reply becomes
+tick), the next tick is planned and sent while the engine still runs the
+current one (so the engine never waits for this process), each reply becomes
 `tokens` / `done` events, and a full telemetry snapshot goes out every second.
 Signal handlers only set flags; the loop drains. All policy lives in the pure
 Scheduler; this file only moves bytes and keeps every session's promise of
@@ -17,6 +18,7 @@ import time
 
 import zmq
 
+from ipc import link as L
 from ipc import protocol as P
 from ipc import reasons as R
 from ipc.shm import TokenArena, clean_stale
@@ -25,8 +27,7 @@ from ipc.transport import Curve, EndpointLock, clean_stale_links, client_router,
 from meshnode import __version__
 from meshnode.budget import NodeBudget
 from meshnode.config import NodeConfig
-from meshnode.engine.plan import StepResult
-from meshnode.engine_link import FAILED, IDLE, EngineLink
+from meshnode.engine_link import FAILED, EngineLink
 from meshnode.memory import rss
 from meshnode.scheduler import Event, Scheduler
 from meshnode.sdnotify import Notifier
@@ -71,14 +72,15 @@ class Front:
         self._locks = [EndpointLock(self.listen), EndpointLock(self.telemetry_ep)]
         self.tok = Tokenizer(cfg.model)
         self.zctx = zmq.Context()
-        self.arena = TokenArena.create(cfg.n_batch, cfg.n_seq_max)
+        self.arena = TokenArena.create(*L.arena_shape(cfg.n_batch, cfg.n_seq_max))
         orphans = [f for lock in self._locks if lock.path for f in (lock.path, lock.path + ".lock")]
         engine_cfg = {"kind": cfg.engine_kind, "log_level": cfg.log_level, "fake": cfg.fake or {},
                       "orphan_files": orphans,
                       "engine": {"model_path": cfg.model, "n_seq_max": cfg.n_seq_max, "n_ctx": cfg.ctx,
                                  "n_batch": cfg.n_batch, "n_threads": cfg.threads, "type_k": cfg.type_k,
                                  "type_v": cfg.type_v, "flash_attn": cfg.flash_attn}}
-        self.link = EngineLink(self.zctx, self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults)
+        self.link = EngineLink(self.zctx, self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults,
+                               cfg.pipeline_depth)
         self.link.start()
         info = self.link.wait_ready()
         mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
@@ -127,8 +129,7 @@ class Front:
             if why:
                 self._send(self._engine_died(why))
             self.link.maybe_restart(now)
-            if self.link.state == IDLE:
-                self._dispatch()
+            self._dispatch()
             if now >= next_publish:
                 self.pub.send_multipart(P.telemetry(self._snapshot()))
                 next_publish = now + PUBLISH_EVERY_S
@@ -155,8 +156,7 @@ class Front:
         ready = dict(self._poller.poll(timeout_ms))
         if self.link.sock is not None and ready.get(self.link.sock):
             events = self._on_engine(self.link.on_message())
-            if self.link.state == IDLE:
-                self._dispatch()  # the engine computes the next tick while we talk to clients
+            self._dispatch(after_reply=True)  # refill the pipeline before talking to clients
             self._send(events)
         if ready.get(self.router):
             for _ in range(MAX_FRAMES_PER_POLL):
@@ -229,32 +229,29 @@ class Front:
                 self.streams.pop(k, None)
 
     # -- engine -------------------------------------------------------------------------
-    def _dispatch(self) -> None:
-        plan = self.sched.plan()
-        if plan is None:
-            return
-        seqs, off, buf = [], 0, self.arena.input
-        for c in plan.chunks:
-            n = len(c.tokens)
-            buf[off:off + n] = c.tokens
-            entry = [c.seq_id, c.pos, off, n, c.draw]
-            seqs.append(entry + c.sampling.as_list() if c.sampling is not None else entry)
-            off += n
-        self._plan = plan
-        self.link.send_tick(plan.release, seqs)
+    def _dispatch(self, after_reply: bool = False) -> None:
+        """Send ticks until the pipeline is full or there is nothing to do.
 
-    def _on_engine(self, msg: dict | None) -> list[Event]:
+        A tick sent to an idle engine that did not just reply is `fresh`: the engine was waiting
+        for clients, not for us, so its wait is not counted as front + IPC cost.
+        """
+        while self.link.can_send:
+            plan = self.sched.plan()
+            if plan is None:
+                return
+            self.link.send_tick(plan, fresh=not after_reply and not self.link.inflight)
+
+    def _on_engine(self, reply: tuple[dict, object] | None) -> list[Event]:
         """A tick's reply -> the sessions' events (sent by the caller, after the next dispatch)."""
-        if msg is None:
+        if reply is None:
             return []
+        msg, plan = reply
         if not msg.get("ok"):
             if msg.get("fatal"):
                 return self._engine_died(f"engine reported a fatal error: {msg.get('detail')}")
             log.error("engine refused a plan: %s", msg.get("detail"))
             return self.sched.fail_inflight(R.ENGINE_ERROR)
-        out = self.arena.output
-        res = StepResult({c.seq_id: int(out[k]) for k, c in enumerate(self._plan.chunks) if c.draw >= 0},
-                         list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
+        res = L.read_result(msg, plan, self.arena)
         self.telemetry.record_tick(int(msg.get("rss", self.telemetry.engine["rss_bytes"])), res.step_ms,
                                    res.kv_cells, float(msg.get("gap_ms", -1.0)))
         if "mem" in msg:

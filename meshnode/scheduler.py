@@ -12,10 +12,14 @@ Policy (fixed):
    still progresses). A long prompt spans ticks: prefill never stalls decode.
 A chunk that reaches the end of a session's tokens samples the next one.
 
-`plan()` then `apply(result)` is one tick. After an engine restart,
-`engine_restarted()` marks every running session's KV as gone; the same
-chunked prefill rebuilds prompt + generated tokens, and the counter-based
-sampler makes the continuation identical.
+`plan()` then `apply(result)` is one tick. The front may plan the next tick
+before the last one's result is back (ticks are applied in the order they
+were planned): a session whose sample is still in flight decodes it as a
+`follow` chunk the engine fills in, so the engine never idles while the
+front works. After an engine restart, `engine_restarted()` marks every
+running session's KV as gone; the same chunked prefill rebuilds prompt +
+generated tokens, and the counter-based sampler makes the continuation
+identical.
 """
 from __future__ import annotations
 
@@ -39,6 +43,13 @@ class Event:
     session: Session
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
+
+
+@dataclass
+class Tick:
+    """A planned tick whose result is not applied yet."""
+    chunks: list[tuple[Session, SeqChunk]]
+    release: list[int]
 
 
 @dataclass
@@ -67,8 +78,7 @@ class Scheduler:
         self.draining = False
         self.engine_down: str | None = None  # set when the engine is in a crash loop: new work is refused
         self.mem_available: int | None = None
-        self._inflight: list[tuple[Session, SeqChunk]] | None = None
-        self._inflight_release: list[int] = []
+        self._inflight: deque[Tick] = deque()
         self._lock = threading.RLock()
 
     # -- requests (thread-safe) -------------------------------------------------
@@ -119,7 +129,7 @@ class Scheduler:
             release, self.to_release = self.to_release, []
             if not chunks and not release:
                 return None
-            self._inflight, self._inflight_release = chunks, release
+            self._inflight.append(Tick(chunks, release))
             if chunks:  # a release-only plan is housekeeping, not a tick of work
                 c = self.counters
                 c.ticks += 1
@@ -130,27 +140,37 @@ class Scheduler:
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
-        toks = np.asarray(s.tokens[s.n_cached:s.n_cached + n], dtype=np.int32)
-        end = s.n_cached + n == len(s.tokens)
-        return s, SeqChunk(s.seq_id, s.n_cached, toks, draw=s.n_generated if end else -1,
-                           sampling=s.sampling if s.n_cached == 0 else None)
+        start, known = s.n_cached, s.tokens[s.n_cached:s.n_cached + n]
+        follow = len(known) < n  # its last token is the sample of the tick still in flight
+        end = start + n == len(s.tokens) + s.draws_in_flight
+        chunk = SeqChunk(s.seq_id, start, np.asarray(known + [-1] * (n - len(known)), dtype=np.int32),
+                         draw=s.n_generated + s.draws_in_flight if end else -1,
+                         sampling=s.sampling if start == 0 else None, follow=follow)
+        s.n_cached += n
+        s.draws_in_flight += end
+        return s, chunk
+
+    @property
+    def in_flight(self) -> int:
+        """Planned ticks whose results are not applied yet."""
+        return len(self._inflight)
 
     def apply(self, result: StepResult) -> list[Event]:
-        """Turn the engine's result for the last plan into per-session events."""
+        """Turn the engine's result for the oldest planned tick into per-session events."""
         with self._lock:
+            if not self._inflight:
+                return []
             events: list[Event] = []
-            inflight, self._inflight = self._inflight or [], None
             missed = set(result.cache_miss)
-            for s, c in inflight:
+            for s, c in self._inflight.popleft().chunks:
                 if s.state != RUNNING or s.seq_id != c.seq_id:
-                    continue  # cancelled or restarted while the tick ran: its result is stale
+                    continue  # cancelled or ended while the tick ran: its result is stale
                 if c.seq_id in missed:
-                    s.n_cached = 0
-                    events.append(self._end(s, R.CACHE_MISS, released=True))
+                    events.append(self._end(s, R.CACHE_MISS))  # released again: see Chain
                     continue
-                s.n_cached = c.pos + len(c.tokens)
                 if c.draw < 0:
                     continue
+                s.draws_in_flight -= 1
                 tok = result.tokens[c.seq_id]
                 s.tokens.append(tok)
                 self.counters.decode_tokens += 1
@@ -172,24 +192,36 @@ class Scheduler:
         return None
 
     def fail_inflight(self, reason: str) -> list[Event]:
-        """End the sessions of the last plan (the engine refused it); the others go on.
+        """The engine refused the oldest planned tick: end its sessions; the others go on.
 
-        The refused plan's releases may not have run, so they go out again with the next plan
+        Ticks planned after it were built on top of it, and the engine refuses them until the
+        next tick it gets is a resync, so their sessions roll back to before them and are planned
+        again. None of the refused releases may have run, so they go out again with the next plan
         (releasing an empty sequence is harmless; a lost release would poison its id).
         """
         with self._lock:
-            inflight, self._inflight = self._inflight or [], None
-            self.to_release = self._inflight_release + self.to_release
-            self._inflight_release = []
-            return [self._end(s, reason) for s, c in inflight if s.state == RUNNING and s.seq_id == c.seq_id]
+            if not self._inflight:
+                return []
+            failed = self._inflight.popleft()
+            events = [self._end(s, reason) for s, c in failed.chunks if s.state == RUNNING and s.seq_id == c.seq_id]
+            release = list(failed.release)
+            for tick in self._inflight:
+                release += tick.release
+                for s, c in tick.chunks:
+                    if s.state == RUNNING and s.seq_id == c.seq_id:
+                        s.n_cached = min(s.n_cached, c.pos)
+                        s.draws_in_flight -= c.draw >= 0
+            self._inflight.clear()
+            self.to_release = release + self.to_release
+            return events
 
     def engine_restarted(self) -> None:
         """The engine's KV is gone: rebuild every running session by re-prefilling it."""
         with self._lock:
-            self._inflight = None
+            self._inflight.clear()
             self.to_release = []
             for s in self.running:
-                s.n_cached = 0
+                s.n_cached = s.draws_in_flight = 0
 
     # -- internals -----------------------------------------------------------------
     def _start(self, s: Session) -> None:
@@ -202,12 +234,11 @@ class Scheduler:
         while self.waiting and self.admission.can_start(self.waiting[0]) and self.free_seqs:
             self._start(self.waiting.popleft())
 
-    def _end(self, s: Session, reason: str, released: bool = False) -> Event:
+    def _end(self, s: Session, reason: str) -> Event:
         if s.state == RUNNING:
             self.admission.release(s)
             self.running.remove(s)
-            if not released:
-                self.to_release.append(s.seq_id)
+            self.to_release.append(s.seq_id)
             self.free_seqs.append(s.seq_id)
         elif s.state == QUEUED:
             self.waiting.remove(s)

@@ -18,9 +18,11 @@ class Session:
     stop_tokens: frozenset = frozenset()
     ignore_eos: bool = False
     recipe: str | None = None
-    # progress: `tokens` is prompt + generated; the KV holds tokens[:n_cached]
+    # progress: `tokens` is prompt + generated. tokens[:n_cached] are in the KV or in a tick on
+    # its way there; `draws_in_flight` samples are asked for and not back yet (pipelined ticks)
     tokens: list[int] = field(default_factory=list)
     n_cached: int = 0
+    draws_in_flight: int = 0
     seq_id: int = -1
     state: str = NEW
     reason: str | None = None
@@ -45,8 +47,14 @@ class Session:
 
     @property
     def pending(self) -> int:
-        """Tokens still to feed before the next sample: 1 when decoding, more in prefill."""
-        return len(self.tokens) - self.n_cached
+        """Tokens still to feed before the next sample: 1 when decoding, more in prefill.
+
+        A sample in flight counts as a token to feed (the engine fills it in), unless it is the
+        session's last one: feeding it would compute a token nobody asked for.
+        """
+        if self.draws_in_flight and self.n_generated + self.draws_in_flight >= self.max_tokens:
+            return 0
+        return len(self.tokens) + self.draws_in_flight - self.n_cached
 
     @property
     def kv_tokens(self) -> int:

@@ -17,6 +17,7 @@ from ipc import reasons as R
 from ipc.shm import leftover_segments
 from ipc.transport import free_tcp_port
 from meshnode.client import Client
+from meshnode.engine.chain import AWAITING_RESYNC
 from meshnode.engine.plan import Sampling
 from meshnode.nodeproc import NodeProcess
 from nodes import wait_until
@@ -162,6 +163,28 @@ def test_engine_fault_reprefills_with_identical_tokens(tiny_model, reference_tok
     assert {sid: r.tokens for sid, r in got.items()} == reference_tokens
     assert all(r.done["reason"] == R.LENGTH for r in got.values())
     assert t["engine"]["restarts"] == 1 and t["healthy"]
+
+
+def test_a_refused_tick_ends_its_sessions_and_the_node_goes_on(tiny_model, reference_tokens):
+    """A non-fatal refusal with a second tick already queued behind it: that tick is refused
+    too and planned again after a resync; no restart, and the next session is served exactly."""
+    internal = {"faults": {"kind": "refuse", "at_tick": 20}}
+    with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        got = c.collect(list(JOBS))
+        c.submit("again", **JOBS["f1"])
+        again = c.collect(["again"])["again"]
+        t = c.status()["telemetry"]
+        log = n.log()
+    assert AWAITING_RESYNC in log  # the tick queued behind the refused one was there, and refused
+    reasons = {sid: r.done["reason"] for sid, r in got.items()}
+    assert R.ENGINE_ERROR in reasons.values() and set(reasons.values()) <= {R.ENGINE_ERROR, R.LENGTH}
+    for sid, r in got.items():
+        want = reference_tokens[sid]
+        assert r.tokens == (want[:len(r.tokens)] if reasons[sid] == R.ENGINE_ERROR else want)
+    assert again.tokens == reference_tokens["f1"] and again.done["reason"] == R.LENGTH
+    assert t["engine"]["restarts"] == 0 and t["healthy"]
 
 
 def test_crash_loop_makes_the_node_unhealthy_instead_of_spinning(tiny_model):

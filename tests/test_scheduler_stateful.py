@@ -7,6 +7,7 @@ from meshnode.budget import NodeBudget
 from meshnode.engine.fake import FakeEngine
 from meshnode.scheduler import Scheduler
 from meshnode.session import Session
+from drive import Pipelined
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -78,12 +79,58 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.accepted + self.rejected == self.submitted
         assert all(n <= 1 for n in self.ends.values())  # never two dones
 
+    def finish(self):
+        return self.sched.run_to_completion(self.engine, 5000)
+
     def teardown(self):
-        self._record(self.sched.run_to_completion(self.engine, 5000))
+        self._record(self.finish())
         assert all(n == 1 for n in self.ends.values()), "a session ended without exactly one done"
         assert len(self.ends) == self.accepted
         assert self.sched.admission.kv_reserved_bytes == 0 and not self.sched.live
 
 
+class PipelinedMachine(SchedulerMachine):
+    """The same rules and invariants with ticks planned ahead of the engine, as the node runs them."""
+
+    def __init__(self):
+        super().__init__()
+        self.driver = Pipelined(self.sched, self.engine)
+
+    @rule()
+    def tick(self):
+        self.driver.fill()
+        if self.driver.queue:
+            self._record(self.driver.run_one())
+
+    @rule()
+    def engine_fails(self):
+        """The engine dies with every queued tick: a fresh engine, every session re-prefilled."""
+        self.driver.fill()
+        self.engine = FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256)
+        self.sched.engine_restarted()
+        self.driver = Pipelined(self.sched, self.engine)
+
+    @rule()
+    def engine_refuses_plan(self):
+        self.driver.fill()
+        if self.driver.queue:
+            self.driver.refuse.add(self.driver.queue[0][0])
+            self._record(self.driver.run_one())
+
+    @rule()
+    def engine_has_no_kv_room(self):
+        self.driver.fill()
+        if self.driver.queue:
+            self.driver.miss.add(self.driver.queue[0][0])
+            self._record(self.driver.run_one())
+
+    def finish(self):
+        events = self.driver.run_to_completion(5000)
+        assert self.engine._next_pos == [0] * self.engine.n_seq_max
+        return events
+
+
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPipelined = PipelinedMachine.TestCase
+TestPipelined.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -59,6 +59,11 @@ class SeqChunk:
     -1 means no sample (a middle prompt chunk). `sampling` rides on the
     sequence's first chunk (pos 0; None there means greedy); the engine
     remembers it until the sequence is released.
+
+    `follow` marks a one-token chunk whose token is the one this sequence
+    sampled in the tick before, which the front has not seen yet when it
+    plans one tick ahead (its token here is -1); the engine process fills it
+    in (meshnode/engine/chain.py) before any engine sees the plan.
     """
 
     seq_id: int
@@ -66,6 +71,7 @@ class SeqChunk:
     tokens: np.ndarray
     draw: int = -1
     sampling: Sampling | None = None
+    follow: bool = False
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""Ties pipelined ticks together on the engine side.
+
+The front plans tick N+1 while the engine still runs tick N, so the engine
+never waits for the front (vLLM's async scheduling, SGLang's overlap
+scheduler). A sequence that samples in tick N then decodes in tick N+1 with a
+token the front has not seen: its chunk is marked `follow`, and the Chain
+fills it in from tick N's result. Two things can break that link, and both
+are handled here so that one bad tick never takes good sequences with it:
+
+- tick N lost a sequence's KV (llama_decode rc=1, a cache miss): its chunks in
+  tick N+1 are dropped and reported as misses again, unless N+1 released the
+  sequence and starts a new session on it;
+- tick N was refused (a bad plan): every later tick that was already queued
+  was planned on top of it, so the Chain refuses them all until the front,
+  having rolled its own state back, sends a tick marked `resync`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from meshnode.engine.plan import InvalidPlan, Plan, StepResult
+
+AWAITING_RESYNC = "refused: an earlier tick failed and the front has not resynchronised yet"
+
+
+class Chain:
+    def __init__(self):
+        self.sampled: dict[int, int] = {}  # seq_id -> token sampled in the last tick
+        self.lost: set[int] = set()  # sequences whose KV the last tick lost
+        self.refusing = False
+
+    def resolve(self, plan: Plan, resync: bool = False) -> tuple[Plan, list[int]]:
+        """The plan an engine can run (every follow filled in), and the sequences dropped from it."""
+        if resync:
+            self.refusing, self.sampled, self.lost = False, {}, set()
+        if self.refusing:
+            raise InvalidPlan(AWAITING_RESYNC)
+        if not any(c.follow for c in plan.chunks) and not self.lost:
+            return plan, []
+        chunks, dropped = [], []
+        for c in plan.chunks:
+            if c.seq_id in self.lost and c.seq_id not in plan.release:
+                dropped.append(c.seq_id)
+                continue
+            if c.follow:
+                if len(c.tokens) != 1 or c.seq_id in plan.release or c.seq_id not in self.sampled:
+                    raise InvalidPlan(f"sequence {c.seq_id} follows a sample the last tick did not draw")
+                c = replace(c, tokens=np.array([self.sampled[c.seq_id]], np.int32), follow=False)
+            chunks.append(c)
+        return Plan(chunks, plan.release), dropped
+
+    def step(self, engine, plan: Plan, resync: bool = False) -> StepResult:
+        """Run `plan` on `engine` right after the tick before it; dropped sequences come back as misses.
+
+        A refusal (InvalidPlan, or any error the caller does not treat as fatal) must be followed
+        by `failed()`.
+        """
+        runnable, dropped = self.resolve(plan, resync)
+        res = engine.step(runnable)
+        res.cache_miss = list(res.cache_miss) + dropped
+        self.sampled, self.lost = dict(res.tokens), set(res.cache_miss)
+        return res
+
+    def failed(self) -> None:
+        """This tick was refused: refuse the queued ticks planned on top of it until a resync."""
+        self.refusing, self.sampled, self.lost = True, {}, set()

@@ -1,0 +1,202 @@
+"""Pipelined ticks: the front plans tick N+1 while the engine runs tick N.
+
+The promise: pipelining changes when work is planned, never what comes out. Every test compares
+against lockstep ticks (plan, run, apply) on the same fake engine, whose next token depends only
+on a sequence's own contents, so any token fed at the wrong position or to the wrong sequence
+shows up as a different output.
+"""
+import numpy as np
+import pytest
+
+from drive import Pipelined
+from ipc import reasons as R
+from meshnode.budget import NodeBudget
+from meshnode.engine.chain import AWAITING_RESYNC, Chain
+from meshnode.engine.fake import FakeEngine
+from meshnode.engine.plan import InvalidPlan, Plan, Sampling, SeqChunk, StepResult
+from meshnode.scheduler import Scheduler
+from meshnode.session import Session
+
+
+def scheduler(engine, **kw):
+    kw = {"max_active": 5, "max_queue": 20, "max_batch_size": 3, "max_prefill_tokens_per_tick": 16, **kw}
+    return Scheduler(NodeBudget.from_engine(engine, **kw), engine.eos)
+
+
+def sessions(stops=None):
+    """Prompts of 1 to 46 tokens, some seeded, some with stop tokens that end them early."""
+    out = []
+    for i in range(12):
+        sampling = Sampling(0.8, 40, 0.95, seed=i) if i % 3 == 0 else Sampling()
+        stop = frozenset((stops or {}).get(i, ()))
+        out.append(Session(i, [3 + (i * 31 + k * 7) % 500 for k in range(1 + 5 * (i % 10))], 4 + i % 7,
+                           sampling, stop_tokens=stop))
+    return out
+
+
+def outcome(events):
+    return {e.session.key: (e.reason, e.tokens) for e in events if e.kind == "done"}
+
+
+def lockstep(make=sessions, **kw):
+    e = FakeEngine()
+    s = scheduler(e, **kw)
+    for x in make():
+        s.submit(x)
+    return outcome(s.run_to_completion(e))
+
+
+def pipelined(make=sessions, refuse=(), miss=(), **kw):
+    e = FakeEngine()
+    s = scheduler(e, **kw)
+    for x in make():
+        s.submit(x)
+    d = Pipelined(s, e, refuse=refuse, miss=miss)
+    return outcome(d.run_to_completion()), d, s, e
+
+
+def assert_clean(s, e):
+    assert not s.live and s.admission.kv_reserved_bytes == 0 and s.in_flight == 0
+    assert e._next_pos == [0] * e.n_seq_max  # every sequence released in the engine too
+
+
+def test_pipelined_ticks_give_the_lockstep_tokens():
+    want = lockstep()
+    got, d, s, e = pipelined()
+    assert got == want
+    assert d.follows > 20  # most decode steps really ran on a sample the front had not seen yet
+    assert_clean(s, e)
+
+
+def test_endings_the_front_cannot_foresee_waste_one_step_and_change_nothing():
+    """A stop token is known only when its tick's result is back, and by then the next tick
+    (with the session in it) is already queued: that step is computed and thrown away."""
+    first = lockstep()
+    stops = {i: {toks[1]} for i, (_, toks) in first.items() if i % 2 and len(toks) > 2}
+    want = lockstep(lambda: sessions(stops))
+    assert {i for i, (r, _) in want.items() if r == R.STOP} == set(stops)
+    got, d, s, e = pipelined(lambda: sessions(stops))
+    assert got == want
+    assert_clean(s, e)
+
+
+def test_the_last_sample_is_never_fed_back():
+    """Length is foreseeable: a session whose final sample is in flight is not planned again."""
+    e = FakeEngine()
+    s = scheduler(e)
+    s.submit(Session("a", [3, 4, 5], 1))
+    d = Pipelined(s, e)
+    d.fill()
+    assert len(d.queue) == 1  # the prompt's tick; nothing to plan on top of it
+    got = outcome(d.run_to_completion())
+    assert got == lockstep(lambda: [Session("a", [3, 4, 5], 1)]) and got["a"][0] == R.LENGTH
+    assert d.t == 2  # the prompt's tick and the release: no step computed a token nobody wanted
+
+
+def test_cancel_while_two_ticks_are_in_flight():
+    e = FakeEngine()
+    s = scheduler(e)
+    for x in sessions():
+        s.submit(x)
+    d = Pipelined(s, e)
+    events = []
+    for _ in range(3):
+        d.fill()
+        events += d.run_one()
+    d.fill()
+    assert len(d.queue) == 2
+    victim = s.running[0].key
+    events.append(s.cancel(victim))
+    events += d.run_to_completion()
+    got = outcome(events)
+    want = lockstep()
+    assert got[victim][0] == R.CANCELLED
+    assert {k: v for k, v in got.items() if k != victim} == {k: v for k, v in want.items() if k != victim}
+    assert sum(ev.kind == "done" and ev.session.key == victim for ev in events) == 1
+    assert_clean(s, e)
+
+
+@pytest.mark.parametrize("t", [2, 5, 9])
+def test_a_refused_tick_ends_its_sessions_only(t):
+    """The queued tick behind the refused one is refused too and planned again after a resync."""
+    got, d, s, e = pipelined(refuse={t})
+    want = lockstep()
+    failed = {k for k, (r, _) in got.items() if r == R.ENGINE_ERROR}
+    assert len(d.refused) == 1  # the ticks after it were planned again, not refused in turn
+    assert 0 < len(failed) <= len(d.refused[0].chunks)
+    assert {k: v for k, v in got.items() if k not in failed} == {k: v for k, v in want.items() if k not in failed}
+    assert_clean(s, e)
+
+
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_a_tick_without_kv_room_ends_its_sessions_only(t):
+    got, d, s, e = pipelined(miss={t})
+    want = lockstep()
+    missed = {k for k, (r, _) in got.items() if r == R.CACHE_MISS}
+    assert missed
+    assert {k: v for k, v in got.items() if k not in missed} == {k: v for k, v in want.items() if k not in missed}
+    assert_clean(s, e)
+
+
+def test_engine_restart_with_ticks_in_flight_reprefills_identically():
+    e = FakeEngine()
+    s = scheduler(e)
+    for x in sessions():
+        s.submit(x)
+    d = Pipelined(s, e)
+    events = []
+    for _ in range(6):
+        d.fill()
+        events += d.run_one()
+    d.fill()
+    e = FakeEngine()  # the engine died with two ticks queued: they are lost with it
+    s.engine_restarted()
+    events += Pipelined(s, e).run_to_completion()
+    assert outcome(events) == lockstep()
+    assert_clean(s, e)
+
+
+# -- the Chain on its own ------------------------------------------------------------------------
+def chunk(seq, pos, toks, draw=-1, follow=False):
+    return SeqChunk(seq, pos, np.array(toks, np.int32), draw, follow=follow)
+
+
+def test_chain_fills_in_the_last_sample():
+    c = Chain()
+    c.step(FakeEngine(), Plan([chunk(0, 0, [5, 6], draw=0)]))
+    plan, dropped = c.resolve(Plan([chunk(0, 2, [-1], draw=1, follow=True)]))
+    assert dropped == [] and plan.chunks[0].tokens.tolist() == [c.sampled[0]] and not plan.chunks[0].follow
+
+
+def test_chain_refuses_a_follow_without_a_sample():
+    c = Chain()
+    with pytest.raises(InvalidPlan, match="follows a sample"):
+        c.resolve(Plan([chunk(0, 2, [-1], draw=1, follow=True)]))
+
+
+def test_chain_drops_followups_of_a_lost_sequence_but_not_a_new_session_on_it():
+    c = Chain()
+    c.lost = {0, 1}
+    plan, dropped = c.resolve(Plan([chunk(0, 3, [-1], 1, True), chunk(1, 0, [7], 0)], release=[1]))
+    assert dropped == [0] and [x.seq_id for x in plan.chunks] == [1]
+
+
+def test_chain_refuses_everything_until_resync():
+    c = Chain()
+    c.failed()
+    with pytest.raises(InvalidPlan, match=AWAITING_RESYNC[:20]):
+        c.resolve(Plan([chunk(0, 0, [5])]))
+    plan, _ = c.resolve(Plan([chunk(0, 0, [5])]), resync=True)
+    assert len(plan.chunks) == 1 and not c.refusing
+
+
+def test_step_reports_dropped_sequences_as_misses():
+    c = Chain()
+    c.lost = {0}
+
+    class Engine:
+        def step(self, plan):
+            return StepResult(tokens={c_.seq_id: 9 for c_ in plan.chunks})
+
+    res = c.step(Engine(), Plan([chunk(0, 3, [-1], 1, True), chunk(1, 0, [7], 0)]))
+    assert res.cache_miss == [0] and res.tokens == {1: 9} and c.lost == {0}
