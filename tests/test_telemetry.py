@@ -83,3 +83,13 @@ def test_prometheus_exposition_parses():
         assert (name, None) in samples
     assert samples[("meshnode_requests_rejected_total", "REJECTED_QUEUE_FULL")] == 1.0
     assert "# TYPE meshnode_requests_rejected_total counter" in text
+
+
+def test_engine_wait_counts_back_to_back_ticks_only():
+    """A fresh tick (-1: the engine was idle, waiting for clients) is not front + IPC cost."""
+    clock, e, s, t = setup()
+    for gap_ms in [0.05, 0.07, 0.08, -1.0, 0.06, 0.09, 0.1, 0.07, 2.0, -1.0, 0.075, 0.065]:
+        t.record_tick(1 << 20, 50.0, 10, gap_ms)
+    eng = t.snapshot()["engine"]
+    assert eng["busy_gaps"] == 10 and abs(eng["busy_gap_ms_total"] - 2.66) < 1e-9
+    assert eng["wait_us_p50"] == 75.0 and eng["wait_us_p90"] == 2000.0
