@@ -126,6 +126,8 @@ _METRICS = [
     ("meshnode_engine_restarts_total", "counter", "Engine process restarts.", lambda t: t["engine"]["restarts"]),
     ("meshnode_engine_rss_bytes", "gauge", "Engine process resident memory.", lambda t: t["engine"]["rss_bytes"]),
     ("meshnode_engine_last_tick_seconds", "gauge", "Duration of the last engine step.", lambda t: t["engine"]["last_tick_ms"] / 1e3),
+    ("meshnode_engine_wait_p50_seconds", "gauge", "Engine's median wait for its next tick (front + IPC), last 1024 ticks.",
+     lambda t: t["engine"]["wait_us_p50"] / 1e6),
     ("meshnode_engine_healthy", "gauge", "1 while the engine serves, 0 in a crash loop.", lambda t: int(t["engine"]["healthy"])),
     ("meshnode_memory_available_bytes", "gauge", "Host or cgroup memory available.", lambda t: t["memory"]["available_bytes"]),
     ("meshnode_memory_pressure_ratio", "gauge", "1 - available / total memory.", lambda t: t["memory"]["pressure"]),

@@ -45,7 +45,7 @@ def render(snap: dict, history, width: int = 80) -> list[str]:
         f"meshnode  model {snap.get('model', '?')}  recipe {snap.get('recipe', '?')}{health}",
         f"uptime {snap.get('uptime_s', 0):,.0f} s  engine pid {e.get('pid', 0)}  rss {_mb(e.get('rss_bytes'))}"
         f"  restarts {e.get('restarts', 0)}  last tick {e.get('last_tick_ms', 0):.1f} ms"
-        f"{'  DRAINING' if snap.get('draining') else ''}",
+        f"  wait p50 {e.get('wait_us_p50', 0):.0f} us{'  DRAINING' if snap.get('draining') else ''}",
         "",
         f"KV       {bar(snap.get('kv_pressure', 0), gw)}  {_mb(snap.get('kv_bytes'))} / {_mb(snap.get('kv_budget_bytes'))}",
         f"scratch  {bar(snap.get('scratch_pressure', 0), gw)}  {_mb(snap.get('scratch_bytes'))} / "

@@ -131,7 +131,7 @@ def test_top_once_prints_a_snapshot(tiny_model):
                              capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     for word in ("meshnode", "recipe mn1-", "KV", "scratch", "memory", "sessions active", "batch",
-                 "tokens/s", "rejected", "engine pid"):
+                 "tokens/s", "rejected", "engine pid", "wait p50"):
         assert word in out.stdout
 
 
