@@ -25,7 +25,7 @@ from ipc.protocol import pack
 from ipc.shm import TokenArena
 from ipc.transport import engine_link_connect
 from meshnode.engine.chain import Chain
-from meshnode.engine.plan import EngineError
+from meshnode.engine.plan import EngineError, FatalEngineError, InvalidPlan
 from meshnode.memory import host_memory, rss
 
 log = logging.getLogger("meshnode.engine")
@@ -143,12 +143,10 @@ class EngineProcess:
             return
         kind = f.get("kind")
         if kind == "fatal":
-            from meshnode.engine.plan import FatalEngineError
             raise FatalEngineError("injected: llama_decode returned -3")
         if kind == "raise":
             raise RuntimeError("injected exception in step")
         if kind == "refuse":
-            from meshnode.engine.plan import InvalidPlan
             raise InvalidPlan("injected: a plan the engine refuses")
         if kind == "hang":
             time.sleep(3600)

@@ -258,3 +258,22 @@ def test_start_removes_a_dead_nodes_leftovers(tiny_model, tmp_path):
     with NodeProcess(tiny_model, run_dir=str(run_dir)) as n, n.client() as c:
         assert c.ping()
         assert not (run_dir / f"engine-{stale_pid}-1.sock").exists() and not os.path.exists(shm)
+
+
+def test_pipelined_and_lockstep_nodes_give_the_same_tokens(tiny_model):
+    """Pipelining changes when ticks are planned, never what comes out: including the endings the
+    front cannot foresee (a stop token, known only once its tick is back)."""
+    jobs = {f"p{i}": dict(tokens=prompt(2 + 9 * i, i), max_tokens=20 + 7 * i,
+                          sampling=Sampling(0.9, 20, 0.9, i) if i % 2 else None) for i in range(5)}
+
+    def run(depth, stops):
+        with NodeProcess(tiny_model, "--pipeline-depth", depth) as n, n.client() as c:
+            for sid, kw in jobs.items():
+                c.submit(sid, **kw, stop_tokens=stops.get(sid, []))
+            return {sid: (r.done["reason"], r.tokens) for sid, r in c.collect(list(jobs)).items()}
+
+    first = run("1", {})
+    stops = {sid: [toks[4]] for sid, (_, toks) in list(first.items())[::2]}
+    lockstep, pipelined = run("1", stops), run("2", stops)
+    assert pipelined == lockstep
+    assert sum(reason == R.STOP for reason, _ in pipelined.values()) == len(stops)

@@ -41,6 +41,7 @@ def test_config_file_then_flags(tmp_path, tiny_model):
     ("max_active = 0\n", "max_active"),
     ("kv_budget_mb = -1\n", "kv_budget_mb"),
     ('type_k = "f8"\n', "type_k"),
+    ("pipeline_depth = 3\n", "pipeline_depth"),
     ("insecure = 1\n", "insecure"),
     ('model = "/nonexistent.gguf"\n', "model"),
     ("engine_kind = 'fake'\n", "engine_kind"),  # internal knobs are not config keys
