@@ -125,7 +125,7 @@ def main() -> int:
                       f"{f['lockstep_wait_us_p50']:.0f} | {f['lockstep_wait_us_mean']:.0f} |")
         md += ["", "The node pipelines ticks by default (the front plans tick N+1 while the engine runs tick N);",
                "the lockstep node (`--pipeline-depth 1`) is the same node without that. Engine wait is measured",
-               "inside the engine process, from sending a reply to having the next tick in hand, over ticks that",
+               "inside the engine process, from a result being ready (before its reply is sent) to having the next tick in hand, over ticks that",
                "followed a reply back to back: the front's work plus both IPC hops, per tick. Targets: ratio >= 0.97",
                "and front + IPC < 150 us per tick.", "",
                f"All runs together: node / in-process = **{overhead['ratio_all_runs']:.3f}** (lockstep "

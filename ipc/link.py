@@ -16,7 +16,8 @@ Tick:  {"t": n, "release": [seq, ...], "seqs": [[seq, pos, offset, n, draw, *sam
     (meshnode/engine/chain.py); `resync` ends the refusals that follow a refused tick; `fresh`
     says the engine was idle and this tick is new work, not the answer to its last reply.
 Reply: {"t", "ok": true, "miss": [seq, ...], "ms", "kv_cells", "gap_ms", "rss"?, "mem"?}
-    `gap_ms`: from the engine's previous reply to this tick in its hands (-1 for a fresh tick).
+    `gap_ms`: from the previous tick's result being ready (its reply not sent yet) to this tick in
+    the engine's hands (-1 for a fresh tick).
     or {"t", "ok": false, "fatal": bool, "detail": str}.
 """
 from __future__ import annotations

@@ -68,7 +68,7 @@ class EngineProcess:
         self.stop = False
         self.ticks = 0
         self._mem, self._mem_at = {}, -MEMORY_EVERY_S
-        self._replied_at = 0.0
+        self._ready_at = 0.0
         self.chain = Chain()
 
     def initialize(self) -> None:
@@ -104,11 +104,13 @@ class EngineProcess:
             if msg.get("stop"):
                 return
             reply = self.tick(msg)
-            # how long the front took to send this tick after our last reply (front + IPC, one clock)
-            back_to_back = self._replied_at and not msg.get("fresh")
-            reply["gap_ms"] = (arrived - self._replied_at) * 1e3 if back_to_back else -1.0
+            ready = time.perf_counter()
+            # from the last result being ready to this tick in hand: sending that reply, the front's
+            # work and both IPC hops, on one clock
+            back_to_back = self._ready_at and not msg.get("fresh")
+            reply["gap_ms"] = (arrived - self._ready_at) * 1e3 if back_to_back else -1.0
             self.sock.send(pack(reply))
-            self._replied_at = time.perf_counter()
+            self._ready_at = ready
 
     def tick(self, msg: dict) -> dict:
         t = msg.get("t")

@@ -9,9 +9,10 @@ machine hits all sides alike, and the verdict uses all runs together (total
 tokens over total time), not the best.
 
 The per-tick front + IPC figure is measured inside the engine process: from
-sending a reply to having the next tick in hand. With pipelining the front's
-own work for a tick overlaps the engine's previous tick, so what remains is
-reading a message that is already queued.
+the last tick's result being ready (before its reply is sent) to having the
+next tick in hand. With pipelining the front's own work for a tick overlaps
+the engine's previous tick, so what remains is sending the reply and reading
+a tick that is already queued.
 """
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def main(a) -> int:
     print(f"model {os.path.basename(path)}  {N_JOBS} jobs, prompts 4-100, {a.tokens} new tokens, "
           f"concurrency {CONCURRENCY}, threads {threads}")
     print("tok/s: in-process, node (pipelined, the default), node in lockstep (--pipeline-depth 1).")
-    print("engine wait = from the engine's reply to the next tick in its hands, measured in the engine: "
-          "the front + IPC cost per tick.")
+    print("engine wait = from the engine's result being ready (reply not sent yet) to the next tick in its "
+          "hands, measured in the engine: the front + IPC cost per tick.")
     print(f"{'run':>4}{'in-proc':>9}{'node':>8}{'lockstep':>10}{'ratio':>7}{'lockstep':>10}"
           f"{'wait p50 us':>13}{'p90':>6}{'mean':>6}{'lockstep p50':>14}{'non-engine us/tick ip/node/lock':>33}")
     figures = []
