@@ -1,6 +1,6 @@
 """Every engine-link message, in one place: the front and the engine process both use this file.
 
-One msgpack map per message over the link's PAIR socket. A tick's token ids
+One msgpack map per message over the link socket (ipc/seqpacket.py). A tick's token ids
 travel through the shared-memory arena (ipc/shm.py), never through msgpack.
 
 Two ticks may be in flight (the front plans one ahead so the engine never

@@ -1,4 +1,5 @@
-"""Socket factories: every ZeroMQ option of the node in one place.
+"""Socket factories: every ZeroMQ option of the node in one place (the engine link is not
+ZeroMQ: ipc/seqpacket.py says why).
 
 Defaults are safe: endpoints live in a 0700 run dir (ipc://) or on 127.0.0.1;
 binding a non-loopback TCP address needs CURVE unless the operator says
@@ -160,19 +161,6 @@ def telemetry_pub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     s = _base(ctx.socket(zmq.PUB))
     s.setsockopt(zmq.SNDHWM, 100)
     _bind(s, endpoint)
-    return s
-
-
-def engine_link_bind(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    """Front side of the engine link: PAIR, one engine at a time."""
-    s = _base(ctx.socket(zmq.PAIR))
-    _bind(s, endpoint)
-    return s
-
-
-def engine_link_connect(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    s = _base(ctx.socket(zmq.PAIR))
-    s.connect(endpoint)
     return s
 
 

@@ -6,10 +6,11 @@ Replies come back in order. When the engine refuses a tick, the ticks queued
 behind it are refused too (they were planned on top of it): their replies
 are dropped here, and the next tick sent carries `resync`.
 
-Death is any of: the process sentinel fires, the link answers with a fatal
-error, or a tick runs past its deadline (a hang: the process is killed). Each
-incarnation gets a fresh PAIR endpoint, so no message of a dead engine can be
-mistaken for a live one's. Restarts back off exponentially; a crash loop (too
+Death is any of: the process sentinel fires, the link closes or answers
+with a fatal error, or a tick runs past its deadline (a hang: the process is
+killed). Each incarnation gets a fresh link socket (ipc/seqpacket.py) that
+accepts only that process, so no message of a dead engine can be mistaken
+for a live one's. Restarts back off exponentially; a crash loop (too
 many deaths in a row without one good tick) marks the engine unhealthy and
 stops respawning, so the node reports it instead of spinning.
 """
@@ -18,16 +19,15 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import select
 import time
 from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import zmq
-
 from ipc import link as L
+from ipc import seqpacket
 from ipc.shm import TokenArena
-from ipc.transport import engine_link_bind
 from meshnode.engine.plan import Plan
 from meshnode.engine_proc import engine_main
 
@@ -48,9 +48,9 @@ class Flight:
 
 
 class EngineLink:
-    def __init__(self, zctx: zmq.Context, run_dir: str, engine_cfg: dict, arena: TokenArena,
-                 tick_deadline_s: float, faults: dict | None = None, depth: int = 2):
-        self.zctx, self.run_dir, self.engine_cfg, self.arena = zctx, run_dir, engine_cfg, arena
+    def __init__(self, run_dir: str, engine_cfg: dict, arena: TokenArena, tick_deadline_s: float,
+                 faults: dict | None = None, depth: int = 2):
+        self.run_dir, self.engine_cfg, self.arena = run_dir, engine_cfg, arena
         self.tick_deadline_s = tick_deadline_s
         self.faults = faults
         self.depth = depth
@@ -59,7 +59,9 @@ class EngineLink:
         self.state = DOWN
         self.info: SimpleNamespace | None = None
         self.proc = None
-        self.sock: zmq.Socket | None = None
+        self.listener = None  # until the incarnation connects
+        self.sock: seqpacket.LinkSocket | None = None
+        self.broken = ""  # why the link failed, for check() to report
         self.generation = 0
         self.restarts = 0
         self.deaths_in_row = 0
@@ -70,15 +72,20 @@ class EngineLink:
         self.last_error = ""
 
     @property
-    def endpoint(self) -> str:
-        return f"ipc://{self.run_dir}/engine-{os.getpid()}-{self.generation}.sock"
+    def path(self) -> str:
+        return f"{self.run_dir}/engine-{os.getpid()}-{self.generation}.sock"
+
+    @property
+    def watch(self):
+        """What the front's poller watches: the listener until the engine connects, then the link."""
+        return self.sock if self.sock is not None else self.listener
 
     def start(self) -> None:
-        """Spawn an incarnation; its hello arrives later through poll()."""
+        """Spawn an incarnation; it connects and says hello later, through on_message()."""
         self._close_sock()
         self.generation += 1
-        self.sock = engine_link_bind(self.zctx, self.endpoint)
-        cfg = dict(self.engine_cfg, link=self.endpoint, parent_pid=os.getpid(),
+        self.listener = seqpacket.listen(self.path)
+        cfg = dict(self.engine_cfg, link=self.path, parent_pid=os.getpid(),
                    arena={"name": self.arena.name, "n_input": self.arena.n_input, "n_output": self.arena.n_output})
         if self.faults:  # tests only: the first incarnation gets `faults`, later ones `faults["later"]`
             cfg["faults"] = self.faults if self.generation == 1 else self.faults.get("later")
@@ -91,7 +98,7 @@ class EngineLink:
         """Block until the first incarnation says hello (node start-up only)."""
         deadline = time.monotonic() + timeout
         while self.state == STARTING and time.monotonic() < deadline:
-            if self.sock.poll(100):
+            if select.select([self.watch], [], [], 0.1)[0]:
                 self.on_message()
             elif not self.proc.is_alive():
                 raise RuntimeError(f"engine process exited during start-up (code {self.proc.exitcode})")
@@ -100,8 +107,18 @@ class EngineLink:
         return self.info
 
     def on_message(self) -> tuple[dict, Plan] | None:
-        """Read one message: a tick's reply and the plan it answers, or None (hello, stale, dropped)."""
-        msg = L.unpack_message(self.sock.recv())
+        """Read one message: a tick's reply and the plan it answers, or None (a connection, hello,
+        stale or dropped reply, or a closed link, which check() then reports)."""
+        if self.sock is None:
+            self.sock = seqpacket.accept(self.listener, self.pid)
+            if self.sock is not None:  # connected: the path is not needed any more
+                self._close_listener()
+            return None
+        data = self.sock.recv()
+        if data is None:
+            self.broken = self.broken or "engine closed the link"
+            return None
+        msg = L.unpack_message(data)
         if "hello" in msg:
             self.info = SimpleNamespace(**msg["hello"])
             self.state = IDLE
@@ -131,7 +148,10 @@ class EngineLink:
 
     def send_tick(self, plan: Plan, fresh: bool = False) -> None:
         self.tick_seq += 1
-        self.sock.send(L.encode_tick(self.tick_seq, plan, self.arena, self.resync, fresh))
+        try:
+            self.sock.send(L.encode_tick(self.tick_seq, plan, self.arena, self.resync, fresh))
+        except OSError as e:  # it stopped reading or is gone: check() reports it, then the restart
+            self.broken = self.broken or f"engine link send failed: {e}"
         self.resync = False
         if not self.inflight:
             self.busy_since = time.monotonic()
@@ -142,6 +162,8 @@ class EngineLink:
         """Why the engine is dead now, or None: exited, or its tick overran the deadline."""
         if self.state in (STARTING, IDLE, BUSY) and self.proc is not None and not self.proc.is_alive():
             return f"engine process exited (code {self.proc.exitcode})"
+        if self.broken and self.state in (STARTING, IDLE, BUSY):
+            return self.broken
         if self.state == BUSY and now - self.busy_since > self.tick_deadline_s:
             return f"tick ran past its {self.tick_deadline_s:.1f} s deadline"
         if self.state == STARTING and now - self.started_at > START_TIMEOUT_S:
@@ -182,8 +204,8 @@ class EngineLink:
         """Ask the engine to exit cleanly, then make sure it has."""
         if self.proc is not None and self.proc.is_alive() and self.sock is not None:
             try:
-                self.sock.send(L.STOP, zmq.NOBLOCK)
-            except zmq.ZMQError:
+                self.sock.send(L.STOP)
+            except OSError:
                 pass
             self.proc.join(timeout)
         self.kill()
@@ -191,11 +213,19 @@ class EngineLink:
 
     def _close_sock(self) -> None:
         if self.sock is not None:
-            self.sock.close(0)
+            self.sock.close()
             self.sock = None
-            path = self.endpoint[len("ipc://"):]
-            if os.path.exists(path):
-                os.unlink(path)
+        self._close_listener()
+        self.broken = ""
+
+    def _close_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
     @property
     def pid(self) -> int:

@@ -18,12 +18,10 @@ import signal
 import sys
 import time
 
-import zmq
-
 from ipc import link as L
+from ipc import seqpacket
 from ipc.protocol import pack
 from ipc.shm import TokenArena
-from ipc.transport import engine_link_connect
 from meshnode.engine.chain import Chain
 from meshnode.engine.plan import EngineError, FatalEngineError, InvalidPlan
 from meshnode.memory import host_memory, rss
@@ -81,8 +79,7 @@ class EngineProcess:
             logging.getLogger("meshnode.llama").setLevel(logging.WARNING)
         if self.faults.get("die_at_start"):
             os._exit(3)
-        self.ctx = zmq.Context()
-        self.sock = engine_link_connect(self.ctx, self.cfg["link"])
+        self.sock = seqpacket.connect(self.cfg["link"])
         a = self.cfg["arena"]
         self.arena = TokenArena.attach(a["name"], a["n_input"], a["n_output"])
         try:
@@ -95,11 +92,14 @@ class EngineProcess:
     def loop(self) -> None:
         parent = self.cfg["parent_pid"]
         while not self.stop:
-            if not self.sock.poll(500):
+            if not self.sock.poll(0.5):
                 if os.getppid() != parent:
                     return
                 continue
-            msg = L.unpack_message(self.sock.recv())
+            data = self.sock.recv()
+            if data is None:  # the front closed the link: it is stopping or gone
+                return
+            msg = L.unpack_message(data)
             arrived = time.perf_counter()
             if msg.get("stop"):
                 return
@@ -109,7 +109,10 @@ class EngineProcess:
             # work and both IPC hops, on one clock
             back_to_back = self._ready_at and not msg.get("fresh")
             reply["gap_ms"] = (arrived - self._ready_at) * 1e3 if back_to_back else -1.0
-            self.sock.send(pack(reply))
+            try:
+                self.sock.send(pack(reply))
+            except OSError:  # the front is gone
+                return
             self._ready_at = ready
 
     def tick(self, msg: dict) -> dict:
@@ -164,8 +167,7 @@ class EngineProcess:
             if obj is not None and hasattr(obj, "close"):
                 obj.close()
         if hasattr(self, "sock"):
-            self.sock.close(0)
-            self.ctx.term()
+            self.sock.close()
 
     def _front_gone(self) -> bool:
         """Whether the front died. PDEATHSIG fires when the front's main thread exits, which can be
@@ -179,7 +181,7 @@ class EngineProcess:
         return True
 
     def _remove_orphans(self) -> None:
-        paths = self.cfg.get("orphan_files", []) + [self.cfg["link"][len("ipc://"):],
+        paths = self.cfg.get("orphan_files", []) + [self.cfg["link"],
                                                      f"/dev/shm/{self.cfg['arena']['name']}"]
         for path in paths:
             try:

@@ -51,7 +51,7 @@ class Front:
         self.notifier = Notifier()
         self._auth: list = []
         self._locks: list[EndpointLock] = []
-        self._poller_link = False  # the link socket the poller watches; False = no poller yet
+        self._poller_link = False  # what the poller watches of the link; False = no poller yet
         # set by initialize(); shutdown() releases whichever of them exist
         self.sched = self.link = self.router = self.pub = self.metrics = None
         self.arena = self.zctx = self.tok = None
@@ -79,7 +79,7 @@ class Front:
                       "engine": {"model_path": cfg.model, "n_seq_max": cfg.n_seq_max, "n_ctx": cfg.ctx,
                                  "n_batch": cfg.n_batch, "n_threads": cfg.threads, "type_k": cfg.type_k,
                                  "type_v": cfg.type_v, "flash_attn": cfg.flash_attn}}
-        self.link = EngineLink(self.zctx, self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults,
+        self.link = EngineLink(self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults,
                                cfg.pipeline_depth)
         self.link.start()
         info = self.link.wait_ready()
@@ -147,14 +147,15 @@ class Front:
         return now + self.cfg.drain_timeout_s
 
     def _poll(self, timeout_ms: int) -> None:
-        if self._poller_link is not self.link.sock:  # a new engine incarnation: a new link socket
+        watch = self.link.watch
+        if self._poller_link is not watch:  # the engine connected, or a new incarnation started
             self._poller = zmq.Poller()
             self._poller.register(self.router, zmq.POLLIN)
-            if self.link.sock is not None:
-                self._poller.register(self.link.sock, zmq.POLLIN)
-            self._poller_link = self.link.sock
+            if watch is not None:  # a plain socket: the poller reports it by its fd
+                self._poller.register(watch.fileno(), zmq.POLLIN)
+            self._poller_link = watch
         ready = dict(self._poller.poll(timeout_ms))
-        if self.link.sock is not None and ready.get(self.link.sock):
+        if watch is not None and ready.get(watch.fileno()):
             events = self._on_engine(self.link.on_message())
             self._dispatch(after_reply=True)  # refill the pipeline before talking to clients
             self._send(events)

@@ -1,18 +1,20 @@
-"""Round-trip latency of the engine link's transport vs a raw Unix socketpair.
+"""Round-trip latency of the engine link's transport vs a ZeroMQ PAIR on ipc://.
 
-A diagnostic for the per-tick front + IPC cost: one small message each way
-between two processes, 2 ms apart (like ticks, so the peer is asleep when the
-message arrives), over a ZeroMQ PAIR on ipc:// and over socket.socketpair().
+A diagnostic for the per-tick front + IPC cost, and the reason the engine link
+is not ZeroMQ: one small message each way between two processes, 2 ms apart
+(like ticks, so the peer is asleep when the message arrives), over a ZeroMQ
+PAIR on ipc:// and over the engine link's own SOCK_SEQPACKET socket.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 
 import zmq
+
+from ipc import seqpacket
 
 N = 2000
 
@@ -27,9 +29,11 @@ def _zmq_echo(ep: str) -> None:
     ctx.term()
 
 
-def _sock_echo(s: socket.socket) -> None:
-    while (m := s.recv(64)) != b"stop":
+def _link_echo(path: str) -> None:
+    s = seqpacket.connect(path)
+    while (m := bytes(s.recv())) != b"stop":
         s.send(m)
+    s.close()
 
 
 def _time(send, recv) -> list[float]:
@@ -44,7 +48,8 @@ def _time(send, recv) -> list[float]:
 
 
 def main(a) -> int:
-    ep = f"ipc://{tempfile.mkdtemp()}/pp.sock"
+    tmp = tempfile.mkdtemp()
+    ep = f"ipc://{tmp}/pp.sock"
     ctx = zmq.Context()
     z = ctx.socket(zmq.PAIR)
     z.setsockopt(zmq.LINGER, 0)
@@ -58,13 +63,19 @@ def main(a) -> int:
     p.join()
     z.close(0)
     ctx.term()
-    x, y = socket.socketpair()
-    p = mp.get_context("fork").Process(target=_sock_echo, args=(y,))
+    listener = seqpacket.listen(f"{tmp}/link.sock")
+    p = mp.get_context("spawn").Process(target=_link_echo, args=(f"{tmp}/link.sock",))
     p.start()
-    st = _time(x.send, lambda: x.recv(64))
+    while (x := seqpacket.accept(listener, p.pid)) is None:
+        time.sleep(0.01)
+    x.sock.setblocking(True)
+    st = _time(x.send, x.recv)
     x.send(b"stop")
     p.join()
-    for name, t in (("zmq PAIR over ipc://", zt), ("socketpair", st)):
-        print(f"{name:22} round trip median {t[N // 2] * 1e6:5.0f} us  p90 {t[int(N * 0.9)] * 1e6:5.0f} us")
+    x.close()
+    listener.close()
+    os.unlink(f"{tmp}/link.sock")
+    for name, t in (("zmq PAIR over ipc://", zt), ("engine link (SEQPACKET)", st)):
+        print(f"{name:24} round trip median {t[N // 2] * 1e6:5.0f} us  p90 {t[int(N * 0.9)] * 1e6:5.0f} us")
     print(f"(cpus {os.cpu_count()}; {N} round trips each, 2 ms apart)")
     return 0
