@@ -96,11 +96,17 @@ class PipelinedMachine(SchedulerMachine):
         super().__init__()
         self.driver = Pipelined(self.sched, self.engine)
 
-    @rule()
-    def tick(self):
+    def _run_oldest(self, fault: set | None = None):
+        """Plan ahead, then the engine runs the oldest queued tick, into `fault` if given."""
         self.driver.fill()
         if self.driver.queue:
+            if fault is not None:
+                fault.add(self.driver.queue[0][0])
             self._record(self.driver.run_one())
+
+    @rule()
+    def tick(self):
+        self._run_oldest()
 
     @rule()
     def engine_fails(self):
@@ -112,17 +118,11 @@ class PipelinedMachine(SchedulerMachine):
 
     @rule()
     def engine_refuses_plan(self):
-        self.driver.fill()
-        if self.driver.queue:
-            self.driver.refuse.add(self.driver.queue[0][0])
-            self._record(self.driver.run_one())
+        self._run_oldest(self.driver.refuse)
 
     @rule()
     def engine_has_no_kv_room(self):
-        self.driver.fill()
-        if self.driver.queue:
-            self.driver.miss.add(self.driver.queue[0][0])
-            self._record(self.driver.run_one())
+        self._run_oldest(self.driver.miss)
 
     def finish(self):
         events = self.driver.run_to_completion(5000)
