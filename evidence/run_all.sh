@@ -2,8 +2,10 @@
 # Re-run every benchmark behind evidence/README.md (about 15 minutes on 2 cores), then re-render it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m meshnode sweep --json evidence/sweep-tiny.json > evidence/sweep-tiny.txt 2>/dev/null
-python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --json evidence/sweep-bench.json > evidence/sweep-bench.txt 2>/dev/null
+# a sweep exits 1 when it finds a job whose tokens differ across concurrency levels; that verdict is
+# recorded in its files and in the README, and must not stop the other benchmarks from running
+python -m meshnode sweep --json evidence/sweep-tiny.json > evidence/sweep-tiny.txt 2>/dev/null || true
+python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --json evidence/sweep-bench.json > evidence/sweep-bench.txt 2>/dev/null || true
 python -m meshnode bench engine --preset bench --json evidence/engine-bench.json > evidence/engine-bench.txt 2>&1
 python -m meshnode bench overhead --preset bench --json evidence/overhead-bench.json > evidence/overhead-bench.txt 2>&1
 python -m meshnode bench peers --preset bench --json evidence/peers-bench.json > evidence/peers-bench.txt 2>&1
