@@ -15,7 +15,7 @@ BENCHES = {
     "burst": "in-flight ITL and burst TTFT for each prefill chunk size",
     "soak": "mixed load, random cancels and engine kills; nothing may be lost",
     "restart": "SIGKILL of the engine to the first token from the restarted engine",
-    "ipc": "round trip of the engine link's zmq PAIR vs a raw socketpair (diagnostic)",
+    "ipc": "round trip of the engine link (SEQPACKET) vs a zmq PAIR on ipc:// (diagnostic)",
 }
 
 
