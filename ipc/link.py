@@ -15,9 +15,9 @@ Tick:  {"t": n, "release": [seq, ...], "seqs": [[seq, pos, offset, n, draw, *sam
     chunk (pos 0). A `follow` sequence decodes the token it sampled in the tick before
     (meshnode/engine/chain.py); `resync` ends the refusals that follow a refused tick; `fresh`
     says the engine was idle and this tick is new work, not the answer to its last reply.
-Reply: {"t", "ok": true, "miss": [seq, ...], "ms", "kv_cells", "gap_ms", "rss"?, "mem"?}
-    `gap_ms`: from the previous tick's result being ready (its reply not sent yet) to this tick in
-    the engine's hands (-1 for a fresh tick).
+Reply: {"t", "ok": true, "miss": [seq, ...], "ms", "kv_cells", "gap_ms", "rss", "mem": [avail, total]}
+    `gap_ms`: the engine's time between the previous tick's step and this one's, the node's cost
+    per tick (-1 for a fresh tick). `rss` and `mem` are re-read at most every 0.25 s.
     or {"t", "ok": false, "fatal": bool, "detail": str}.
 """
 from __future__ import annotations
@@ -103,9 +103,9 @@ def read_result(msg: dict, plan: Plan, arena) -> StepResult:
                       list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
 
 
-def tick_ok(t, miss: list[int], step_ms: float, kv_cells: int, memory: dict) -> dict:
-    """`memory` is {"rss": bytes, "mem": [available, total]} (may be re-used between ticks)."""
-    return {"t": t, "ok": True, "miss": miss, "ms": step_ms, "kv_cells": kv_cells, **memory}
+def tick_ok(t, miss: list[int], step_ms: float, kv_cells: int, gap_ms: float) -> dict:
+    """Without the memory figures: the engine's writer thread adds its latest "rss" and "mem"."""
+    return {"t": t, "ok": True, "miss": miss, "ms": step_ms, "kv_cells": kv_cells, "gap_ms": gap_ms}
 
 
 def tick_failed(t, fatal: bool, detail: str) -> dict:

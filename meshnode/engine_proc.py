@@ -4,7 +4,9 @@ Isolation is the point: a crash, a hang or a leak in llama.cpp kills only this
 process; the front restarts it and re-prefills the sessions. The loop is
 initialize / loop / shutdown; it exits on a `stop` message, when the link
 closes, or when the front dies (PR_SET_PDEATHSIG, plus a getppid check for
-the window before prctl takes effect).
+the window before prctl takes effect). The main thread only runs steps: the
+link's reading, writing and memory figures happen beside the decode, on the
+threads of meshnode/engine/link_io.py.
 
 Fault injection (`faults` in the config) exists only for tests; with no
 faults configured, none of its branches can run.
@@ -20,15 +22,13 @@ import time
 
 from ipc import link as L
 from ipc import seqpacket
-from ipc.protocol import pack
 from ipc.shm import TokenArena
 from meshnode.engine.chain import Chain
+from meshnode.engine.link_io import CLOSED, STOP, LinkIO, Tick
 from meshnode.engine.plan import EngineError, FatalEngineError, InvalidPlan
-from meshnode.memory import host_memory, rss
 
 log = logging.getLogger("meshnode.engine")
 PR_SET_PDEATHSIG = 1
-MEMORY_EVERY_S = 0.25
 
 
 def _die_with_parent(parent: int) -> None:
@@ -64,8 +64,8 @@ class EngineProcess:
         self.cfg = cfg
         self.faults = cfg.get("faults") or {}
         self.stop = False
+        self.link_closed = False  # the front closed the link without a stop: it may be dying
         self.ticks = 0
-        self._mem, self._mem_at = {}, -MEMORY_EVERY_S
         self._ready_at = 0.0
         self.chain = Chain()
 
@@ -88,59 +88,47 @@ class EngineProcess:
             self.sock.send(L.hello_failed(f"{type(e).__name__}: {e}"))
             raise
         self.sock.send(L.hello(engine_info(self.engine)))
+        self.io = LinkIO(self.sock, self.arena)
 
     def loop(self) -> None:
         parent = self.cfg["parent_pid"]
+        self.io.start()
         while not self.stop:
-            if not self.sock.poll(0.5):
+            tick = self.io.next(0.5)
+            if tick is None:
                 if os.getppid() != parent:
                     return
                 continue
-            data = self.sock.recv()
-            if data is None:  # the front closed the link: it is stopping or gone
+            if tick in (STOP, CLOSED):
+                self.link_closed = tick == CLOSED
                 return
-            msg = L.unpack_message(data)
-            arrived = time.perf_counter()
-            if msg.get("stop"):
-                return
-            reply = self.tick(msg)
-            ready = time.perf_counter()
-            # from the last result being ready to this tick in hand: sending that reply, the front's
-            # work and both IPC hops, on one clock
-            back_to_back = self._ready_at and not msg.get("fresh")
-            reply["gap_ms"] = (arrived - self._ready_at) * 1e3 if back_to_back else -1.0
-            try:
-                self.sock.send(pack(reply))
-            except OSError:  # the front is gone
-                return
-            self._ready_at = ready
+            self.io.reply(*self.tick(tick))
 
-    def tick(self, msg: dict) -> dict:
-        t = msg.get("t")
+    def tick(self, tick: Tick) -> tuple[dict, tuple | None]:
+        """The reply, and what the link writes to the arena before sending it."""
         self.ticks += 1
+        if tick.error:
+            self.chain.failed()
+            log.error("tick %s failed: %s", tick.t, tick.error)
+            return L.tick_failed(tick.t, False, tick.error), None
         try:
-            plan, out, resync = L.decode_tick(msg, self.arena)
             self._inject_faults()
-            res = self.chain.step(self.engine, plan, resync)
+            res = self.chain.step(self.engine, tick.plan, tick.resync)
         except (EngineError, ValueError) as e:
             fatal = getattr(e, "fatal", False)
             if not fatal:
                 self.chain.failed()
-            log.error("tick %s failed: %s", t, e)
-            return L.tick_failed(t, fatal, str(e))
+            log.error("tick %s failed: %s", tick.t, e)
+            return L.tick_failed(tick.t, fatal, str(e)), None
         except Exception as e:  # an unexpected bug: the context can't be trusted any more
-            log.exception("tick %s raised", t)
-            return L.tick_failed(t, True, f"{type(e).__name__}: {e}")
-        L.write_samples(self.arena, out, plan, res)
-        return L.tick_ok(t, res.cache_miss, res.step_ms, res.kv_cells, self._memory())
-
-    def _memory(self) -> dict:
-        """psutil figures, re-read at most every MEMORY_EVERY_S: they cost more than a small tick."""
-        now = time.monotonic()
-        if now - self._mem_at >= MEMORY_EVERY_S:
-            avail, total = host_memory()
-            self._mem, self._mem_at = {"rss": rss(), "mem": [avail, total]}, now
-        return self._mem
+            log.exception("tick %s raised", tick.t)
+            return L.tick_failed(tick.t, True, f"{type(e).__name__}: {e}"), None
+        ready = time.perf_counter()
+        # the time between two engine steps: from the last result being ready to this step starting
+        # (the main thread's hand-over, the wait for this tick, resolving its follows); -1 after an idle spell
+        gap_ms = (ready - self._ready_at) * 1e3 - res.step_ms if self._ready_at and not tick.fresh else -1.0
+        self._ready_at = ready
+        return L.tick_ok(tick.t, res.cache_miss, res.step_ms, res.kv_cells, gap_ms), (tick.out, tick.plan, res)
 
     def _inject_faults(self) -> None:
         f = self.faults
@@ -162,6 +150,8 @@ class EngineProcess:
         if self._front_gone():  # the front was killed: nobody else will clean up
             log.warning("front %d is gone: removing its sockets, locks and arena", self.cfg["parent_pid"])
             self._remove_orphans()  # first, so nothing below can prevent it
+        if hasattr(self, "io"):
+            self.io.close()  # first: its reader copies tokens out of the arena
         for name in ("arena", "engine"):
             obj = getattr(self, name, None)
             if obj is not None and hasattr(obj, "close"):
@@ -172,8 +162,8 @@ class EngineProcess:
     def _front_gone(self) -> bool:
         """Whether the front died. PDEATHSIG fires when the front's main thread exits, which can be
         before its other threads have: until then getppid() still names the front, so after a
-        SIGTERM we give the kernel a moment to reparent us."""
-        deadline = time.monotonic() + (1.0 if self.stop else 0.0)
+        SIGTERM, or a link closed without a stop, we give the kernel a moment to reparent us."""
+        deadline = time.monotonic() + (1.0 if self.stop or self.link_closed else 0.0)
         while os.getppid() == self.cfg["parent_pid"]:
             if time.monotonic() >= deadline:
                 return False

@@ -38,9 +38,9 @@ class Telemetry:
         self.bad_frames_total += 1
 
     def record_tick(self, rss: int, step_ms: float, kv_cells: int, gap_ms: float = -1.0) -> None:
-        """`gap_ms`: the engine's wait for this tick since its last result was ready (sending that
-        reply included), the front + IPC cost of a tick; -1 when the engine was idle and the tick
-        is new work (a wait for clients, not us)."""
+        """`gap_ms`: the engine's time between its last step and this one (from that result being
+        ready to this step starting), the front + IPC cost of a tick; -1 when the engine was idle
+        and the tick is new work (a wait for clients, not us)."""
         e = self.engine
         if gap_ms >= 0:
             e["busy_gap_ms_total"] += gap_ms

@@ -8,11 +8,13 @@ the pipeline buys. Runs alternate, ROUNDS times each, so drift on a shared
 machine hits all sides alike, and the verdict uses all runs together (total
 tokens over total time), not the best.
 
-The per-tick front + IPC figure is measured inside the engine process: from
-the last tick's result being ready (before its reply is sent) to having the
-next tick in hand. With pipelining the front's own work for a tick overlaps
-the engine's previous tick, so what remains is sending the reply and reading
-a tick that is already queued.
+The per-tick front + IPC figure is measured inside the engine process: the
+time between two engine steps, from one step's result being ready to the next
+step starting. Everything the node adds to the loop that is not the engine's
+own work sits there unless it overlaps a decode: with pipelining the front
+plans while the engine decodes, and the engine's link threads read, send and
+measure memory while it decodes (meshnode/engine/link_io.py), so what remains
+is the hand-over between threads and filling in the sampled tokens.
 """
 from __future__ import annotations
 
@@ -108,8 +110,8 @@ def main(a) -> int:
     print(f"model {os.path.basename(path)}  {N_JOBS} jobs, prompts 4-100, {a.tokens} new tokens, "
           f"concurrency {CONCURRENCY}, threads {threads}")
     print("tok/s: in-process, node (pipelined, the default), node in lockstep (--pipeline-depth 1).")
-    print("engine wait = from the engine's result being ready (reply not sent yet) to the next tick in its "
-          "hands, measured in the engine: the front + IPC cost per tick.")
+    print("engine wait = the engine's time between two steps, from one result being ready to the next step "
+          "starting, measured in the engine: the front + IPC cost per tick.")
     print(f"{'run':>4}{'in-proc':>9}{'node':>8}{'lockstep':>10}{'ratio':>7}{'lockstep':>10}"
           f"{'wait p50 us':>13}{'p90':>6}{'mean':>6}{'lockstep p50':>14}{'non-engine us/tick ip/node/lock':>33}")
     figures = []

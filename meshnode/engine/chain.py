@@ -16,10 +16,6 @@ are handled here so that one bad tick never takes good sequences with it:
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-import numpy as np
-
 from meshnode.engine.plan import InvalidPlan, Plan, StepResult
 
 AWAITING_RESYNC = "refused: an earlier tick failed and the front has not resynchronised yet"
@@ -32,24 +28,27 @@ class Chain:
         self.refusing = False
 
     def resolve(self, plan: Plan, resync: bool = False) -> tuple[Plan, list[int]]:
-        """The plan an engine can run (every follow filled in), and the sequences dropped from it."""
+        """The plan an engine can run (every follow filled in), and the sequences dropped from it.
+
+        Follow chunks are filled in place (their one token set, `follow` cleared): in the engine
+        process the plan is its own copy, decoded from the link, and this runs between two decodes,
+        where building new chunks cost more than the rest of the hand-over together.
+        """
         if resync:
             self.refusing, self.sampled, self.lost = False, {}, set()
         if self.refusing:
             raise InvalidPlan(AWAITING_RESYNC)
         if not any(c.follow for c in plan.chunks) and not self.lost:
             return plan, []
-        chunks, dropped = [], []
+        dropped = [c.seq_id for c in plan.chunks if c.seq_id in self.lost and c.seq_id not in plan.release]
         for c in plan.chunks:
-            if c.seq_id in self.lost and c.seq_id not in plan.release:
-                dropped.append(c.seq_id)
-                continue
-            if c.follow:
+            if c.follow and c.seq_id not in dropped:
                 if len(c.tokens) != 1 or c.seq_id in plan.release or c.seq_id not in self.sampled:
                     raise InvalidPlan(f"sequence {c.seq_id} follows a sample the last tick did not draw")
-                c = replace(c, tokens=np.array([self.sampled[c.seq_id]], np.int32), follow=False)
-            chunks.append(c)
-        return Plan(chunks, plan.release), dropped
+                c.tokens[0], c.follow = self.sampled[c.seq_id], False
+        if dropped:
+            plan = Plan([c for c in plan.chunks if c.seq_id not in dropped], plan.release)
+        return plan, dropped
 
     def step(self, engine, plan: Plan, resync: bool = False) -> StepResult:
         """Run `plan` on `engine` right after the tick before it; dropped sequences come back as misses.
