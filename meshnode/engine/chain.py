@@ -38,14 +38,14 @@ class Chain:
             self.refusing, self.sampled, self.lost = False, {}, set()
         if self.refusing:
             raise InvalidPlan(AWAITING_RESYNC)
-        if not any(c.follow for c in plan.chunks) and not self.lost:
-            return plan, []
-        dropped = [c.seq_id for c in plan.chunks if c.seq_id in self.lost and c.seq_id not in plan.release]
+        lost = self.lost
+        dropped = [c.seq_id for c in plan.chunks if c.seq_id in lost and c.seq_id not in plan.release] if lost else []
         for c in plan.chunks:
             if c.follow and c.seq_id not in dropped:
-                if len(c.tokens) != 1 or c.seq_id in plan.release or c.seq_id not in self.sampled:
+                tok = self.sampled.get(c.seq_id)
+                if tok is None or len(c.tokens) != 1 or c.seq_id in plan.release:
                     raise InvalidPlan(f"sequence {c.seq_id} follows a sample the last tick did not draw")
-                c.tokens[0], c.follow = self.sampled[c.seq_id], False
+                c.tokens[0], c.follow = tok, False
         if dropped:
             plan = Plan([c for c in plan.chunks if c.seq_id not in dropped], plan.release)
         return plan, dropped

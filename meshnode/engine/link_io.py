@@ -63,9 +63,12 @@ class LinkIO:
         """The next tick, STOP, CLOSED, or None after `timeout_s` with nothing. A message that is not
         msgpack at all raises ValueError here: the front has a bug, and a restart is the cure."""
         try:
-            item = self._inbox.get(timeout=timeout_s)
+            item = self._inbox.get_nowait()  # usually there already: read while the last step ran
         except queue.Empty:
-            return None
+            try:
+                item = self._inbox.get(timeout=timeout_s)
+            except queue.Empty:
+                return None
         if isinstance(item, ValueError):
             raise item
         return item
