@@ -87,6 +87,30 @@ def plots(sweeps: dict, burst: dict | None) -> list[str]:
     return made
 
 
+def overhead_section(o: dict | None, name: str, intro: str = "") -> list[str]:
+    if not o:
+        return []
+    md = [f"## Node vs engine in-process (bench model, 16 jobs, concurrency 8){', no OpenMP' if intro else ''}", "",
+          f"{intro}`meshnode bench overhead --preset bench --json evidence/{name}`"
+          f" ({o.get('llama_build', 'llama.cpp build not recorded')})", "",
+          "| run | in-process tok/s | node tok/s | ratio | lockstep node tok/s | ratio | engine wait p50 us | "
+          "p90 | mean | lockstep p50 | lockstep mean |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, f in enumerate(o["runs"], 1):
+        md.append(f"| {i} | {f['in_process_tok_s']:.1f} | {f['node_tok_s']:.1f} | {f['ratio']:.3f} | "
+                  f"{f['lockstep_tok_s']:.1f} | {f['ratio_lockstep']:.3f} | {f['engine_wait_us_p50']:.0f} | "
+                  f"{f['engine_wait_us_p90']:.0f} | {f['engine_wait_us_mean']:.0f} | "
+                  f"{f['lockstep_wait_us_p50']:.0f} | {f['lockstep_wait_us_mean']:.0f} |")
+    md += ["", "The node pipelines ticks by default (the front plans tick N+1 while the engine runs tick N);",
+           "the lockstep node (`--pipeline-depth 1`) is the same node without that. Engine wait is measured",
+           "inside the engine process: its time between two steps, from one step's result being ready to the",
+           "next step starting, over ticks that followed back to back. It holds everything the node adds to the",
+           "loop that does not overlap a decode. Targets: ratio >= 0.97 and front + IPC < 150 us per tick.", "",
+           f"All runs together: node / in-process = **{o['ratio_all_runs']:.3f}** (lockstep "
+           f"{o['ratio_all_runs_lockstep']:.3f}); engine wait per tick, median of the runs' p50: "
+           f"**{o['engine_wait_us_median']:.0f} us** (lockstep {o['lockstep_wait_us_median']:.0f} us).", ""]
+    return md
+
+
 def main() -> int:
     sweeps = {k: v for k, v in (("tiny", load("sweep-tiny.json")), ("bench", load("sweep-bench.json"))) if v}
     burst, engine, overhead, peers = (load(f"{n}-bench.json") for n in ("burst", "engine", "overhead", "peers"))
@@ -113,25 +137,9 @@ def main() -> int:
                f"{engine['llama_generate_serial'] / e['1']:.2f} |"]
         md += [f"| engine batch {b} | {r:.1f} | {r / e['1']:.2f} |" for b, r in e.items()]
         md += ["", f"Target batch 8 >= 3x batch 1: {e['8'] / e['1']:.2f}x.", ""]
-    if overhead:
-        md += ["## Node vs engine in-process (bench model, 16 jobs, concurrency 8)", "",
-               "`meshnode bench overhead --preset bench --json evidence/overhead-bench.json`", "",
-               "| run | in-process tok/s | node tok/s | ratio | lockstep node tok/s | ratio | engine wait p50 us | "
-               "p90 | mean | lockstep p50 | lockstep mean |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for i, f in enumerate(overhead["runs"], 1):
-            md.append(f"| {i} | {f['in_process_tok_s']:.1f} | {f['node_tok_s']:.1f} | {f['ratio']:.3f} | "
-                      f"{f['lockstep_tok_s']:.1f} | {f['ratio_lockstep']:.3f} | {f['engine_wait_us_p50']:.0f} | "
-                      f"{f['engine_wait_us_p90']:.0f} | {f['engine_wait_us_mean']:.0f} | "
-                      f"{f['lockstep_wait_us_p50']:.0f} | {f['lockstep_wait_us_mean']:.0f} |")
-        md += ["", "The node pipelines ticks by default (the front plans tick N+1 while the engine runs tick N);",
-               "the lockstep node (`--pipeline-depth 1`) is the same node without that. Engine wait is measured",
-               "inside the engine process, from a result being ready (before its reply is sent) to having the next tick in hand, over ticks that",
-               "followed a reply back to back: the front's work plus both IPC hops, per tick. Targets: ratio >= 0.97",
-               "and front + IPC < 150 us per tick.", "",
-               f"All runs together: node / in-process = **{overhead['ratio_all_runs']:.3f}** (lockstep "
-               f"{overhead['ratio_all_runs_lockstep']:.3f}); engine wait per tick, median of the runs' p50: "
-               f"**{overhead['engine_wait_us_median']:.0f} us** (lockstep {overhead['lockstep_wait_us_median']:.0f} us).",
-               ""]
+    md += overhead_section(overhead, "overhead-bench.json")
+    md += overhead_section(load("overhead-bench-no-openmp.json"), "overhead-bench-no-openmp.json",
+                           "the same, on a llama.cpp built without OpenMP (README, Set-up): ")
     if peers:
         md += ["## Peer: llama-cpp-python serving one request at a time (bench model, 16 jobs)", "",
                "`meshnode bench peers --preset bench --json evidence/peers-bench.json`", "",

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Re-run every benchmark behind evidence/README.md (about 15 minutes on 2 cores), then re-render it.
+# MESHNODE_NO_OPENMP_PYTHON=/path/to/python (a venv with llama-cpp-python built as the README's
+# "Small CPU-only nodes" says) adds the overhead bench on that build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # a sweep exits 1 when it finds a job whose tokens differ across concurrency levels; that verdict is
@@ -8,6 +10,9 @@ python -m meshnode sweep --json evidence/sweep-tiny.json > evidence/sweep-tiny.t
 python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --json evidence/sweep-bench.json > evidence/sweep-bench.txt 2>/dev/null || true
 python -m meshnode bench engine --preset bench --json evidence/engine-bench.json > evidence/engine-bench.txt 2>&1
 python -m meshnode bench overhead --preset bench --json evidence/overhead-bench.json > evidence/overhead-bench.txt 2>&1
+if [ -n "${MESHNODE_NO_OPENMP_PYTHON:-}" ]; then  # a python whose llama-cpp-python was built without OpenMP
+    "$MESHNODE_NO_OPENMP_PYTHON" -m meshnode bench overhead --preset bench --json evidence/overhead-bench-no-openmp.json > evidence/overhead-bench-no-openmp.txt 2>&1
+fi
 python -m meshnode bench peers --preset bench --json evidence/peers-bench.json > evidence/peers-bench.txt 2>&1
 python -m meshnode bench burst --preset bench --json evidence/burst-bench.json > evidence/burst-bench.txt 2>&1
 python -m meshnode bench restart --preset tiny --json evidence/restart-tiny.json > evidence/restart-tiny.txt 2>&1

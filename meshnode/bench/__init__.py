@@ -38,6 +38,14 @@ def model_path(a) -> str:
     return str(cached_model(a.preset))
 
 
+def llama_build() -> str:
+    """Which llama.cpp build ran: OpenMP or not changes how much CPU its idle threads take."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    return f"llama-cpp-python {llama_cpp.__version__}, OpenMP {'on' if 'OPENMP = 1' in info else 'off'}"
+
+
 def run(a) -> int:
     mod = importlib.import_module(f"meshnode.bench.{a.which}")
     return mod.main(a)

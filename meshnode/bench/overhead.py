@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-from meshnode.bench import model_path
+from meshnode.bench import llama_build, model_path
 from meshnode.budget import NodeBudget
 from meshnode.engine.llama_engine import EngineConfig, LlamaEngine
 from meshnode.nodeproc import NodeProcess
@@ -108,7 +108,7 @@ def main(a) -> int:
         nds.append(through_node(path, threads, work, depth=2))
         lss.append(through_node(path, threads, work, depth=1))
     print(f"model {os.path.basename(path)}  {N_JOBS} jobs, prompts 4-100, {a.tokens} new tokens, "
-          f"concurrency {CONCURRENCY}, threads {threads}")
+          f"concurrency {CONCURRENCY}, threads {threads}; {llama_build()}")
     print("tok/s: in-process, node (pipelined, the default), node in lockstep (--pipeline-depth 1).")
     print("engine wait = the engine's time between two steps, from one result being ready to the next step "
           "starting, measured in the engine: the front + IPC cost per tick.")
@@ -143,6 +143,6 @@ def main(a) -> int:
           f"(target < 150 us: {'met' if wait < 150 else 'NOT met'})")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"model": path, "runs": figures, "ratio_all_runs": ratio, "ratio_all_runs_lockstep": ratio_ls,
+            json.dump({"model": path, "llama_build": llama_build(), "runs": figures, "ratio_all_runs": ratio, "ratio_all_runs_lockstep": ratio_ls,
                        "engine_wait_us_median": wait, "lockstep_wait_us_median": wait_ls}, fh, indent=2)
     return 0
