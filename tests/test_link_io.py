@@ -84,3 +84,10 @@ def test_a_message_that_is_not_msgpack_raises_in_the_main_thread():
         io.next(5)
     io.close()
     a.close()
+
+
+def test_a_failing_link_thread_is_raised_in_the_main_thread(pair):
+    _, io, _ = pair
+    io.reply({"t": 1, "bad": object()})  # msgpack cannot pack it: the writer fails
+    with pytest.raises(TypeError):
+        io.next(5)

@@ -51,8 +51,8 @@ class LinkIO:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._mem: dict = {}
         self._mem_at = -MEMORY_EVERY_S
-        self._threads = [threading.Thread(target=self._read, name="link-reader", daemon=True),
-                         threading.Thread(target=self._write, name="link-writer", daemon=True)]
+        self._threads = [threading.Thread(target=self._guard, args=(self._read,), name="link-reader", daemon=True),
+                         threading.Thread(target=self._guard, args=(self._write,), name="link-writer", daemon=True)]
 
     def start(self) -> None:
         self._refresh_memory()
@@ -60,8 +60,8 @@ class LinkIO:
             th.start()
 
     def next(self, timeout_s: float) -> Tick | str | None:
-        """The next tick, STOP, CLOSED, or None after `timeout_s` with nothing. A message that is not
-        msgpack at all raises ValueError here: the front has a bug, and a restart is the cure."""
+        """The next tick, STOP, CLOSED, or None after `timeout_s` with nothing. A link thread's
+        failure (a message that is not msgpack at all: the front has a bug) is raised here."""
         try:
             item = self._inbox.get_nowait()  # usually there already: read while the last step ran
         except queue.Empty:
@@ -69,7 +69,7 @@ class LinkIO:
                 item = self._inbox.get(timeout=timeout_s)
             except queue.Empty:
                 return None
-        if isinstance(item, ValueError):
+        if isinstance(item, Exception):
             raise item
         return item
 
@@ -97,12 +97,19 @@ class LinkIO:
             try:
                 msg = L.unpack_message(data)
             except ValueError as e:
-                self._inbox.put(ValueError(f"malformed engine-link message: {e}"))
-                return
+                raise ValueError(f"malformed engine-link message: {e}") from None
             if msg.get("stop"):
                 self._inbox.put(STOP)
                 return
             self._inbox.put(self._decode(msg))
+
+    def _guard(self, loop) -> None:
+        """A link thread that fails hands its exception to the main thread, which raises it: the
+        engine exits and the front restarts it, instead of a silent thread and a tick deadline."""
+        try:
+            loop()
+        except Exception as e:
+            self._inbox.put(e)
 
     def _decode(self, msg: dict) -> Tick:
         try:
