@@ -12,7 +12,9 @@ killed). Each incarnation gets a fresh link socket (ipc/seqpacket.py) that
 accepts only that process, so no message of a dead engine can be mistaken
 for a live one's. Restarts back off exponentially; a crash loop (too
 many deaths in a row without one good tick) marks the engine unhealthy and
-stops respawning, so the node reports it instead of spinning.
+stops respawning, so the node reports it instead of spinning. So does an
+incarnation that loaded a different model (the file was replaced under a
+running node): no session could continue on it.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ class EngineLink:
         self.started_at = 0.0
         self.tick_seq = 0
         self.last_error = ""
+        self.unrecoverable = ""  # a death no restart can cure
 
     @property
     def path(self) -> str:
@@ -120,7 +123,16 @@ class EngineLink:
             return None
         msg = L.unpack_message(data)
         if "hello" in msg:
-            self.info = SimpleNamespace(**msg["hello"])
+            info = SimpleNamespace(**msg["hello"])
+            if self.info is not None and (info.recipe, info.n_vocab) != (self.info.recipe, self.info.n_vocab):
+                # the file changed under a running node: sessions cannot continue on another model,
+                # and the front's tokenizer, budgets and recipe all describe the old one
+                self.unrecoverable = self.broken = (
+                    f"the restarted engine loaded a different model (recipe {info.recipe}, this node serves "
+                    f"{self.info.recipe}): {self.engine_cfg.get('engine', {}).get('model_path')} changed; "
+                    "restart the node")
+                return None
+            self.info = info
             self.state = IDLE
             return None
         if "hello_error" in msg:
@@ -178,9 +190,10 @@ class EngineLink:
         self.inflight.clear()
         self.resync = False
         self.deaths_in_row += 1
-        if self.deaths_in_row >= CRASH_LOOP_DEATHS:
+        if self.unrecoverable or self.deaths_in_row >= CRASH_LOOP_DEATHS:
             self.state = FAILED
-            log.error("engine crash loop: %d deaths in a row; not restarting", self.deaths_in_row)
+            log.error("not restarting the engine: %s", self.unrecoverable or
+                      f"crash loop, {self.deaths_in_row} deaths in a row")
             return
         delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self.deaths_in_row - 1))
         self.state, self.next_start_at = DOWN, time.monotonic() + delay

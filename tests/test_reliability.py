@@ -203,6 +203,29 @@ def test_crash_loop_makes_the_node_unhealthy_instead_of_spinning(tiny_model):
         assert c.status()["telemetry"]["engine"]["restarts"] == restarts  # not spinning
 
 
+def test_a_model_file_replaced_under_the_node_fails_clearly_at_the_restart(tiny_model, tmp_path):
+    """A restart that finds another model cannot re-prefill anyone: the node ends the live session,
+    says why, and refuses new work instead of serving a model its tokenizer does not describe."""
+    from meshnode.demo_model import make_model
+
+    model = tmp_path / "served.gguf"
+    model.write_bytes(open(tiny_model, "rb").read())
+    other = make_model(tmp_path / "other.gguf", "tiny", 1)
+    with NodeProcess(str(model)) as n, n.client() as c:
+        c.submit("live", tokens=[3, 4, 5], max_tokens=4000, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "tokens")
+        os.replace(other, model)
+        os.kill(c.status()["node"]["engine_pid"], 9)
+        done = c.wait_for(lambda e: e["event"] == "done" and e["id"] == "live", timeout_s=60)
+        assert done["reason"] == R.ENGINE_ERROR
+        node = c.status()["node"]
+        assert node["healthy"] is False and "different model" in node["engine_error"]
+        c.submit("new", tokens=[3], max_tokens=2)
+        rej = c.wait_for(lambda e: e["event"] == "rejected")
+        assert rej["reason"] == R.REJECTED_ENGINE_UNAVAILABLE and "restart the node" in rej["detail"]
+        assert c.ping()  # the front itself is fine
+
+
 def test_front_death_takes_the_engine_and_leaves_nothing(tiny_model):
     before = leftover_segments()
     n = NodeProcess(tiny_model).start()
