@@ -4,9 +4,9 @@ The same 16 jobs (prompts 4 to 100 tokens, 32 new tokens, concurrency 8) run
 through Scheduler + LlamaEngine in this process, through a real node (front +
 engine processes, ZeroMQ, msgpack, shared memory) with its default pipelined
 ticks, and through a node in lockstep (--pipeline-depth 1), which shows what
-the pipeline buys. Runs alternate, ROUNDS times each, so drift on a shared
-machine hits all sides alike, and the verdict uses all runs together (total
-tokens over total time), not the best.
+the pipeline buys. The three sides run in every order, one order per round,
+so drift on a shared machine hits all sides alike, and the verdict uses all
+runs together (total tokens over total time), not the best.
 
 The per-tick front + IPC figure is measured inside the engine process: the
 time between two engine steps, from one step's result being ready to the next
@@ -18,6 +18,7 @@ is the hand-over between threads and filling in the sampled tokens.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -30,7 +31,11 @@ from meshnode.scheduler import Scheduler
 from meshnode.session import Session
 
 CONCURRENCY, N_JOBS = 8, 16
-ROUNDS = 5  # alternations of the three sides; single runs swing by 10-20% on a shared 2-core VM
+ROUNDS = 6  # rounds of the three sides; single runs swing by 10-30% on a shared 2-core VM
+# every order of the three sides once: each side runs first, second and third equally often, so
+# neither drift over the run nor the position in a round favours one (with in-process always first,
+# one evidence run had it 20% faster than the node in the first two rounds and 10% slower later)
+ORDERS = list(itertools.permutations(("in-process", "node", "lockstep")))
 
 
 def jobs(new_tokens: int) -> list[tuple[str, list[int], int]]:
@@ -102,11 +107,14 @@ def main(a) -> int:
     path = model_path(a)
     threads = a.threads or os.cpu_count()
     work = jobs(a.tokens)
-    ips, nds, lss = [], [], []
-    for _ in range(ROUNDS):
-        ips.append(in_process(path, threads, work))
-        nds.append(through_node(path, threads, work, depth=2))
-        lss.append(through_node(path, threads, work, depth=1))
+    sides = {"in-process": lambda: in_process(path, threads, work),
+             "node": lambda: through_node(path, threads, work, depth=2),
+             "lockstep": lambda: through_node(path, threads, work, depth=1)}
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    for order in ORDERS[:ROUNDS]:
+        for k in order:
+            runs[k].append(sides[k]())
+    ips, nds, lss = runs["in-process"], runs["node"], runs["lockstep"]
     print(f"model {os.path.basename(path)}  {N_JOBS} jobs, prompts 4-100, {a.tokens} new tokens, "
           f"concurrency {CONCURRENCY}, threads {threads}; {llama_build()}")
     print("tok/s: in-process, node (pipelined, the default), node in lockstep (--pipeline-depth 1).")
