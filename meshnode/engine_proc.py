@@ -107,11 +107,9 @@ class EngineProcess:
     def tick(self, tick: Tick) -> tuple[dict, tuple | None]:
         """The reply, and what the link writes to the arena before sending it."""
         self.ticks += 1
-        if tick.error:
-            self.chain.failed()
-            log.error("tick %s failed: %s", tick.t, tick.error)
-            return L.tick_failed(tick.t, False, tick.error), None
         try:
+            if tick.error:  # its fields did not decode: refused like any bad plan
+                raise InvalidPlan(tick.error)
             self._inject_faults()
             res = self.chain.step(self.engine, tick.plan, tick.resync)
         except (EngineError, ValueError) as e:

@@ -31,10 +31,10 @@ from meshnode.scheduler import Scheduler
 from meshnode.session import Session
 
 CONCURRENCY, N_JOBS = 8, 16
-ROUNDS = 6  # rounds of the three sides; single runs swing by 10-30% on a shared 2-core VM
-# every order of the three sides once: each side runs first, second and third equally often, so
-# neither drift over the run nor the position in a round favours one (with in-process always first,
-# one evidence run had it 20% faster than the node in the first two rounds and 10% slower later)
+# One round per order of the three sides (six), since single runs swing by 10-30% on a shared 2-core
+# VM: each side runs first, second and third equally often, so neither drift over the run nor the
+# position in a round favours one (with in-process always first, one evidence run had it 20% faster
+# than the node in the first two rounds and 10% slower later).
 ORDERS = list(itertools.permutations(("in-process", "node", "lockstep")))
 
 
@@ -111,7 +111,7 @@ def main(a) -> int:
              "node": lambda: through_node(path, threads, work, depth=2),
              "lockstep": lambda: through_node(path, threads, work, depth=1)}
     runs: dict[str, list[dict]] = {k: [] for k in sides}
-    for order in ORDERS[:ROUNDS]:
+    for order in ORDERS:
         for k in order:
             runs[k].append(sides[k]())
     ips, nds, lss = runs["in-process"], runs["node"], runs["lockstep"]
@@ -151,6 +151,7 @@ def main(a) -> int:
           f"(target < 150 us: {'met' if wait < 150 else 'NOT met'})")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"model": path, "llama_build": llama_build(), "runs": figures, "ratio_all_runs": ratio, "ratio_all_runs_lockstep": ratio_ls,
-                       "engine_wait_us_median": wait, "lockstep_wait_us_median": wait_ls}, fh, indent=2)
+            json.dump({"model": path, "llama_build": llama_build(), "runs": figures, "ratio_all_runs": ratio,
+                       "ratio_all_runs_lockstep": ratio_ls, "engine_wait_us_median": wait,
+                       "lockstep_wait_us_median": wait_ls}, fh, indent=2)
     return 0

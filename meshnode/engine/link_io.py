@@ -10,8 +10,8 @@ threads while the next decode runs (llama_decode releases the GIL):
 - the reader receives, unpacks and decodes each tick descriptor (its tokens
   copied out of the shared arena) as soon as it arrives;
 - the writer writes each tick's sampled tokens to the arena, adds the latest
-  memory figures to its reply, packs and sends it, and only then re-reads psutil (about 0.7 ms) when the figures are
-  older than MEMORY_EVERY_S.
+  memory figures to its reply, packs and sends it, and only then re-reads
+  psutil (about 0.7 ms) when the figures are older than MEMORY_EVERY_S.
 
 Order is kept: ticks reach the main thread in arrival order and replies leave
 in hand-over order, so the front sees exactly the lockstep conversation.
