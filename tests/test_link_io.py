@@ -11,8 +11,9 @@ from ipc import link as L
 from ipc.protocol import pack
 from ipc.seqpacket import LinkSocket
 from ipc.shm import TokenArena
-from meshnode.engine.link_io import CLOSED, STOP, LinkIO
+from meshnode.engine.link_io import CLOSED, STOP, LinkIO, Tick
 from meshnode.engine.plan import Plan, SeqChunk, StepResult
+from meshnode.engine_proc import EngineProcess
 
 
 @pytest.fixture
@@ -91,3 +92,10 @@ def test_a_failing_link_thread_is_raised_in_the_main_thread(pair):
     io.reply({"t": 1, "bad": object()})  # msgpack cannot pack it: the writer fails
     with pytest.raises(TypeError):
         io.next(5)
+
+
+def test_the_engine_refuses_a_tick_that_did_not_decode_like_any_bad_plan():
+    proc = EngineProcess({"parent_pid": 0})
+    reply, samples = proc.tick(Tick(7, None, error="tick entry points outside the arena"))
+    assert reply == L.tick_failed(7, False, "tick entry points outside the arena") and samples is None
+    assert proc.chain.refusing  # the ticks queued behind it are refused until the front resyncs
