@@ -95,12 +95,17 @@ def write_samples(arena, out: int, plan: Plan, res: StepResult) -> None:
         arena.output[out + k] = res.tokens.get(c.seq_id, -1)
 
 
-def read_result(msg: dict, plan: Plan, arena) -> StepResult:
-    """The front's side: a successful reply to `plan` plus its samples from the arena."""
+def read_result(msg: dict, plan: Plan, arena, n_vocab: int) -> StepResult:
+    """The front's side: a successful reply to `plan` plus its samples from the arena. A sample
+    outside the vocabulary raises ValueError: the engine is broken, and detokenizing it would
+    abort the front (llama.cpp throws std::out_of_range)."""
     _, out = _bases(msg["t"], arena)
     samples = arena.output
-    return StepResult({c.seq_id: int(samples[out + k]) for k, c in enumerate(plan.chunks) if c.draw >= 0},
-                      list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
+    tokens = {c.seq_id: int(samples[out + k]) for k, c in enumerate(plan.chunks) if c.draw >= 0}
+    for seq, tok in tokens.items():
+        if not 0 <= tok < n_vocab:
+            raise ValueError(f"engine sampled token {tok} for sequence {seq}, outside the vocabulary of {n_vocab}")
+    return StepResult(tokens, list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
 
 
 def tick_ok(t, miss: list[int], step_ms: float, kv_cells: int, gap_ms: float) -> dict:

@@ -121,7 +121,11 @@ class EngineLink:
         if data is None:
             self.broken = self.broken or "engine closed the link"
             return None
-        msg = L.unpack_message(data)
+        try:
+            msg = L.unpack_message(data)
+        except ValueError as e:  # the engine is broken: check() reports it, then the restart
+            self.broken = self.broken or f"engine sent a malformed message: {e}"
+            return None
         if "hello" in msg:
             info = SimpleNamespace(**msg["hello"])
             if self.info is not None and (info.recipe, info.n_vocab) != (self.info.recipe, self.info.n_vocab):

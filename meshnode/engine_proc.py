@@ -112,6 +112,8 @@ class EngineProcess:
                 raise InvalidPlan(tick.error)
             self._inject_faults()
             res = self.chain.step(self.engine, tick.plan, tick.resync)
+            if self.faults.get("kind") == "bad_sample" and self.ticks == self.faults.get("at_tick"):
+                res.tokens = dict.fromkeys(res.tokens, self.engine.n_vocab)  # ids the vocabulary lacks
         except (EngineError, ValueError) as e:
             fatal = getattr(e, "fatal", False)
             if not fatal:

@@ -83,6 +83,9 @@ class Front:
                                cfg.pipeline_depth)
         self.link.start()
         info = self.link.wait_ready()
+        if info.n_vocab != self.tok.n_vocab:  # the file changed between the two loads
+            raise RuntimeError(f"the engine's model has {info.n_vocab} tokens, the front's tokenizer "
+                               f"{self.tok.n_vocab}: {cfg.model} changed while the node started")
         mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
         self.budget = NodeBudget.from_engine(
             info, max_active=cfg.max_active, max_queue=cfg.max_queue, max_batch_size=cfg.max_batch,
@@ -252,7 +255,10 @@ class Front:
                 return self._engine_died(f"engine reported a fatal error: {msg.get('detail')}")
             log.error("engine refused a plan: %s", msg.get("detail"))
             return self.sched.fail_inflight(R.ENGINE_ERROR)
-        res = L.read_result(msg, plan, self.arena)
+        try:
+            res = L.read_result(msg, plan, self.arena, self.tok.n_vocab)
+        except (KeyError, TypeError, ValueError) as e:  # garbage from the engine: restart it, re-prefill
+            return self._engine_died(f"engine sent a bad reply: {e}")
         self.telemetry.record_tick(int(msg.get("rss", self.telemetry.engine["rss_bytes"])), res.step_ms,
                                    res.kv_cells, float(msg.get("gap_ms", -1.0)))
         if "mem" in msg:

@@ -32,8 +32,16 @@ def test_a_tick_round_trips_and_consecutive_ticks_use_separate_halves(arena):
         assert got.chunks[0].sampling == Sampling(0.5, 3, 0.9, 11) and got.chunks[1].sampling is None
         L.write_samples(arena, out, got, StepResult({0: 40, 2: 41}))
     # tick 8 did not overwrite tick 7's tokens or samples: two ticks can be in flight
-    assert L.read_result({"t": 7}, plan(), arena).tokens == {0: 40, 2: 41}
+    assert L.read_result({"t": 7}, plan(), arena, n_vocab=64).tokens == {0: 40, 2: 41}
     assert arena.input[:3].tolist() == [5, 6, 7] and arena.input[16:19].tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("bad", [64, -1])
+def test_a_sample_outside_the_vocabulary_is_refused_not_passed_on(arena, bad):
+    got, out, _ = L.decode_tick(L.unpack_message(L.encode_tick(7, plan(), arena)), arena)
+    L.write_samples(arena, out, got, StepResult({0: 40, 2: bad}))
+    with pytest.raises(ValueError, match=f"token {bad} for sequence 2, outside the vocabulary of 64"):
+        L.read_result({"t": 7}, plan(), arena, n_vocab=64)
 
 
 @pytest.mark.parametrize("msg, words", [
@@ -71,5 +79,18 @@ def test_an_oversize_message_is_refused_before_it_is_sent():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with pytest.raises(ValueError, match="exceeds"):
         seqpacket.LinkSocket(a).send(b"x" * (seqpacket.MAX_MESSAGE + 1))
+    a.close()
+    b.close()
+
+
+def test_a_reply_that_is_not_msgpack_marks_the_link_broken_instead_of_raising(arena, tmp_path):
+    from meshnode.engine_link import EngineLink
+
+    link = EngineLink(str(tmp_path), {}, arena, tick_deadline_s=5.0)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link.sock = seqpacket.LinkSocket(a)
+    b.send(b"\xc1")  # never valid msgpack
+    assert link.on_message() is None
+    assert "engine sent a malformed message" in link.broken
     a.close()
     b.close()

@@ -46,7 +46,7 @@ def test_ticks_arrive_decoded_in_order_and_replies_leave_in_order(pair):
         msg = L.unpack_message(front.recv())
         assert msg["t"] == t and msg["gap_ms"] == 0.5
         assert msg["rss"] > 0 and len(msg["mem"]) == 2  # the writer adds the memory figures
-        assert L.read_result(msg, plan(t), arena).tokens == {0: 100 + t, 1: 200 + t}
+        assert L.read_result(msg, plan(t), arena, n_vocab=512).tokens == {0: 100 + t, 1: 200 + t}
 
 
 def test_a_tick_that_does_not_decode_is_handed_on_as_an_error_in_its_place(pair):

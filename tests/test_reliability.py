@@ -152,7 +152,7 @@ def reference_tokens(tiny_model):
         return {sid: r.tokens for sid, r in c.collect(list(JOBS)).items()}
 
 
-@pytest.mark.parametrize("kind", ["fatal", "raise", "hang", "kill"])
+@pytest.mark.parametrize("kind", ["fatal", "raise", "hang", "kill", "bad_sample"])
 def test_engine_fault_reprefills_with_identical_tokens(tiny_model, reference_tokens, kind):
     internal = {"faults": {"kind": kind, "at_tick": 20}}
     with NodeProcess(tiny_model, "--tick-deadline-s", "1", internal=internal) as n, n.client() as c:
@@ -224,6 +224,14 @@ def test_a_model_file_replaced_under_the_node_fails_clearly_at_the_restart(tiny_
         rej = c.wait_for(lambda e: e["event"] == "rejected")
         assert rej["reason"] == R.REJECTED_ENGINE_UNAVAILABLE and "restart the node" in rej["detail"]
         assert c.ping()  # the front itself is fine
+
+
+def test_an_engine_whose_vocabulary_is_not_the_tokenizers_stops_the_start(tiny_model, tmp_path, monkeypatch):
+    """The file changed between the front's vocab-only load and the engine's: say so, serve nothing."""
+    monkeypatch.setenv("MESHNODE_TEST_CONFIG", '{"engine_kind": "fake", "fake": {"n_vocab": 4096}}')
+    monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
+    out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock")
+    assert out.returncode == 1 and "the engine's model has 4096 tokens, the front's tokenizer 512" in out.stderr
 
 
 def test_front_death_takes_the_engine_and_leaves_nothing(tiny_model):
