@@ -110,9 +110,10 @@ class EngineProcess:
         try:
             if tick.error:  # its fields did not decode: refused like any bad plan
                 raise InvalidPlan(tick.error)
-            self._inject_faults()
+            fault = self._due_fault()
+            self._inject_faults(fault)
             res = self.chain.step(self.engine, tick.plan, tick.resync)
-            if self.faults.get("kind") == "bad_sample" and self.ticks == self.faults.get("at_tick"):
+            if fault == "bad_sample":
                 res.tokens = dict.fromkeys(res.tokens, self.engine.n_vocab)  # ids the vocabulary lacks
         except (EngineError, ValueError) as e:
             fatal = getattr(e, "fatal", False)
@@ -130,11 +131,12 @@ class EngineProcess:
         self._ready_at = ready
         return L.tick_ok(tick.t, res.cache_miss, res.step_ms, res.kv_cells, gap_ms), (tick.out, tick.plan, res)
 
-    def _inject_faults(self) -> None:
+    def _due_fault(self) -> str | None:
+        """The fault a test asked for at this tick, if any."""
         f = self.faults
-        if not f or self.ticks != f.get("at_tick", -1):
-            return
-        kind = f.get("kind")
+        return f.get("kind") if f and self.ticks == f.get("at_tick", -1) else None
+
+    def _inject_faults(self, kind: str | None) -> None:
         if kind == "fatal":
             raise FatalEngineError("injected: llama_decode returned -3")
         if kind == "raise":
