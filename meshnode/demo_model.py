@@ -32,8 +32,9 @@ class Preset:
 
 
 PRESETS = {
-    # a few MB, f32 so the numpy reference engine can match llama.cpp to 1e-3
-    "tiny": Preset(4, 256, 4, 2, 512, 512, 4096, np.float32),
+    # a few MB, f32 so the numpy reference engine can match llama.cpp to 1e-3; trained context
+    # 64K so a test node can take a prompt the size of the protocol's largest text
+    "tiny": Preset(4, 256, 4, 2, 512, 512, 65536, np.float32),
     # ~270 MB f16: decode is bound by reading weights, as with real models
     "bench": Preset(12, 1024, 16, 4, 2816, 512, 4096, np.float16),
 }

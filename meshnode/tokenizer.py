@@ -3,13 +3,29 @@
 A vocab-only load reads no weights, so the front stays small and never touches
 the engine's context. Streamed pieces go through an incremental UTF-8 decoder
 per session, because a byte-level vocab may split one character across tokens.
+
+Cost is bounded, because clients choose the text. llama.cpp's SPM tokenizer
+reallocates its whole output once per byte-fallback character
+(llama-vocab.cpp, `resegment`: `output.reserve(output.size() + symbol.n)`),
+so text made of characters the vocab lacks (tabs, CJK, emoji in a small
+vocab) costs time quadratic in its length. A character that appears in no
+token's text can never merge with a neighbour, so the text can be cut right
+after it and each piece tokenized on its own with an identical result; cutting
+every few KiB keeps each call's output short and the whole encode linear.
+`min_tokens` is a lower bound that needs no tokenizing at all, for refusing a
+text that cannot fit the context before paying for it.
 """
 from __future__ import annotations
 
 import codecs
 import ctypes
+import math
+import re
 
 from meshnode.engine.llama_engine import _install_log
+
+SPM = 1  # llama_vocab_type
+SLICE_BYTES = 1024  # cut a text at most this often (at a character that never merges) to stay linear
 
 
 class Tokenizer:
@@ -27,8 +43,53 @@ class Tokenizer:
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self._buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}  # the vocab is fixed: each piece is looked up once
+        texts = [L.llama_vocab_get_text(self._vocab, t) or b"" for t in range(self.n_vocab)]
+        # no token covers more input bytes than its own text has (SPM's U+2581 stands for one space)
+        self.max_token_bytes = max(1, max(len(t) for t in texts))
+        self._never_merges = self._spm_foreign(texts)
+
+    def _spm_foreign(self, texts: list[bytes]) -> re.Pattern | None:
+        """A pattern matching any character no token's text contains, when the linear SPM path applies."""
+        L, v = self._L, self._vocab
+        if L.llama_vocab_type(v) != SPM or L.llama_vocab_get_add_eos(v):
+            return None
+        have = set(texts)
+        if any(f"<0x{b:02X}>".encode() not in have for b in range(256)):
+            return None  # no byte fallback: characters outside the vocab become <unk>, not bytes
+        chars = {ch for t in texts for ch in t.decode("utf-8", "replace")} | {" "}  # a space is U+2581 to SPM
+        return re.compile("[^" + "".join(re.escape(ch) for ch in sorted(chars)) + "]")
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) that costs nothing: no token covers more bytes."""
+        return math.ceil(len(text.encode("utf-8")) / self.max_token_bytes)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Exactly llama.cpp's tokens for `text`, in time linear in its length."""
+        cuts = self._cuts(text) if self._never_merges is not None else []
+        if not cuts:
+            return self._tokenize(text, add_bos)
+        out, start = self._tokenize(text[:cuts[0]], add_bos), cuts[0]
+        for end in cuts[1:] + [len(text)]:
+            # the piece follows a character that never merges: tokenize it behind that same
+            # character, whose own tokens (and the space prefix SPM adds at the start) come off
+            lead = text[start - 1]
+            head = self._tokenize(lead, False)
+            got = self._tokenize(lead + text[start:end], False)
+            if got[:len(head)] != head:  # cannot happen for an SPM vocab; never guess
+                return self._tokenize(text, add_bos)
+            out += got[len(head):]
+            start = end
+        return out
+
+    def _cuts(self, text: str) -> list[int]:
+        """Positions right after a never-merging character, at least SLICE_BYTES characters apart."""
+        cuts, pos = [], SLICE_BYTES
+        while (m := self._never_merges.search(text, pos)) is not None and m.end() < len(text):
+            cuts.append(m.end())
+            pos = m.end() + SLICE_BYTES
+        return cuts
+
+    def _tokenize(self, text: str, add_bos: bool) -> list[int]:
         data = text.encode("utf-8")
         n_max = len(data) + 8
         out = (self._L.llama_token * n_max)()
