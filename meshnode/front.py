@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 
 import zmq
 
@@ -33,12 +34,14 @@ from meshnode.scheduler import Event, Scheduler
 from meshnode.sdnotify import Notifier
 from meshnode.session import Session
 from meshnode.telemetry import Telemetry
+from meshnode.textjobs import TextJobs
 from meshnode.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("meshnode.front")
 PUBLISH_EVERY_S = 1.0
 STATUS_EVERY_S = 5.0
-MAX_FRAMES_PER_POLL = 256  # bound client work per loop turn so ticks keep flowing
+CLIENT_SLICE_S = 0.004  # client requests handled per loop turn, at most: then the engine link's turn
+MAX_HELD = 256  # a client's requests waiting behind its text being tokenized
 _MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
@@ -48,13 +51,15 @@ class Front:
         self.stop_requested = 0  # signals: 1 = drain, 2 = stop now
         self.stopping = False
         self.streams: dict = {}
+        self.held: dict[bytes, deque] = {}  # a client's requests behind its text being tokenized
         self.notifier = Notifier()
         self._auth: list = []
         self._locks: list[EndpointLock] = []
         self._poller_link = False  # what the poller watches of the link; False = no poller yet
+        self._front_rss = rss()
         # set by initialize(); shutdown() releases whichever of them exist
         self.sched = self.link = self.router = self.pub = self.metrics = None
-        self.arena = self.zctx = self.tok = None
+        self.arena = self.zctx = self.tok = self.texts = None
 
     # -- initialize ------------------------------------------------------------------
     def initialize(self) -> None:
@@ -71,6 +76,7 @@ class Front:
         self.telemetry_ep = cfg.telemetry or default_telemetry()
         self._locks = [EndpointLock(self.listen), EndpointLock(self.telemetry_ep)]
         self.tok = Tokenizer(cfg.model)
+        self.texts = TextJobs(self.tok.encode)
         self.zctx = zmq.Context()
         self.arena = TokenArena.create(*L.arena_shape(cfg.n_batch, cfg.n_seq_max))
         orphans = [f for lock in self._locks if lock.path for f in (lock.path, lock.path + ".lock")]
@@ -80,7 +86,7 @@ class Front:
                                  "n_batch": cfg.n_batch, "n_threads": cfg.threads, "type_k": cfg.type_k,
                                  "type_v": cfg.type_v, "flash_attn": cfg.flash_attn}}
         self.link = EngineLink(self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults,
-                               cfg.pipeline_depth)
+                               cfg.pipeline_depth, cfg.start_timeout_s, cfg.restart_timeout_min_s)
         self.link.start()
         info = self.link.wait_ready()
         if info.n_vocab != self.tok.n_vocab:  # the file changed between the two loads
@@ -99,7 +105,8 @@ class Front:
         self.pub = telemetry_pub(self.zctx, self.telemetry_ep)
         if cfg.metrics_listen:
             from meshnode.metrics_http import MetricsServer
-            self.metrics = MetricsServer(cfg.metrics_listen, self._snapshot)
+            self.metrics = MetricsServer(cfg.metrics_listen)
+            self.metrics.publish(self._snapshot())
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         b = self.budget
@@ -134,7 +141,11 @@ class Front:
             self.link.maybe_restart(now)
             self._dispatch()
             if now >= next_publish:
-                self.pub.send_multipart(P.telemetry(self._snapshot()))
+                self._front_rss = rss()  # psutil costs about 80 us: not on every status request
+                snap = self._snapshot()
+                self.pub.send_multipart(P.telemetry(snap))
+                if self.metrics is not None:
+                    self.metrics.publish(snap)
                 next_publish = now + PUBLISH_EVERY_S
                 if self.link.state != FAILED and self.notifier.watchdog_s:
                     self.notifier.notify("WATCHDOG=1")
@@ -154,6 +165,7 @@ class Front:
         if self._poller_link is not watch:  # the engine connected, or a new incarnation started
             self._poller = zmq.Poller()
             self._poller.register(self.router, zmq.POLLIN)
+            self._poller.register(self.texts.fileno(), zmq.POLLIN)
             if watch is not None:  # a plain socket: the poller reports it by its fd
                 self._poller.register(watch.fileno(), zmq.POLLIN)
             self._poller_link = watch
@@ -162,8 +174,14 @@ class Front:
             events = self._on_engine(self.link.on_message())
             self._dispatch(after_reply=True)  # refill the pipeline before talking to clients
             self._send(events)
+        if ready.get(self.texts.fileno()):
+            for job in self.texts.finished():
+                self._on_text(job)
         if ready.get(self.router):
-            for _ in range(MAX_FRAMES_PER_POLL):
+            # a time slice, not a frame count: a flood of valid but costly requests (maximal token
+            # lists, status) must leave the engine link its turn
+            until = time.perf_counter() + CLIENT_SLICE_S
+            while time.perf_counter() < until:
                 try:
                     frames = self.router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -172,6 +190,19 @@ class Front:
 
     # -- clients ------------------------------------------------------------------------
     def _on_client(self, ident: bytes, frames: list[bytes]) -> None:
+        """Requests of one client are answered in order: while its text is being tokenized, the
+        requests it sends after it wait (a cancel must find the session it follows)."""
+        held = self.held.get(ident)
+        if held is None:
+            self._handle(ident, frames)
+        elif len(held) < MAX_HELD:
+            held.append(frames)
+        else:
+            self.telemetry.count_bad_frame()
+            self._reply(ident, P.error(R.TOO_LARGE, f"{MAX_HELD} requests already wait behind a text of this "
+                                       "client that is being tokenized; read the answers before sending more"))
+
+    def _handle(self, ident: bytes, frames: list[bytes]) -> None:
         try:
             req = P.decode_request(frames, self.tok.n_vocab)
         except P.ProtocolError as e:
@@ -192,16 +223,49 @@ class Front:
             self._submit(ident, req)
 
     def _submit(self, ident: bytes, req: P.Submit) -> None:
-        prompt = req.tokens if req.tokens is not None else self.tok.encode(req.text)
-        s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
-                    req.ignore_eos, req.recipe)
+        if req.tokens is not None:
+            return self._admit(ident, req, req.tokens)
+        # a text that cannot fit is refused before it is tokenized (the bound costs nothing); the
+        # rest is tokenized on the worker thread, and admitted when it is back
+        d = self.sched.precheck(self._session(ident, req, [0] * max(1, self.tok.min_tokens(req.text))))
+        if not d.accepted:
+            return self._refuse(ident, req.id, d.reason, d.detail)
+        if not self.texts.submit((ident, req), req.text):
+            return self._refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
+                                f"the tokenizer's backlog is full ({self.texts.max_backlog_bytes} bytes of text "
+                                "wait); retry later or send tokens")
+        self.held[ident] = deque()
+
+    def _on_text(self, job) -> None:
+        ident, req = job.key
+        if job.error:
+            self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, job.error)
+        else:
+            self._admit(ident, req, job.tokens)
+        held = self.held.pop(ident, deque())
+        while held:
+            self._handle(ident, held.popleft())
+            if ident in self.held:  # waiting behind another text now
+                self.held[ident].extend(held)
+                return
+
+    @staticmethod
+    def _session(ident: bytes, req: P.Submit, prompt: list[int]) -> Session:
+        return Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
+                       req.ignore_eos, req.recipe)
+
+    def _refuse(self, ident: bytes, id: str, reason: str, detail: str) -> None:
+        self.telemetry.count_reject(reason)
+        self._reply(ident, P.rejected(id, reason, detail))
+
+    def _admit(self, ident: bytes, req: P.Submit, prompt: list[int]) -> None:
+        s = self._session(ident, req, prompt)
         d = self.sched.submit(s)
         if d.accepted:
             self.streams[s.key] = TextStream(self.tok)
             self._reply(ident, P.admitted(req.id, d.reason))
         else:
-            self.telemetry.count_reject(d.reason)
-            self._reply(ident, P.rejected(req.id, d.reason, d.detail))
+            self._refuse(ident, req.id, d.reason, d.detail)
 
     def _send(self, events: list[Event]) -> None:
         for ev in events:
@@ -279,7 +343,7 @@ class Front:
     def _snapshot(self) -> dict:
         snap = self.telemetry.snapshot()
         snap["engine"].update(pid=self.link.pid, restarts=self.link.restarts)  # the link owns both
-        snap["front_rss_bytes"] = rss()
+        snap["front_rss_bytes"] = self._front_rss
         snap["healthy"] = self.link.state != FAILED
         snap["model"], snap["recipe"] = os.path.basename(self.cfg.model), self.recipe
         return snap
@@ -288,7 +352,8 @@ class Front:
         return {"version": __version__, "recipe": self.recipe, "model": self.cfg.model,
                 "budgets": self.budget.as_dict(), "engine_pid": self.link.pid, "listen": self.listen,
                 "telemetry": self.telemetry_ep, "healthy": self.link.state != FAILED,
-                "engine_state": self.link.state, "engine_error": self.link.last_error}
+                "engine_state": self.link.state, "engine_error": self.link.last_error,
+                "engine_first_start_s": self.link.first_start_s, "engine_hello_deadline_s": self.link.hello_deadline_s}
 
     def _status_line(self) -> str:
         t = self._snapshot()
@@ -301,7 +366,8 @@ class Front:
         """Release everything initialize() got this far, in reverse dependency order."""
         if self.sched is not None and self.sched.live:
             self._send(self.sched.end_all(R.DRAINED))
-        steps = [(self.link, "stop"), (self.router, "close"), (self.pub, "close"), (self.metrics, "close"),
+        steps = [(self.link, "stop"), (self.texts, "close"), (self.router, "close"), (self.pub, "close"),
+                 (self.metrics, "close"),
                  *((a, "stop") for a in self._auth), (self.arena, "close"), (self.zctx, "term"),
                  *((lock, "release") for lock in self._locks), (self.tok, "close"), (self.notifier, "close")]
         for obj, method in steps:

@@ -84,9 +84,7 @@ class Scheduler:
     # -- requests (thread-safe) -------------------------------------------------
     def submit(self, s: Session) -> AdmissionDecision:
         with self._lock:
-            d = self.admission.check(s, live=s.key in self.live, queue_len=len(self.waiting),
-                                     draining=self.draining, mem_available=self.mem_available,
-                                     engine_down=self.engine_down)
+            d = self.precheck(s)
             if not d.accepted:
                 return d
             s.t_submit = self.clock()
@@ -97,6 +95,14 @@ class Scheduler:
                 s.state = QUEUED
                 self.waiting.append(s)
             return d
+
+    def precheck(self, s: Session) -> AdmissionDecision:
+        """What submit() would decide now, without admitting: for a stand-in whose prompt is only
+        a lower bound (a text not tokenized yet), a refusal is final and an acceptance provisional."""
+        with self._lock:
+            return self.admission.check(s, live=s.key in self.live, queue_len=len(self.waiting),
+                                        draining=self.draining, mem_available=self.mem_available,
+                                        engine_down=self.engine_down)
 
     def cancel(self, key) -> Event | None:
         """End a live session now; its reservation frees and its sequence is released next plan."""

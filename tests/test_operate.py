@@ -176,12 +176,13 @@ def test_metrics_endpoint_serves_prometheus_text(tiny_model):
             c.generate("m", tokens=[3, 4, 5], max_tokens=3)
             c.submit("bad", tokens=[3], max_tokens=10**6)
             c.wait_for(lambda e: e["event"] == "rejected")
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    assert samples["meshnode_generation_tokens_total"] >= 3
+        def scrape():
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return {name: float(value) for name, value in
+                    (ln.rsplit(" ", 1) for ln in body.splitlines() if ln and not ln.startswith("#"))}
+
+        # the text is rendered once per telemetry publication (every second), not per scrape
+        samples = wait_until(lambda: (lambda s: s if s["meshnode_generation_tokens_total"] >= 3 else None)(scrape()), 5)
+    assert samples, "the scrape never showed the generated tokens"
     assert samples['meshnode_requests_rejected_total{reason="REJECTED_CONTEXT_TOO_LONG"}'] == 1
     assert "meshnode_kv_cache_usage_ratio" in samples and "meshnode_engine_restarts_total" in samples
