@@ -2,8 +2,14 @@
 
 Token ids of a tick travel here as int32, not through msgpack: the front writes
 every chunk's tokens into `input`, the engine writes each sampled token into
-`output[k]` for the plan's k-th entry. One tick is in flight at a time, so both
-regions are reused from offset 0 every tick.
+`output[k]` for the plan's k-th entry (ipc/link.py says which half of each
+region a tick uses).
+
+The segment also holds the engine's heartbeat: the tick it last started and
+finished and when (CLOCK_MONOTONIC, the same clock in every process). The
+engine is the one that knows whether it is mid-decode, so the front judges a
+hang by it: a reply that waits unread while the front was busy is progress,
+not a hung engine.
 
 Ownership: only the creator (the front) unlinks. An attaching process must not
 let Python's resource tracker unlink the segment when it exits (cpython
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -22,12 +29,32 @@ PREFIX = "meshnode"
 _NAME = re.compile(rf"^{PREFIX}_(\d+)_[0-9a-f]+$")
 
 
+_BEAT = 3  # int64s: started tick, finished tick, monotonic ns of the last change
+
+
 class TokenArena:
     def __init__(self, shm: shared_memory.SharedMemory, n_input: int, n_output: int, owner: bool):
         self.shm, self.owner = shm, owner
         self.n_input, self.n_output = n_input, n_output
-        buf = np.ndarray((n_input + n_output,), dtype=np.int32, buffer=shm.buf)
+        self._beat = np.ndarray((_BEAT,), dtype=np.int64, buffer=shm.buf)
+        buf = np.ndarray((n_input + n_output,), dtype=np.int32, buffer=shm.buf, offset=8 * _BEAT)
         self.input, self.output = buf[:n_input], buf[n_input:]
+
+    def beat(self, t: int, finished: bool) -> None:
+        """The engine's side: tick `t` starts (or has finished) now. The time is written first, so a
+        reader that sees the new tick sees its time too (x86 keeps stores in order)."""
+        self._beat[2] = time.monotonic_ns()
+        self._beat[1 if finished else 0] = t
+
+    def heartbeat(self) -> tuple[int, int, float]:
+        """The front's side: (last tick started, last tick finished, when either last changed, in
+        time.monotonic() seconds)."""
+        started, finished, ns = (int(x) for x in self._beat)
+        return started, finished, ns / 1e9
+
+    def reset_heartbeat(self) -> None:
+        """Before a new engine incarnation: nothing started, nothing finished."""
+        self._beat[:] = 0
 
     @property
     def name(self) -> str:
@@ -36,20 +63,20 @@ class TokenArena:
     @classmethod
     def create(cls, n_input: int, n_output: int) -> "TokenArena":
         name = f"{PREFIX}_{os.getpid()}_{os.urandom(4).hex()}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=4 * (n_input + n_output))
+        shm = shared_memory.SharedMemory(name=name, create=True, size=8 * _BEAT + 4 * (n_input + n_output))
         return cls(shm, n_input, n_output, owner=True)
 
     @classmethod
     def attach(cls, name: str, n_input: int, n_output: int) -> "TokenArena":
         shm = _attach_untracked(name)
-        if shm.size < 4 * (n_input + n_output):
+        if shm.size < 8 * _BEAT + 4 * (n_input + n_output):
             shm.close()
             raise ValueError(f"shared memory {name} is smaller than the arena it should hold")
         return cls(shm, n_input, n_output, owner=False)
 
     def close(self) -> None:
         """Drop the numpy views before closing (a live view makes close() fail); unlink if ours."""
-        self.input = self.output = None  # type: ignore[assignment]
+        self.input = self.output = self._beat = None  # type: ignore[assignment]
         try:
             self.shm.close()
         except BufferError:

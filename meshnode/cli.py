@@ -22,7 +22,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     for name, help_ in [("kv-budget-mb", "KV byte budget"), ("weight-budget-mb", "refuse to start above this"),
                         ("memory-floor-mb", "reject new sessions below this available memory"),
                         ("drain-timeout-s", "how long SIGTERM lets sessions finish"),
-                        ("tick-deadline-s", "a tick longer than this is a hung engine")]:
+                        ("tick-deadline-s", "a tick longer than this is a hung engine"),
+                        ("start-timeout-s", "how long the first engine start may take"),
+                        ("restart-timeout-min-s", "a restart may take max(this, 5 x the first start)")]:
         p.add_argument(f"--{name}", type=float, help=help_)
     p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
     p.add_argument("--curve-secret-key", help="server certificate (zmq.auth format) for CURVE")

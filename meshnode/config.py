@@ -37,6 +37,8 @@ class NodeConfig:
     type_v: str = "f16"
     flash_attn: str = "auto"  # auto, on, off (off = f32 attention numerics)
     tick_deadline_s: float = 30.0  # an engine tick longer than this is a hung engine
+    start_timeout_s: float = 300.0  # the first engine start (model load) may take this long
+    restart_timeout_min_s: float = 10.0  # a restart may take max(this, 5 x the measured first start)
     pipeline_depth: int = 2  # ticks in flight: 2 plans the next tick while the engine runs one; 1 = lockstep
     drain_timeout_s: float = 30.0  # on SIGTERM, sessions get this long to finish
     metrics_listen: str | None = None  # host:port for Prometheus /metrics; None = off
@@ -46,7 +48,7 @@ class NodeConfig:
     log_level: str = "INFO"
     # test and drill knobs: not in the example file, not for production
     engine_kind: str = field(default="llama", metadata={"internal": True})
-    faults: dict | None = field(default=None, metadata={"internal": True})
+    faults: list | None = field(default=None, metadata={"internal": True})  # one per incarnation
     fake: dict | None = field(default=None, metadata={"internal": True})
 
     def validate(self) -> None:
@@ -64,7 +66,8 @@ class NodeConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {v}")
-        for name in ("max_queue", "threads", "memory_floor_mb", "tick_deadline_s", "drain_timeout_s"):
+        for name in ("max_queue", "threads", "memory_floor_mb", "tick_deadline_s", "drain_timeout_s",
+                     "start_timeout_s", "restart_timeout_min_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         for name in ("kv_budget_mb", "weight_budget_mb"):
@@ -93,7 +96,7 @@ class NodeConfig:
 def _type_of(f) -> type:
     t = f.type if isinstance(f.type, str) else f.type.__name__
     base = t.split("|")[0].strip()
-    return {"str": str, "int": int, "float": float, "bool": bool, "dict": dict}[base]
+    return {"str": str, "int": int, "float": float, "bool": bool, "dict": dict, "list": list}[base]
 
 
 def public_keys() -> list[str]:

@@ -7,8 +7,13 @@ behind it are refused too (they were planned on top of it): their replies
 are dropped here, and the next tick sent carries `resync`.
 
 Death is any of: the process sentinel fires, the link closes or answers
-with a fatal error, or a tick runs past its deadline (a hang: the process is
-killed). Each incarnation gets a fresh link socket (ipc/seqpacket.py) that
+with a fatal error, a tick runs past its deadline, or an incarnation does not
+say hello in time (a hang: the process is killed). A hang is judged by the
+engine's own heartbeat in the shared arena (ipc/shm.py), never by how long the
+front took to read a reply: only a tick the engine has not finished can be
+late. A restarted incarnation must say hello within a deadline derived from
+how long the first one took to load the model (with a floor), so a stuck
+restart costs live sessions seconds, not the first start's generous timeout. Each incarnation gets a fresh link socket (ipc/seqpacket.py) that
 accepts only that process, so no message of a dead engine can be mistaken
 for a live one's. Restarts back off exponentially; a crash loop (too
 many deaths in a row without one good tick) marks the engine unhealthy and
@@ -38,7 +43,7 @@ log = logging.getLogger("meshnode.front")
 STARTING, IDLE, BUSY, DOWN, FAILED = "STARTING", "IDLE", "BUSY", "DOWN", "FAILED"
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 5.0
 CRASH_LOOP_DEATHS = 5  # deaths in a row with no good tick between them
-START_TIMEOUT_S = 300.0  # loading a big model from a cold disk can be slow
+RESTART_FACTOR = 5  # a restart may take this many times the measured first start (page cache, load)
 
 
 @dataclass
@@ -46,14 +51,18 @@ class Flight:
     """A tick sent and not answered yet."""
     t: int
     plan: Plan
+    sent_at: float
     discard: bool = False  # queued behind a refused tick: the engine refuses it too
 
 
 class EngineLink:
     def __init__(self, run_dir: str, engine_cfg: dict, arena: TokenArena, tick_deadline_s: float,
-                 faults: dict | None = None, depth: int = 2):
+                 faults: list | None = None, depth: int = 2, start_timeout_s: float = 300.0,
+                 restart_timeout_min_s: float = 10.0):
         self.run_dir, self.engine_cfg, self.arena = run_dir, engine_cfg, arena
         self.tick_deadline_s = tick_deadline_s
+        self.start_timeout_s, self.restart_timeout_min_s = start_timeout_s, restart_timeout_min_s
+        self.first_start_s: float | None = None  # measured: spawn to hello of the first incarnation
         self.faults = faults
         self.depth = depth
         self.inflight: deque[Flight] = deque()
@@ -68,7 +77,6 @@ class EngineLink:
         self.restarts = 0
         self.deaths_in_row = 0
         self.next_start_at = 0.0
-        self.busy_since = 0.0  # when the oldest tick in flight started running
         self.started_at = 0.0
         self.tick_seq = 0
         self.last_error = ""
@@ -87,26 +95,33 @@ class EngineLink:
         """Spawn an incarnation; it connects and says hello later, through on_message()."""
         self._close_sock()
         self.generation += 1
+        self.arena.reset_heartbeat()
         self.listener = seqpacket.listen(self.path)
         cfg = dict(self.engine_cfg, link=self.path, parent_pid=os.getpid(),
                    arena={"name": self.arena.name, "n_input": self.arena.n_input, "n_output": self.arena.n_output})
-        if self.faults:  # tests only: the first incarnation gets `faults`, later ones `faults["later"]`
-            cfg["faults"] = self.faults if self.generation == 1 else self.faults.get("later")
+        if self.faults:  # tests only: one entry per incarnation, the last one for all after it
+            cfg["faults"] = self.faults[min(self.generation, len(self.faults)) - 1]
         self.proc = mp.get_context("spawn").Process(target=engine_main, args=(cfg,), daemon=True,
                                                    name=f"meshnode-engine-{self.generation}")
         self.proc.start()
         self.state, self.started_at = STARTING, time.monotonic()
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> SimpleNamespace:
+    @property
+    def hello_deadline_s(self) -> float:
+        """How long an incarnation may take to say hello: the configured start timeout the first
+        time, then a multiple of what the first start measured (never below the floor)."""
+        if self.first_start_s is None:
+            return self.start_timeout_s
+        return min(self.start_timeout_s, max(self.restart_timeout_min_s, RESTART_FACTOR * self.first_start_s))
+
+    def wait_ready(self) -> SimpleNamespace:
         """Block until the first incarnation says hello (node start-up only)."""
-        deadline = time.monotonic() + timeout
-        while self.state == STARTING and time.monotonic() < deadline:
+        while self.state == STARTING:
             if select.select([self.watch], [], [], 0.1)[0]:
                 self.on_message()
-            elif not self.proc.is_alive():
-                raise RuntimeError(f"engine process exited during start-up (code {self.proc.exitcode})")
-        if self.state != IDLE:
-            raise RuntimeError(f"engine did not start: {self.last_error or 'timeout'}")
+            why = self.check(time.monotonic())
+            if why:
+                raise RuntimeError(f"engine did not start: {why}")
         return self.info
 
     def on_message(self) -> tuple[dict, Plan] | None:
@@ -138,6 +153,8 @@ class EngineLink:
                 return None
             self.info = info
             self.state = IDLE
+            if self.first_start_s is None:
+                self.first_start_s = time.monotonic() - self.started_at
             return None
         if "hello_error" in msg:
             self.last_error = msg["hello_error"]
@@ -145,7 +162,6 @@ class EngineLink:
         if not self.inflight or msg.get("t") != self.inflight[0].t:
             return None  # a stale reply from before a restart
         flight = self.inflight.popleft()
-        self.busy_since = time.monotonic()
         if not self.inflight:
             self.state = IDLE
         if flight.discard:
@@ -169,22 +185,34 @@ class EngineLink:
         except OSError as e:  # it stopped reading or is gone: check() reports it, then the restart
             self.broken = self.broken or f"engine link send failed: {e}"
         self.resync = False
-        if not self.inflight:
-            self.busy_since = time.monotonic()
-        self.inflight.append(Flight(self.tick_seq, plan))
+        self.inflight.append(Flight(self.tick_seq, plan, time.monotonic()))
         self.state = BUSY
 
     def check(self, now: float) -> str | None:
-        """Why the engine is dead now, or None: exited, or its tick overran the deadline."""
-        if self.state in (STARTING, IDLE, BUSY) and self.proc is not None and not self.proc.is_alive():
-            return f"engine process exited (code {self.proc.exitcode})"
-        if self.broken and self.state in (STARTING, IDLE, BUSY):
+        """Why the engine is dead now, or None: exited, broken, hung in a tick, or silent at start."""
+        if self.state not in (STARTING, IDLE, BUSY):
+            return None
+        if self.proc is not None and not self.proc.is_alive():
+            detail = f": {self.last_error}" if self.state == STARTING and self.last_error else ""
+            return f"engine process exited (code {self.proc.exitcode}){detail}"
+        if self.broken:
             return self.broken
-        if self.state == BUSY and now - self.busy_since > self.tick_deadline_s:
-            return f"tick ran past its {self.tick_deadline_s:.1f} s deadline"
-        if self.state == STARTING and now - self.started_at > START_TIMEOUT_S:
-            return "engine did not say hello in time"
-        return None
+        if self.state == STARTING and now - self.started_at > self.hello_deadline_s:
+            return f"engine did not say hello within {self.hello_deadline_s:.1f} s"
+        return self._hung(now)
+
+    def _hung(self, now: float) -> str | None:
+        """A tick the engine has not finished, late by the engine's own heartbeat. A finished tick
+        whose reply the front has not read yet is never late, however long the front was busy."""
+        started, finished, changed = self.arena.heartbeat()
+        late = next((f for f in self.inflight if f.t > finished), None)
+        if late is None:
+            return None
+        since = max(changed, late.sent_at)  # it could not start before it got the tick
+        if now - since <= self.tick_deadline_s:
+            return None
+        where = "in its step" if started == late.t else "without taking it"
+        return f"tick {late.t} ran past its {self.tick_deadline_s:.1f} s deadline ({now - since:.1f} s {where})"
 
     def died(self, why: str) -> None:
         """Kill what is left and schedule a restart with backoff (or give up in a crash loop)."""

@@ -87,6 +87,8 @@ class EngineProcess:
         except Exception as e:
             self.sock.send(L.hello_failed(f"{type(e).__name__}: {e}"))
             raise
+        if self.faults.get("stop_at_hello"):  # as if SIGSTOPped by an operator before it could answer
+            os.kill(os.getpid(), signal.SIGSTOP)
         self.sock.send(L.hello(engine_info(self.engine)))
         self.io = LinkIO(self.sock, self.arena)
 
@@ -102,7 +104,11 @@ class EngineProcess:
             if tick in (STOP, CLOSED):
                 self.link_closed = tick == CLOSED
                 return
-            self.io.reply(*self.tick(tick))
+            t = tick.t if isinstance(tick.t, int) else 0
+            self.arena.beat(t, finished=False)  # the front judges a hang by this, not by its own clock
+            reply = self.tick(tick)
+            self.arena.beat(t, finished=True)
+            self.io.reply(*reply)
 
     def tick(self, tick: Tick) -> tuple[dict, tuple | None]:
         """The reply, and what the link writes to the arena before sending it."""

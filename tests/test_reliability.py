@@ -154,7 +154,7 @@ def reference_tokens(tiny_model):
 
 @pytest.mark.parametrize("kind", ["fatal", "raise", "hang", "kill", "bad_sample"])
 def test_engine_fault_reprefills_with_identical_tokens(tiny_model, reference_tokens, kind):
-    internal = {"faults": {"kind": kind, "at_tick": 20}}
+    internal = {"faults": [{"kind": kind, "at_tick": 20}, {}]}
     with NodeProcess(tiny_model, "--tick-deadline-s", "1", internal=internal) as n, n.client() as c:
         for sid, kw in JOBS.items():
             c.submit(sid, **kw)
@@ -168,7 +168,7 @@ def test_engine_fault_reprefills_with_identical_tokens(tiny_model, reference_tok
 def test_a_refused_tick_ends_its_sessions_and_the_node_goes_on(tiny_model, reference_tokens):
     """A non-fatal refusal with a second tick already queued behind it: that tick is refused
     too and planned again after a resync; no restart, and the next session is served exactly."""
-    internal = {"faults": {"kind": "refuse", "at_tick": 20}}
+    internal = {"faults": [{"kind": "refuse", "at_tick": 20}]}
     with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
         for sid, kw in JOBS.items():
             c.submit(sid, **kw)
@@ -188,7 +188,7 @@ def test_a_refused_tick_ends_its_sessions_and_the_node_goes_on(tiny_model, refer
 
 
 def test_crash_loop_makes_the_node_unhealthy_instead_of_spinning(tiny_model):
-    internal = {"faults": {"kind": "kill", "at_tick": 5, "later": {"die_at_start": True}}}
+    internal = {"faults": [{"kind": "kill", "at_tick": 5}, {"die_at_start": True}]}
     with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
         c.submit("s", tokens=[3, 4, 5], max_tokens=500, ignore_eos=True)
         done = c.wait_for(lambda e: e["event"] == "done", timeout_s=30)

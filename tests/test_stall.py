@@ -1,0 +1,222 @@
+"""No valid request may stall the node: bounded front work, engine-side liveness, bounded restarts."""
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ipc import link as L
+from ipc import reasons as R
+from ipc.shm import TokenArena
+from meshnode import tokenizer as T
+from meshnode.engine.plan import Plan
+from meshnode.engine_link import EngineLink, Flight
+from meshnode.nodeproc import NodeProcess
+from meshnode.textjobs import TextJobs
+
+# the worst texts found for llama.cpp's SPM tokenizer: characters the vocab lacks, so every one is a
+# byte-fallback symbol (4.2 s for 256 KiB of tabs through plain llama_tokenize on this machine)
+WORST = {"tabs": "\t" * 262144, "nul": "\x00" * 262144, "cjk": "中" * 87381, "emoji": "😀" * 65536}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    t = T.Tokenizer(tiny_model)
+    yield t
+    t.close()
+
+
+# -- the tokenizer: exact, linear, and a free lower bound ---------------------------------------
+ALPHABET = list("ab the\t\n中😀~<>0x\x00 ▁é") + ["the ", " mesh", "<0x41>", "<s>", "</s>", "<unk>"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(ALPHABET), max_size=80), st.booleans())
+def test_linear_encode_equals_llama_cpp_on_any_text(tok, parts, bos):
+    text = "".join(parts)
+    old, T.SLICE_BYTES = T.SLICE_BYTES, 5  # cut every few characters: short texts exercise the cutting
+    try:
+        assert tok.encode(text, bos) == tok._tokenize(text, bos)
+    finally:
+        T.SLICE_BYTES = old
+    assert tok.min_tokens(text) <= len(tok._tokenize(text, False))
+
+
+@pytest.mark.parametrize("name", sorted(WORST))
+def test_worst_texts_tokenize_exactly_and_fast(tok, name):
+    text = WORST[name]
+    t0 = time.perf_counter()
+    got = tok.encode(text)
+    took = time.perf_counter() - t0
+    assert got[:1] == [1] and len(got) == len(text.encode()) + 2  # BOS, the space prefix, one byte token each
+    assert got[2:100] == tok._tokenize(text[:98], True)[2:100]
+    print(f"{name}: {took * 1e3:.0f} ms for {len(text.encode())} bytes")
+    assert took < 1.0  # plain llama_tokenize: 1-4 s here; the linear path: under 0.1 s
+
+
+# -- tokenization off the loop ----------------------------------------------------------------
+def test_text_jobs_run_off_the_caller_in_order_and_bound_their_backlog():
+    import threading
+
+    release = threading.Event()
+
+    def slow_encode(text):
+        release.wait(5)
+        return [len(text)]
+
+    jobs = TextJobs(slow_encode, max_backlog_bytes=10)
+    try:
+        assert jobs.submit("a", "xxxx") and jobs.submit("b", "yyyy")
+        assert not jobs.submit("c", "zzz")  # 8 + 3 > 10: refused at once, nothing queued
+        assert jobs.finished() == []  # the caller never waits for the worker
+        release.set()
+        got = []
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += jobs.finished()
+        assert [(j.key, j.tokens) for j in got] == [("a", [4]), ("b", [4])]
+        assert jobs.backlog_bytes == 0
+    finally:
+        jobs.close()
+
+
+# -- the hang rule, by the engine's heartbeat ---------------------------------------------------
+def test_a_reply_waiting_unread_is_never_a_hang_but_an_unfinished_tick_is():
+    arena = TokenArena.create(*L.arena_shape(16, 4))
+    try:
+        link = EngineLink("/tmp", {}, arena, tick_deadline_s=1.0)
+        link.state = "BUSY"
+        for _ in range(2):
+            link.tick_seq += 1
+            link.inflight.append(Flight(link.tick_seq, Plan(), 100.0))
+        arena.beat(1, False)
+        arena.beat(1, True)
+        arena.beat(2, False)
+        arena.beat(2, True)  # both ticks done at about now; the front was away for ages
+        now = time.monotonic() + 0.5
+        assert link._hung(now) is None
+        assert link._hung(now + 3600) is None  # however long the front was busy
+        arena.reset_heartbeat()
+        arena.beat(1, False)  # tick 1 started and never finished
+        assert link._hung(time.monotonic() + 0.5) is None
+        why = link._hung(time.monotonic() + 1.5)
+        assert why and "tick 1" in why and "in its step" in why
+        arena.reset_heartbeat()
+        arena.beat(1, False)
+        arena.beat(1, True)  # tick 1 done, tick 2 sent (at 100.0) and never taken
+        why = link._hung(time.monotonic() + 1.5)
+        assert why and "tick 2" in why and "without taking it" in why
+    finally:
+        arena.close()
+
+
+# -- through a node -------------------------------------------------------------------------------
+def stream_gaps(c, sid):
+    """(largest gap between two tokens of `sid`, its done) while the caller's traffic goes on."""
+    times, done = [], None
+    while done is None:
+        ev = c.wait_for(lambda e: e.get("id") == sid and e["event"] in ("tokens", "done"), 60)
+        if ev["event"] == "tokens":
+            times.append(time.monotonic())
+        else:
+            done = ev
+    return max(np.diff(times)), done
+
+
+def test_huge_texts_do_not_stall_a_streaming_session(tiny_model):
+    """The issue's abuse: 256 KiB texts of characters the vocab lacks, 5 times each, while another
+    session streams. The context is large enough that each one really is tokenized."""
+    with NodeProcess(tiny_model, "--ctx", "65536", "--tick-deadline-s", "2") as n, n.client() as c:
+        c.submit("stream", tokens=[3, 4, 5], max_tokens=600, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "tokens", keep=True)
+        ids = []
+        for name, text in WORST.items():
+            for k in range(5):
+                ids.append(f"{name}{k}")
+                c.submit(ids[-1], text=text, max_tokens=1)
+        worst, done = stream_gaps(c, "stream")
+        answers = c.collect(ids, timeout_s=60)
+        t = c.status()["telemetry"]
+    print(f"largest gap while 20 huge texts were tokenized: {worst * 1e3:.0f} ms")
+    assert done["reason"] == R.LENGTH and worst < 1.0
+    assert {r.admission["reason"] for r in answers.values()} == {R.REJECTED_CONTEXT_TOO_LONG}
+    assert t["engine"]["restarts"] == 0
+
+
+def test_a_text_that_cannot_fit_is_refused_without_tokenizing(tiny_model):
+    with NodeProcess(tiny_model) as n, n.client() as c:
+        t0 = time.monotonic()
+        c.submit("big", text="\t" * 262144, max_tokens=1)
+        rej = c.wait_for(lambda e: e["event"] == "rejected")
+    assert rej["reason"] == R.REJECTED_CONTEXT_TOO_LONG and time.monotonic() - t0 < 1.0
+
+
+def test_a_clients_requests_are_answered_in_order_behind_its_text(tiny_model):
+    """A cancel sent right after a text submit finds the session, though the text was still being
+    tokenized when the cancel arrived."""
+    with NodeProcess(tiny_model, "--ctx", "65536") as n, n.client() as c:
+        c.submit("t", text="hello mesh " * 2000, max_tokens=2000, ignore_eos=True)
+        c.cancel("t")
+        c.submit("after", tokens=[3, 4], max_tokens=2)
+        evs = [c.wait_for(lambda e: e.get("id") in ("t", "after") and e["event"] != "tokens") for _ in range(4)]
+    assert [(e["id"], e["event"]) for e in evs] == [("t", "admitted"), ("t", "done"), ("after", "admitted"),
+                                                    ("after", "done")]
+    assert evs[1]["reason"] == R.CANCELLED
+
+
+JOB = dict(tokens=[3 + k * 7 % 500 for k in range(9)], max_tokens=120, ignore_eos=True)
+
+
+def test_an_incarnation_stopped_at_hello_is_replaced_within_the_derived_deadline(tiny_model):
+    with NodeProcess(tiny_model) as n, n.client() as c:
+        want = c.generate("ref", **JOB).tokens
+    faults = [{"kind": "kill", "at_tick": 30}, {"stop_at_hello": True}, {}]
+    with NodeProcess(tiny_model, "--restart-timeout-min-s", "2", internal={"faults": faults}) as n, \
+            n.client() as c:
+        node = c.status()["node"]
+        deadline = node["engine_hello_deadline_s"]
+        c.submit("s", **JOB)
+        t0 = time.monotonic()
+        got = c.collect(["s"], timeout_s=60)["s"]
+        took = time.monotonic() - t0
+        t = c.status()["telemetry"]
+        log = n.log()
+    print(f"first start {node['engine_first_start_s']:.2f} s -> restart deadline {deadline:.2f} s; "
+          f"session done in {took:.2f} s")
+    assert deadline == max(2.0, 5 * node["engine_first_start_s"])
+    assert "did not say hello" in log
+    assert got.tokens == want and got.done["reason"] == R.LENGTH
+    assert t["engine"]["restarts"] == 2 and t["healthy"]
+    assert took < deadline + 10  # not the first start's 300 s
+
+
+def test_a_front_that_was_stopped_does_not_kill_a_healthy_engine(tiny_model):
+    """The front stops for three tick deadlines while the engine has answered everything it was
+    sent: the replies wait unread, which is no hang."""
+    with NodeProcess(tiny_model, "--tick-deadline-s", "1") as n, n.client() as c:
+        want = c.generate("ref", **JOB).tokens
+        c.submit("s", **JOB)
+        c.wait_for(lambda e: e["event"] == "tokens", keep=True)
+        for _ in range(3):
+            n.proc.send_signal(signal.SIGSTOP)
+            time.sleep(3.0 + random.random() * 0.05)
+            n.proc.send_signal(signal.SIGCONT)
+            time.sleep(0.05)
+        got = c.collect(["s"], timeout_s=60)["s"]
+        t = c.status()["telemetry"]
+    assert got.tokens == want and t["engine"]["restarts"] == 0, n.log()
+
+
+def test_a_stopped_engine_mid_generation_is_a_hang(tiny_model):
+    """The other side of the same rule: the engine itself stops mid-decode; its heartbeat says so."""
+    with NodeProcess(tiny_model, "--tick-deadline-s", "1") as n, n.client() as c:
+        want = c.generate("ref", **JOB).tokens
+        c.submit("s", **JOB)
+        c.wait_for(lambda e: e["event"] == "tokens", keep=True)
+        os.kill(c.status()["node"]["engine_pid"], signal.SIGSTOP)
+        got = c.collect(["s"], timeout_s=60)["s"]
+        t = c.status()["telemetry"]
+    assert got.tokens == want and t["engine"]["restarts"] == 1
