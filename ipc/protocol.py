@@ -192,8 +192,8 @@ def tokens(id: str, toks: list[int], text: str) -> list[bytes]:
     return event("tokens", id=id, tokens=toks, text=text)
 
 
-def done(id: str, reason: str, toks: list[int], text: str, usage: dict) -> list[bytes]:
-    return event("done", id=id, reason=reason, tokens=toks, text=text, usage=usage)
+def done(id: str, reason: str, toks: list[int], text: str, usage: dict, detail: str = "") -> list[bytes]:
+    return event("done", id=id, reason=reason, tokens=toks, text=text, usage=usage, **({"detail": detail} if detail else {}))
 
 
 def telemetry(snapshot: dict) -> list[bytes]:

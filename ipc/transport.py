@@ -23,7 +23,8 @@ import zmq
 from ipc.protocol import MAX_MESSAGE_BYTES, TELEMETRY_TOPIC
 from ipc.shm import alive
 
-CLIENT_HWM = 1000
+CLIENT_HWM = 1000  # events queued to one client before it counts as stalled (meshnode/outbox.py)
+REQUEST_HWM = 64  # requests of one client read ahead of the front: at most 64 x 2 MiB held for it
 
 
 class EndpointError(RuntimeError):
@@ -133,7 +134,7 @@ def client_router(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, i
     s = _base(ctx.socket(zmq.ROUTER))
     s.setsockopt(zmq.ROUTER_MANDATORY, 1)
     s.setsockopt(zmq.SNDHWM, CLIENT_HWM)
-    s.setsockopt(zmq.RCVHWM, CLIENT_HWM)
+    s.setsockopt(zmq.RCVHWM, REQUEST_HWM)
     # up to 2x the protocol limit arrives and is answered TOO_LARGE (and counted); beyond, zmq drops the peer
     s.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
     if curve is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ipc import reasons as R
 from meshnode.budget import NodeBudget
-from meshnode.session import Session
+from meshnode.session import Ask
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Admission:
         self.scratch_reserved_bytes = 0
         self.n_active = 0
 
-    def check(self, s: Session, *, live: bool, queue_len: int, draining: bool,
+    def check(self, s: Ask, *, live: bool, queue_len: int, draining: bool,
               mem_available: int | None, engine_down: str | None = None) -> AdmissionDecision:
         """Decide for a new session; does not reserve anything. `engine_down`: why the engine is
         unusable (a crash loop), or None."""
@@ -44,7 +44,7 @@ class Admission:
             return AdmissionDecision(R.REJECTED_ENGINE_UNAVAILABLE, f"engine unavailable: {engine_down}")
         if live:
             return AdmissionDecision(R.REJECTED_DUPLICATE, f"session id {s.key!r} is already live")
-        if not s.prompt or s.max_tokens < 1:
+        if s.n_prompt < 1 or s.max_tokens < 1:
             return AdmissionDecision(R.REJECTED_BAD_REQUEST, "a session needs a non-empty prompt and max_tokens >= 1")
         if s.recipe is not None and s.recipe != self.recipe:
             return AdmissionDecision(R.REJECTED_RECIPE_MISMATCH,
@@ -70,24 +70,24 @@ class Admission:
         return AdmissionDecision(R.REJECTED_QUEUE_FULL,
                                  f"queue is full ({b.max_queue} waiting); retry later or elsewhere")
 
-    def kv_need(self, s: Session) -> int:
+    def kv_need(self, s: Ask) -> int:
         return s.kv_tokens * self.budget.kv_bytes_per_token
 
-    def scratch_need(self, s: Session) -> int:
-        return self.budget.scratch_for(len(s.prompt), s.max_tokens)
+    def scratch_need(self, s: Ask) -> int:
+        return self.budget.scratch_for(s.n_prompt, s.max_tokens)
 
-    def can_start(self, s: Session) -> bool:
+    def can_start(self, s: Ask) -> bool:
         b = self.budget
         return (self.n_active < b.effective_active_cap
                 and self.kv_reserved_bytes + self.kv_need(s) <= b.kv_budget_bytes
                 and self.scratch_reserved_bytes + self.scratch_need(s) <= b.scratch_envelope_bytes)
 
-    def reserve(self, s: Session) -> None:
+    def reserve(self, s: Ask) -> None:
         self.n_active += 1
         self.kv_reserved_bytes += self.kv_need(s)
         self.scratch_reserved_bytes += self.scratch_need(s)
 
-    def release(self, s: Session) -> None:
+    def release(self, s: Ask) -> None:
         self.n_active -= 1
         self.kv_reserved_bytes -= self.kv_need(s)
         self.scratch_reserved_bytes -= self.scratch_need(s)

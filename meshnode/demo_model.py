@@ -159,7 +159,9 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> 
 def cached_model(preset: str = "tiny", seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
     """The demo model in a cache dir, written once; used when no --model is given."""
     base = Path(cache_dir or os.environ.get("MESHNODE_CACHE") or Path.home() / ".cache" / "meshnode")
-    path = base / f"demo-{preset}-seed{seed}.gguf"
+    # the preset's shape is in the name: a cache written by an older definition is never reused
+    shape = hashlib.sha256(repr(PRESETS[preset]).encode()).hexdigest()[:8]
+    path = base / f"demo-{preset}-seed{seed}-{shape}.gguf"
     if not path.exists():
         make_model(path, preset, seed)
     return path

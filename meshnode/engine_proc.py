@@ -14,6 +14,7 @@ faults configured, none of its branches can run.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -89,6 +90,7 @@ class EngineProcess:
             raise
         if self.faults.get("stop_at_hello"):  # as if SIGSTOPped by an operator before it could answer
             os.kill(os.getpid(), signal.SIGSTOP)
+        gc.freeze()  # the model and the process's start-up stay for good: no collection walks them
         self.sock.send(L.hello(engine_info(self.engine)))
         self.io = LinkIO(self.sock, self.arena)
 

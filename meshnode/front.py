@@ -11,6 +11,7 @@ exactly one `done`.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -23,16 +24,18 @@ from ipc import link as L
 from ipc import protocol as P
 from ipc import reasons as R
 from ipc.shm import TokenArena, clean_stale
-from ipc.transport import Curve, EndpointLock, clean_stale_links, client_router, default_listen, \
+from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, client_router, default_listen, \
     default_telemetry, run_dir, telemetry_pub
 from meshnode import __version__
 from meshnode.budget import NodeBudget
 from meshnode.config import NodeConfig
+from meshnode.cpushare import RECEIVE_S_PER_BYTE, CpuShare
 from meshnode.engine_link import FAILED, EngineLink
 from meshnode.memory import rss
+from meshnode.outbox import GONE, STALLED, Outbox
 from meshnode.scheduler import Event, Scheduler
 from meshnode.sdnotify import Notifier
-from meshnode.session import Session
+from meshnode.session import Ask, Session
 from meshnode.telemetry import Telemetry
 from meshnode.textjobs import TextJobs
 from meshnode.tokenizer import TextStream, Tokenizer
@@ -42,7 +45,6 @@ PUBLISH_EVERY_S = 1.0
 STATUS_EVERY_S = 5.0
 CLIENT_SLICE_S = 0.004  # client requests handled per loop turn, at most: then the engine link's turn
 MAX_HELD = 256  # a client's requests waiting behind its text being tokenized
-_MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
 class Front:
@@ -55,8 +57,9 @@ class Front:
         self.notifier = Notifier()
         self._auth: list = []
         self._locks: list[EndpointLock] = []
-        self._poller_link = False  # what the poller watches of the link; False = no poller yet
+        self._poller_link = self._link_fd = None  # the engine link the poller watches, and its fd
         self._front_rss = rss()
+        self.share = CpuShare(time.perf_counter())
         # set by initialize(); shutdown() releases whichever of them exist
         self.sched = self.link = self.router = self.pub = self.metrics = None
         self.arena = self.zctx = self.tok = self.texts = None
@@ -102,6 +105,11 @@ class Front:
         self.telemetry = Telemetry(self.sched)
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
         self.router = client_router(self.zctx, self.listen, curve, cfg.insecure, self._auth)
+        self.outbox = Outbox(self.router)
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        self._poller.register(self.texts.fileno(), zmq.POLLIN)
+        self._watching_clients, self._metrics_fds = True, set()
         self.pub = telemetry_pub(self.zctx, self.telemetry_ep)
         if cfg.metrics_listen:
             from meshnode.metrics_http import MetricsServer
@@ -116,6 +124,7 @@ class Front:
                  info.pid, b.effective_active_cap, b.max_queue, b.max_batch_size, b.max_prefill_tokens_per_tick,
                  b.kv_budget_bytes, b.kv_bytes_per_token, b.n_ctx_seq, b.weight_bytes,
                  f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
+        gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self._status_line()}")
 
     def _on_signal(self, signum, _frame) -> None:
@@ -140,6 +149,8 @@ class Front:
                 self._send(self._engine_died(why))
             self.link.maybe_restart(now)
             self._dispatch()
+            if self.outbox.pending:
+                self.outbox.flush()
             if now >= next_publish:
                 self._front_rss = rss()  # psutil costs about 80 us: not on every status request
                 snap = self._snapshot()
@@ -161,32 +172,60 @@ class Front:
         return now + self.cfg.drain_timeout_s
 
     def _poll(self, timeout_ms: int) -> None:
-        watch = self.link.watch
-        if self._poller_link is not watch:  # the engine connected, or a new incarnation started
-            self._poller = zmq.Poller()
-            self._poller.register(self.router, zmq.POLLIN)
-            self._poller.register(self.texts.fileno(), zmq.POLLIN)
-            if watch is not None:  # a plain socket: the poller reports it by its fd
-                self._poller.register(watch.fileno(), zmq.POLLIN)
-            self._poller_link = watch
+        now = time.perf_counter()
+        wait = self.share.wait_s(now)
+        self._watch(clients=wait == 0)
+        if wait:  # out of CPU share: requests wait in the clients' queues; ticks go on
+            timeout_ms = min(timeout_ms, max(1, int(wait * 1e3)))
         ready = dict(self._poller.poll(timeout_ms))
-        if watch is not None and ready.get(watch.fileno()):
+        link = self.link.watch
+        if link is not None and ready.get(link.fileno()):
             events = self._on_engine(self.link.on_message())
             self._dispatch(after_reply=True)  # refill the pipeline before talking to clients
             self._send(events)
         if ready.get(self.texts.fileno()):
             for job in self.texts.finished():
                 self._on_text(job)
-        if ready.get(self.router):
+        if self.metrics is not None:
+            self.metrics.expire(time.monotonic())
+        if ready.get(self.router) or any(ready.get(fd) for fd in self._metrics_fds):
             # a time slice, not a frame count: a flood of valid but costly requests (maximal token
-            # lists, status) must leave the engine link its turn
-            until = time.perf_counter() + CLIENT_SLICE_S
+            # lists, status, scrapes) must leave the engine link its turn, and the decode its CPU
+            start = time.perf_counter()
+            until = start + min(CLIENT_SLICE_S, self.share.available(start))
+            for fd in self._metrics_fds:
+                if ready.get(fd):
+                    self.metrics.on_ready(fd)
+            received = 0
             while time.perf_counter() < until:
                 try:
                     frames = self.router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                received += sum(map(len, frames))
                 self._on_client(frames[0], frames[1:])
+            self.share.spend(time.perf_counter() - start + received * RECEIVE_S_PER_BYTE)
+
+    def _watch(self, clients: bool) -> None:
+        """Keep the poller on what matters now: the engine's current link, and the client sockets
+        (ZeroMQ and /metrics) only while client work is within its CPU share."""
+        link = self.link.watch
+        if self._poller_link is not link:  # the engine connected, or a new incarnation started
+            if self._link_fd is not None:  # by the number it had: a closed socket's fileno() is -1
+                self._poller.unregister(self._link_fd)
+            self._link_fd = link.fileno() if link is not None else None
+            if link is not None:  # a plain socket: the poller reports it by its fd
+                self._poller.register(self._link_fd, zmq.POLLIN)
+            self._poller_link = link
+        if clients != self._watching_clients:
+            self._watching_clients = clients
+            self._poller.modify(self.router, zmq.POLLIN if clients else 0)
+        want = set(self.metrics.fds()) if self.metrics is not None and clients else set()
+        for fd in self._metrics_fds - want:
+            self._poller.unregister(fd)
+        for fd in want - self._metrics_fds:
+            self._poller.register(fd, zmq.POLLIN)
+        self._metrics_fds = want
 
     # -- clients ------------------------------------------------------------------------
     def _on_client(self, ident: bytes, frames: list[bytes]) -> None:
@@ -227,7 +266,7 @@ class Front:
             return self._admit(ident, req, req.tokens)
         # a text that cannot fit is refused before it is tokenized (the bound costs nothing); the
         # rest is tokenized on the worker thread, and admitted when it is back
-        d = self.sched.precheck(self._session(ident, req, [0] * max(1, self.tok.min_tokens(req.text))))
+        d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(req.text)), req.max_tokens, req.recipe))
         if not d.accepted:
             return self._refuse(ident, req.id, d.reason, d.detail)
         if not self.texts.submit((ident, req), req.text):
@@ -273,28 +312,30 @@ class Front:
             if ev.kind == "tokens":
                 stream = self.streams.get(ev.session.key)
                 text = stream.feed(ev.tokens) if stream else ""
-                self._reply(ident, P.tokens(sid, ev.tokens, text))
+                self._reply(ident, P.tokens(sid, ev.tokens, text), final=False)
             else:
                 self.streams.pop(ev.session.key, None)
                 s = ev.session
-                self._reply(ident, P.done(sid, ev.reason, s.generated, self.tok.decode(s.generated), s.usage()))
+                self._reply(ident, P.done(sid, ev.reason, s.generated, self.tok.decode(s.generated), s.usage(),
+                                          ev.detail))
 
-    def _reply(self, ident: bytes, frames: list[bytes]) -> None:
-        """Send to one client; a vanished or stalled client loses its sessions, nobody else does."""
-        send = self.router.send
-        try:  # plain int flags: send_multipart's enum arithmetic costs more than the send
-            send(ident, _MORE)
-            send(frames[0], _MORE)
-            send(frames[1], _LAST)
-        except (zmq.Again, zmq.ZMQError) as e:
-            self.telemetry.undeliverable_total += 1
-            mine = [k for k in self.sched.live if k[0] == ident]
-            if mine:
-                log.warning("client %s unreachable (%s): cancelling its %d session(s)", ident.hex(), e, len(mine))
-                self.telemetry.client_faults_total += 1
-            for k in mine:
-                self.sched.cancel(k)
-                self.streams.pop(k, None)
+    def _reply(self, ident: bytes, frames: list[bytes], final: bool = True) -> None:
+        """Send to one client. One that stopped reading or vanished loses its sessions, nobody else
+        does; each still gets its `done`, kept until it reads again (meshnode/outbox.py)."""
+        outcome = self.outbox.send(ident, frames, final)
+        if outcome not in (STALLED, GONE):
+            return
+        mine = [k for k in self.sched.live if k[0] == ident]
+        if not mine:
+            return
+        why = "stopped reading" if outcome == STALLED else "disconnected"
+        log.warning("client %s %s: cancelling its %d session(s)", ident.hex(), why, len(mine))
+        self.telemetry.client_faults_total += 1
+        ended = [self.sched.cancel(k) for k in mine]
+        for ev in ended:
+            ev.detail = (f"the client {why} (over {CLIENT_HWM} messages unread)" if outcome == STALLED
+                         else f"the client {why}")
+        self._send(ended)
 
     # -- engine -------------------------------------------------------------------------
     def _dispatch(self, after_reply: bool = False) -> None:
@@ -344,6 +385,8 @@ class Front:
         snap = self.telemetry.snapshot()
         snap["engine"].update(pid=self.link.pid, restarts=self.link.restarts)  # the link owns both
         snap["front_rss_bytes"] = self._front_rss
+        snap["undeliverable_total"] = self.outbox.dropped_total
+        snap["clients_stalled"] = len(self.outbox.pending)
         snap["healthy"] = self.link.state != FAILED
         snap["model"], snap["recipe"] = os.path.basename(self.cfg.model), self.recipe
         return snap

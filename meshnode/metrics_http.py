@@ -1,68 +1,99 @@
-"""`/metrics` for Prometheus: the telemetry snapshot in text exposition, stdlib only.
+"""`/metrics` for Prometheus, served from the front's own loop: no thread, no lock.
 
-The front's loop renders the text once per telemetry publication and hands it
-over; the server thread only writes those bytes. So a scrape never touches the
-scheduler, and a flood of scrapes costs the loop nothing but the GIL the
-server's one thread takes to parse requests: one request at a time, each with a
-short timeout, and at most RATE_PER_S answered per second (the rest get 429).
+The loop renders the text once per telemetry publication (`publish`) and hands
+this server the sockets its poller found readable (`on_ready`), so a scrape
+costs the loop a few microseconds, is metered with every other client request
+(meshnode/cpushare.py), and never touches the scheduler. A second Python
+thread would compete with the loop for the GIL on every scrape. Connections
+are bounded in number and in time, so idle or slow clients cannot pile up.
 """
 from __future__ import annotations
 
-import threading
+import socket
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from meshnode.telemetry import to_prometheus
 
-RATE_PER_S = 20.0  # scrapes answered per second (Prometheus scrapes every few seconds)
-TIMEOUT_S = 2.0  # a client that sends its request slower than this is dropped
+MAX_CONNECTIONS = 16  # beyond, a new connection is closed at once
+TIMEOUT_S = 2.0  # a connection that has not sent its request by then is closed
+MAX_REQUEST_BYTES = 8192
 
 
 class MetricsServer:
     def __init__(self, listen: str):
         host, _, port = listen.rpartition(":")
+        self.sock = socket.create_server((host or "127.0.0.1", int(port)), backlog=MAX_CONNECTIONS)
+        self.sock.setblocking(False)
+        self._conns: dict[int, tuple[socket.socket, bytearray, float]] = {}
         self._body = b""
-        self.refused_total = 0
-        server = self
-        bucket = {"tokens": RATE_PER_S, "at": time.monotonic()}
-
-        class Handler(BaseHTTPRequestHandler):
-            timeout = TIMEOUT_S
-
-            def do_GET(self):
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics lives here")
-                    return
-                now = time.monotonic()
-                bucket["tokens"] = min(RATE_PER_S, bucket["tokens"] + (now - bucket["at"]) * RATE_PER_S)
-                bucket["at"] = now
-                if bucket["tokens"] < 1:
-                    server.refused_total += 1
-                    self.send_error(429, "too many scrapes; the metrics change once a second")
-                    return
-                bucket["tokens"] -= 1
-                body = server._body
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = HTTPServer((host or "127.0.0.1", int(port)), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
-        self.thread.start()
-
-    def publish(self, snapshot: dict) -> None:
-        """The loop's side: the text every scrape gets until the next publication."""
-        self._body = to_prometheus(snapshot).encode()
+        self.served_total = self.refused_total = 0
 
     @property
     def port(self) -> int:
-        return self.httpd.server_address[1]
+        return self.sock.getsockname()[1]
+
+    def fds(self) -> list[int]:
+        """What the loop's poller watches for this server."""
+        return [self.sock.fileno(), *self._conns]
+
+    def publish(self, snapshot: dict) -> None:
+        """The text every scrape gets until the next publication."""
+        self._body = to_prometheus(snapshot).encode()
+
+    def on_ready(self, fd: int) -> None:
+        if fd == self.sock.fileno():
+            return self._accept()
+        conn, buf, _ = self._conns[fd]
+        try:
+            data = conn.recv(MAX_REQUEST_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        buf += data
+        if not data or len(buf) > MAX_REQUEST_BYTES:
+            return self._close(fd)
+        if b"\r\n\r\n" in buf or b"\n\n" in buf:
+            path = bytes(buf).split(b" ", 2)[1] if buf.count(b" ") >= 2 else b""
+            self._answer(conn, path.split(b"?")[0])
+            self._close(fd)
+
+    def expire(self, now: float) -> None:
+        for fd, (_, _, deadline) in list(self._conns.items()):
+            if now > deadline:
+                self._close(fd)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except BlockingIOError:
+                return
+            if len(self._conns) >= MAX_CONNECTIONS:
+                self.refused_total += 1
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._conns[conn.fileno()] = (conn, bytearray(), time.monotonic() + TIMEOUT_S)
+
+    def _answer(self, conn: socket.socket, path: bytes) -> None:
+        if path == b"/metrics":
+            status, body, kind = b"200 OK", self._body, b"text/plain; version=0.0.4; charset=utf-8"
+            self.served_total += 1
+        else:
+            status, body, kind = b"404 Not Found", b"only /metrics lives here\n", b"text/plain"
+        head = b"HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (
+            status, kind, len(body))
+        try:  # a few KiB: the socket's send buffer takes it whole, or the client is gone
+            conn.send(head + body)
+        except OSError:
+            pass
+
+    def _close(self, fd: int) -> None:
+        conn, _, _ = self._conns.pop(fd)
+        conn.close()
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        for fd in list(self._conns):
+            self._close(fd)
+        self.sock.close()

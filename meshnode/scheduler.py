@@ -34,7 +34,7 @@ from ipc import reasons as R
 from meshnode.admission import Admission, AdmissionDecision
 from meshnode.budget import NodeBudget
 from meshnode.engine.plan import Plan, SeqChunk, StepResult
-from meshnode.session import DONE, QUEUED, RUNNING, Session
+from meshnode.session import DONE, QUEUED, RUNNING, Ask, Session
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Event:
     session: Session
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
+    detail: str = ""  # why, in a sentence, when the reason alone does not say (a `done` only)
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Scheduler:
     # -- requests (thread-safe) -------------------------------------------------
     def submit(self, s: Session) -> AdmissionDecision:
         with self._lock:
-            d = self.precheck(s)
+            d = self.precheck(s.ask)
             if not d.accepted:
                 return d
             s.t_submit = self.clock()
@@ -96,11 +97,11 @@ class Scheduler:
                 self.waiting.append(s)
             return d
 
-    def precheck(self, s: Session) -> AdmissionDecision:
-        """What submit() would decide now, without admitting: for a stand-in whose prompt is only
-        a lower bound (a text not tokenized yet), a refusal is final and an acceptance provisional."""
+    def precheck(self, ask: Ask) -> AdmissionDecision:
+        """What submit() would decide now, without admitting: for a prompt size that is only a
+        lower bound (a text not tokenized yet), a refusal is final and an acceptance provisional."""
         with self._lock:
-            return self.admission.check(s, live=s.key in self.live, queue_len=len(self.waiting),
+            return self.admission.check(ask, live=ask.key in self.live, queue_len=len(self.waiting),
                                         draining=self.draining, mem_available=self.mem_available,
                                         engine_down=self.engine_down)
 
@@ -231,18 +232,18 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------
     def _start(self, s: Session) -> None:
-        self.admission.reserve(s)
+        self.admission.reserve(s.ask)
         s.seq_id = self.free_seqs.pop(0)
         s.state, s.t_start = RUNNING, self.clock()
         self.running.append(s)
 
     def _promote(self) -> None:
-        while self.waiting and self.admission.can_start(self.waiting[0]) and self.free_seqs:
+        while self.waiting and self.admission.can_start(self.waiting[0].ask) and self.free_seqs:
             self._start(self.waiting.popleft())
 
     def _end(self, s: Session, reason: str) -> Event:
         if s.state == RUNNING:
-            self.admission.release(s)
+            self.admission.release(s.ask)
             self.running.remove(s)
             self.to_release.append(s.seq_id)
             self.free_seqs.append(s.seq_id)

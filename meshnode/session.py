@@ -9,6 +9,20 @@ from meshnode.engine.plan import GREEDY, Sampling
 NEW, QUEUED, RUNNING, DONE = "NEW", "QUEUED", "RUNNING", "DONE"
 
 
+@dataclass(frozen=True)
+class Ask:
+    """What admission weighs: a request's sizes, never its tokens (a text's can be a bound)."""
+    key: Hashable
+    n_prompt: int
+    max_tokens: int
+    recipe: str | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV cells reserved for the whole session, so it never runs out mid-generation."""
+        return self.n_prompt + self.max_tokens
+
+
 @dataclass(eq=False)
 class Session:
     key: Hashable  # unique among live sessions; the front uses (client identity, id)
@@ -57,9 +71,8 @@ class Session:
         return len(self.tokens) + self.draws_in_flight - self.n_cached
 
     @property
-    def kv_tokens(self) -> int:
-        """KV cells reserved for the whole session, so it never runs out mid-generation."""
-        return len(self.prompt) + self.max_tokens
+    def ask(self) -> Ask:
+        return Ask(self.key, len(self.prompt), self.max_tokens, self.recipe)
 
     def usage(self) -> dict:
         ms = lambda a, b: round(max(0.0, (a - b) * 1e3), 3) if a else 0.0  # noqa: E731

@@ -23,7 +23,6 @@ class Telemetry:
         self.rejected = Counter()
         self.bad_frames_total = 0
         self.client_faults_total = 0  # clients whose sessions were cancelled because they vanished or stalled
-        self.undeliverable_total = 0  # events that could not be sent (client gone or at its HWM)
         self.engine = {"pid": 0, "rss_bytes": 0, "rss_peak_bytes": 0, "restarts": 0, "last_tick_ms": 0.0,
                        "kv_cells": 0, "kv_cells_peak": 0, "step_ms_total": 0.0, "healthy": True,
                        "busy_gap_ms_total": 0.0, "busy_gaps": 0}
@@ -94,7 +93,6 @@ class Telemetry:
                 "rejected_by_reason": {r: self.rejected.get(r, 0) for r in R.REJECTIONS},
                 "bad_frames_total": self.bad_frames_total,
                 "client_faults_total": self.client_faults_total,
-                "undeliverable_total": self.undeliverable_total,
                 "engine": dict(self.engine, **self._wait_percentiles()),
                 "memory": dict(self.memory),
                 "uptime_s": round(now - self.t0, 3),

@@ -13,13 +13,3 @@ def tiny_model(tmp_path_factory):
     from meshnode.demo_model import make_model
 
     return str(make_model(tmp_path_factory.mktemp("models") / "tiny.gguf", "tiny", 0))
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory, tiny_model):
-    """A model cache for nodes started without --model, pre-filled with the tiny model."""
-    import shutil
-
-    d = tmp_path_factory.mktemp("cache")
-    shutil.copy(tiny_model, d / "demo-tiny-seed0.gguf")
-    return str(d)

@@ -273,6 +273,42 @@ def test_client_that_stops_reading_loses_its_sessions_only(tiny_model):
         ctx.term()
 
 
+def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model):
+    """Eight sessions stream to a client that stops reading for a while: the node cancels them when
+    its send queue to the client is full, and keeps each `done` until the client reads again."""
+    with NodeProcess(tiny_model, "--max-active", "8", "--ctx", "8192") as n:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, 1)
+        s.setsockopt(zmq.RCVBUF, 4096)
+        s.connect(n.listen)
+        ids = [f"p{i}" for i in range(8)]
+        for i, sid in enumerate(ids):
+            s.send_multipart(P.encode_request(P.Submit(sid, 900, [3 + i, 4], ignore_eos=True)))
+        with n.client() as c:  # the pause: until the node gives up on this client's sessions
+            assert wait_until(lambda: c.status()["telemetry"]["client_faults_total"] >= 1, 30)
+            stalled = c.status()["telemetry"]
+        done, admitted, deadline = {}, set(), time.monotonic() + 30
+        while len(done) < len(ids) and time.monotonic() < deadline:  # reading again
+            if s.poll(1000):
+                ev = P.decode_event(s.recv_multipart())
+                if ev["event"] == "admitted":
+                    admitted.add(ev["id"])
+                elif ev["event"] == "done":
+                    assert ev["id"] not in done
+                    done[ev["id"]] = ev
+        assert s.poll(300) == 0 or P.decode_event(s.recv_multipart())["event"] == "tokens"
+        s.close()
+        ctx.term()
+        with n.client() as c:
+            t = c.status()["telemetry"]
+    assert admitted == set(ids) and set(done) == set(ids)
+    assert {d["reason"] for d in done.values()} == {R.CANCELLED}
+    assert all("stopped reading" in d["detail"] and d["tokens"] for d in done.values())
+    assert stalled["clients_stalled"] == 1 and t["clients_stalled"] == 0 and t["kv_bytes"] == 0
+
+
 # -- security -------------------------------------------------------------------------------------
 def serve(model, *args, timeout=60):
     return subprocess.run([sys.executable, "-m", "meshnode", "serve", "--model", model, *args],

@@ -1,0 +1,267 @@
+"""`meshnode bench abuse`: the largest valid request of every kind against a node serving 4 streams.
+
+Four sessions stream steadily to one client (each a chain of sessions, the
+next submitted as one ends). A second process holds abusers that fire, with a
+few requests in flight each, the largest valid request of every kind: 256 KiB
+texts of characters the vocab lacks (the tokenizer's worst case) and the
+largest text the context bound cannot refuse unread, 65,536-token prompts,
+status floods, cancels of unknown ids, /metrics scrapes, and a client that
+submits sessions and stops reading. The abusers are switched on and off in
+short alternating phases, so both conditions see the streams at the same
+context lengths (a tick's cost grows with them); their requests are packed
+once, so their own CPU stays small next to what they cost the node. The
+streams' token gaps under abuse are compared with the steady ones in the same
+run: target worst gap <= 2x the steady p99, no engine restart, and every
+admitted session (the abusers' too) gets exactly one `done`.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from ipc import protocol as P
+from ipc.transport import free_tcp_port
+from meshnode.bench import model_path
+from meshnode.nodeproc import NodeProcess
+
+STREAMS = 4
+PAIRS = 5  # steady + abuse phase pairs per round
+STREAM_TOKENS = 1000  # per session of a stream; 4 streams + the slow reader's sessions fit --ctx 8192
+WORST_TEXT = "\t" * (256 * 1024)
+KINDS = ("text", "tokens", "status", "cancel", "metrics", "slow_reader")
+
+
+WINDOW = 8  # requests an abuser keeps in flight: the node always has its next one queued
+
+
+def _frames(kind: str, n_ctx_seq: int) -> list[list[bytes]]:
+    """The requests an abuser cycles through, packed once: the abuser's own CPU must stay small next
+    to what it costs the node, or on a small machine it measures its own load instead."""
+    if kind == "text":  # the protocol's largest text, and the largest one the bound cannot refuse unread
+        return [P.encode_request(P.Submit("t", 1, text=WORST_TEXT)),
+                P.encode_request(P.Submit("u", 1, text="\t" * (n_ctx_seq + 1)))]
+    if kind == "tokens":
+        return [P.encode_request(P.Submit("k", 1, [3 + i % 500 for i in range(65536)]))]
+    if kind == "status":
+        return [P.encode_request(P.Status())]
+    return [P.encode_request(P.Cancel("no-such-session"))]
+
+
+def _abuser(kind: str, endpoint: str, metrics_url: str, n_ctx_seq: int, on, stop: threading.Event,
+            counts: dict) -> None:
+    """Fires while `on` is set, idles while it is not, ends at `stop`."""
+    if kind == "metrics":
+        return _scraper(metrics_url, on, stop, counts)
+    if kind == "slow_reader":
+        n = 0
+        while not stop.is_set():
+            if on.wait(0.1):
+                n += 1
+                _slow_reader(endpoint, n, counts)
+        return
+    frames = _frames(kind, n_ctx_seq)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    sent = answered = 0
+    while not stop.is_set():
+        while sent - answered < WINDOW and on.is_set():
+            s.send_multipart(frames[sent % len(frames)], copy=False)
+            sent += 1
+        if s.poll(200):
+            ev = P.decode_event(s.recv_multipart())
+            answered += 1
+            key = ev.get("reason") or ev.get("code") or ev["event"]
+            counts[key] = counts.get(key, 0) + 1
+    counts["sent"] = sent
+    s.close()
+    ctx.term()
+
+
+def _scraper(url: str, on, stop: threading.Event, counts: dict) -> None:
+    """GET /metrics over a raw socket, one after the other."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    request = f"GET {u.path} HTTP/1.0\r\nHost: {u.hostname}\r\n\r\n".encode()
+    while not stop.is_set():
+        if not on.wait(0.1):
+            continue
+        with socket.create_connection((u.hostname, u.port), timeout=5) as c:
+            c.sendall(request)
+            head = c.recv(64)
+            while c.recv(65536):
+                pass
+        code = head.split(b" ", 2)[1].decode() if head.startswith(b"HTTP/") else "?"
+        counts["sent"] += 1
+        counts[f"http_{code}"] = counts.get(f"http_{code}", 0) + 1
+
+
+def _slow_reader(endpoint: str, n: int, counts: dict) -> None:
+    """A client that submits two sessions and then a thousand status requests (answers of a few KiB:
+    more than the socket buffers hold), reads nothing for a second, then reads everything: the node
+    gives up on its sessions when its queue to the client is full, and each session must still end
+    with exactly one done."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.connect(endpoint)
+    ids = [f"slow{n}-{k}" for k in range(2)]
+    for k, sid in enumerate(ids):
+        s.send_multipart(P.encode_request(P.Submit(sid, 300, [3 + k, 4, 5], ignore_eos=True)))
+    status = P.encode_request(P.Status())
+    for _ in range(1200):
+        s.send_multipart(status)
+    counts["sent"] += len(ids) + 1200
+    time.sleep(1.0)
+    admitted, done, deadline = set(), {}, time.monotonic() + 120
+    while (len(done) < len(admitted) or not admitted) and time.monotonic() < deadline:
+        if s.poll(1000):
+            ev = P.decode_event(s.recv_multipart())
+            if ev["event"] == "admitted":
+                admitted.add(ev["id"])
+            elif ev["event"] == "done":
+                counts["double_done"] = counts.get("double_done", 0) + (ev["id"] in done)
+                done[ev["id"]] = ev
+            elif ev["event"] == "rejected":
+                ids.remove(ev["id"])
+                if not ids:
+                    break
+    counts["admitted"] = counts.get("admitted", 0) + len(admitted)
+    counts["done"] = counts.get("done", 0) + len(done)
+    s.close()
+    ctx.term()
+
+
+def _abuse_process(endpoint: str, metrics_url: str, n_ctx_seq: int, on, stop_ev, out, kinds=KINDS) -> None:
+    """One process for the whole run (an interpreter's start-up is not abuse): fires while `on`."""
+    stop = threading.Event()
+    counts = {k: {"sent": 0} for k in kinds}
+    threads = [threading.Thread(target=_abuser, args=(k, endpoint, metrics_url, n_ctx_seq, on, stop, counts[k]),
+                                daemon=True) for k in kinds]
+    for t in threads:
+        t.start()
+    out.put("ready")
+    stop_ev.wait()
+    stop.set()
+    for t in threads:
+        t.join(60)
+    out.put(counts)
+
+
+def _gaps(times: dict[str, list[float]], lo: float, hi: float) -> list[float]:
+    out = []
+    for ts in times.values():
+        t = np.array(ts)
+        idx = np.nonzero((t[1:] > lo) & (t[1:] <= hi))[0] + 1
+        out += list((t[idx] - t[idx - 1]) * 1e3)
+    return out
+
+
+def main(a) -> int:
+    path = model_path(a)
+    port = free_tcp_port()
+    phase_s, rounds = a.phase_s, a.rounds
+    args = ["--max-active", "8", "--ctx", "8192", "--threads", str(a.threads), "--metrics-listen", f"127.0.0.1:{port}",
+            "--log-level", "WARNING"]
+    rows, ctx = [], mp.get_context("spawn")
+    with NodeProcess(path, *args) as node, node.client(timeout_s=120) as c:
+        # each stream is a chain of sessions, the next submitted as one ends, so streams outlast any
+        # phase length; a gap is measured between two tokens of the same session only
+        times: dict[str, list[float]] = {}
+        ended: dict[str, dict] = {}
+        live = [f"stream{i}-0" for i in range(STREAMS)]
+        for i, sid in enumerate(live):
+            c.submit(sid, tokens=[3 + i, 4, 5], max_tokens=STREAM_TOKENS, ignore_eos=True)
+            times[sid] = []
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set() or any(sid not in ended for sid in live):
+                ev = c.recv(0.2)
+                if ev is None:
+                    continue
+                sid = ev.get("id")
+                if ev["event"] == "tokens":
+                    times[sid].append(time.monotonic())
+                elif ev["event"] == "done":
+                    ended[sid] = ev
+                    if not stop.is_set() and ev["reason"] == "LENGTH":
+                        k, gen = sid[len("stream"):].split("-")
+                        nxt = f"stream{k}-{int(gen) + 1}"
+                        times[nxt] = []
+                        live[int(k)] = nxt
+                        c.submit(nxt, tokens=[3 + int(k), 4, 5], max_tokens=STREAM_TOKENS, ignore_eos=True)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(2.0)  # all four streaming
+        with node.client() as s:
+            st = s.status()
+            restarts0, n_ctx_seq = st["telemetry"]["engine"]["restarts"], st["node"]["budgets"]["n_ctx_seq"]
+        q, on, stop_abuse = ctx.Queue(), ctx.Event(), ctx.Event()
+        p = ctx.Process(target=_abuse_process, args=(node.listen, f"http://127.0.0.1:{port}/metrics", n_ctx_seq,
+                                                     on, stop_abuse, q, a.kinds.split(",") if a.kinds else KINDS))
+        p.start()
+        assert q.get(timeout=120) == "ready"
+        time.sleep(1.0)  # its start-up is over
+        phases: list[tuple[str, int, float, float]] = []  # (steady|abuse, round, start, end)
+        for r in range(rounds):
+            for _ in range(PAIRS):
+                for kind in ("steady", "abuse"):
+                    on.set() if kind == "abuse" else on.clear()
+                    t0 = time.monotonic()
+                    time.sleep(phase_s)
+                    phases.append((kind, r, t0, time.monotonic()))
+        on.clear()
+        stop_abuse.set()
+        counts = q.get(timeout=180)
+        p.join(10)
+        for r in range(rounds):
+            steady = [g for k, rr, lo, hi in phases if k == "steady" and rr == r for g in _gaps(times, lo, hi)]
+            abused = [g for k, rr, lo, hi in phases if k == "abuse" and rr == r for g in _gaps(times, lo, hi)]
+            rows.append({"round": r + 1, "steady_p50_ms": float(np.percentile(steady, 50)),
+                         "steady_p99_ms": float(np.percentile(steady, 99)), "steady_max_ms": float(max(steady)),
+                         "abuse_p50_ms": float(np.percentile(abused, 50)),
+                         "abuse_p99_ms": float(np.percentile(abused, 99)), "abuse_max_ms": float(max(abused))})
+        stop.set()
+        for sid in list(live):
+            c.cancel(sid)
+        reader.join(30)
+        with node.client() as s:
+            t = s.status()["telemetry"]
+    restarts = t["engine"]["restarts"] - restarts0
+    slow = counts.get("slow_reader", {})
+    lost = slow.get("admitted", 0) - slow.get("done", 0) + sum(sid not in ended for sid in times)
+    print(f"model {os.path.basename(path)}: {STREAMS} streams; per round {PAIRS} x ({phase_s:g} s steady, "
+          f"{phase_s:g} s abuse); abusers: {', '.join(counts)}")
+    print(f"{'round':>6}{'steady p50':>12}{'steady p99':>12}{'steady max':>12}{'abuse p50':>11}{'abuse p99':>11}"
+          f"{'abuse max':>11}{'max / steady p99':>18}")
+    for r in rows:
+        print(f"{r['round']:>6}{r['steady_p50_ms']:12.1f}{r['steady_p99_ms']:12.1f}{r['steady_max_ms']:12.1f}"
+              f"{r['abuse_p50_ms']:11.1f}{r['abuse_p99_ms']:11.1f}{r['abuse_max_ms']:11.1f}"
+              f"{r['abuse_max_ms'] / r['steady_p99_ms']:17.2f}x")
+    print("requests answered, by kind: " + "; ".join(
+        f"{k} {v['sent']} sent" + "".join(f", {kk} {vv}" for kk, vv in v.items() if kk != "sent")
+        for k, v in counts.items()))
+    worst = max(r["abuse_max_ms"] / r["steady_p99_ms"] for r in rows)
+    ok = worst <= 2.0 and restarts == 0 and lost == 0 and not slow.get("double_done")
+    print(f"worst gap under abuse / steady p99: {worst:.2f}x (target <= 2x); engine restarts {restarts}; "
+          f"sessions without their done {lost}: {'met' if ok else 'NOT met'}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": path, "phase_s": phase_s, "pairs_per_round": PAIRS, "rows": rows, "requests": counts,
+                       "restarts": restarts, "lost": lost, "worst_ratio": worst,
+                       "undeliverable_total": t.get("undeliverable_total"), "bad_frames_total": t["bad_frames_total"],
+                       "rejected_by_reason": t["rejected_by_reason"]}, f, indent=2)
+    return 0
