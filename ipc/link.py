@@ -126,6 +126,11 @@ def hello_failed(detail: str) -> bytes:
     return pack({"hello_error": detail})
 
 
+def aborted(detail: str) -> bytes:
+    """The engine's last words when ggml aborts the process (a GGML_ASSERT): why it is dying."""
+    return pack({"abort": detail})
+
+
 def unpack_message(data: bytes) -> dict:
     msg = unpack(data, max_bytes=16 * MAX_MESSAGE_BYTES)
     if not isinstance(msg, dict):

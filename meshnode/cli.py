@@ -58,7 +58,8 @@ def cmd_serve(a) -> int:
 
 
 def cmd_make_model(a) -> int:
-    from meshnode.demo_model import file_digest, make_model
+    from meshnode.demo_model import make_model
+    from meshnode.engine.llamacpp import file_digest
 
     path = make_model(a.out, a.preset, a.seed)
     print(f"wrote {path} ({path.stat().st_size} bytes, sha256 {file_digest(path)[:16]})")

@@ -6,6 +6,7 @@ unknown key or a value of the wrong type is an error naming the key.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -17,30 +18,38 @@ except ModuleNotFoundError:  # Python 3.10
 from meshnode.budget import ConfigError
 
 
+def _in(lo: float, hi: float, default=None, internal: bool = False):
+    """A numeric setting and the finite range it must lie in (checked at start, exit 2)."""
+    return field(default=default, metadata={"range": (lo, hi), "internal": internal})
+
+
+DAY = 86400.0
+
+
 @dataclass
 class NodeConfig:
     model: str | None = None  # GGUF path; None = generate and serve the tiny demo model
     listen: str | None = None  # client ROUTER endpoint; None = ipc:// in the run dir
     telemetry: str | None = None  # telemetry PUB endpoint; None = ipc:// in the run dir
-    max_active: int | None = None  # sessions decoding at once (default: n_seq_max)
-    max_queue: int = 64
-    max_batch: int | None = None  # sequences per tick (default: n_seq_max)
-    prefill_chunk: int | None = None  # prompt tokens per tick (default: 64)
-    kv_budget_mb: float | None = None  # default: the whole KV pool
-    weight_budget_mb: float | None = None  # default: whatever the model needs
-    memory_floor_mb: float = 0.0  # reject new sessions below this much available memory
-    ctx: int = 4096  # KV cells in the unified pool
-    n_seq_max: int = 8  # llama.cpp sequence slots
-    n_batch: int = 512
-    threads: int = 0  # 0 = all cores
+    max_active: int | None = _in(1, 256)  # sessions decoding at once (default: n_seq_max)
+    max_queue: int = _in(0, 1_000_000, 64)
+    max_batch: int | None = _in(1, 256)  # sequences per tick (default: n_seq_max)
+    prefill_chunk: int | None = _in(1, 1 << 20)  # prompt tokens per tick (default: 64)
+    kv_budget_mb: float | None = _in(1e-3, 1e9)  # default: the whole KV pool
+    weight_budget_mb: float | None = _in(1e-3, 1e9)  # default: whatever the model needs
+    memory_floor_mb: float = _in(0, 1e9, 0.0)  # reject new sessions below this much available memory
+    ctx: int = _in(1, 1 << 26, 4096)  # KV cells in the unified pool
+    n_seq_max: int = _in(1, 256, 8)  # llama.cpp sequence slots
+    n_batch: int = _in(1, 1 << 20, 512)
+    threads: int = _in(0, 4096, 0)  # 0 = all cores
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: str = "auto"  # auto, on, off (off = f32 attention numerics)
-    tick_deadline_s: float = 30.0  # an engine tick longer than this is a hung engine
-    start_timeout_s: float = 300.0  # the first engine start (model load) may take this long
-    restart_timeout_min_s: float = 10.0  # a restart may take max(this, 5 x the measured first start)
-    pipeline_depth: int = 2  # ticks in flight: 2 plans the next tick while the engine runs one; 1 = lockstep
-    drain_timeout_s: float = 30.0  # on SIGTERM, sessions get this long to finish
+    tick_deadline_s: float = _in(0.5, DAY, 30.0)  # an engine tick longer than this is a hung engine
+    start_timeout_s: float = _in(1.0, DAY, 300.0)  # the first engine start (model load) may take this long
+    restart_timeout_min_s: float = _in(0.5, DAY, 10.0)  # a restart may take max(this, 5 x the first start)
+    pipeline_depth: int = _in(1, 2, 2)  # ticks in flight: 2 plans the next tick while the engine runs one
+    drain_timeout_s: float = _in(0, DAY, 30.0)  # on SIGTERM, sessions get this long to finish
     metrics_listen: str | None = None  # host:port for Prometheus /metrics; None = off
     curve_secret_key: str | None = None
     curve_allow_dir: str | None = None
@@ -58,39 +67,34 @@ class NodeConfig:
                 continue
             want = _type_of(f)
             if want is float and isinstance(v, int) and not isinstance(v, bool):
-                setattr(self, f.name, float(v))
-                continue
+                v = float(v)
+                setattr(self, f.name, v)
             if not isinstance(v, want) or (want is int and isinstance(v, bool)):
                 raise ConfigError(f"{f.name}: expected {want.__name__}, got {v!r}")
-        for name in ("max_active", "max_batch", "prefill_chunk", "ctx", "n_seq_max", "n_batch"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {v}")
-        for name in ("max_queue", "threads", "memory_floor_mb", "tick_deadline_s", "drain_timeout_s",
-                     "start_timeout_s", "restart_timeout_min_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        for name in ("kv_budget_mb", "weight_budget_mb"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {v}")
-        if self.pipeline_depth not in (1, 2):
-            raise ConfigError(f"pipeline_depth: must be 1 or 2, got {self.pipeline_depth}")
+            if "range" in f.metadata:
+                lo, hi = f.metadata["range"]
+                if not (math.isfinite(v) and lo <= v <= hi):  # nan and inf fail here too
+                    raise ConfigError(f"{f.name}: must be between {lo:g} and {hi:g}, got {v!r}")
         if self.model is not None and not os.path.isfile(self.model):
             raise ConfigError(f"model: no such file {self.model}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
             raise ConfigError("curve_secret_key and curve_allow_dir must be given together")
-        from meshnode.engine.llama_engine import FLASH_ATTN, KV_TYPES
-
-        for name in ("type_k", "type_v"):
-            if getattr(self, name) not in KV_TYPES:
-                raise ConfigError(f"{name}: must be one of {sorted(KV_TYPES)}, got {getattr(self, name)!r}")
-        if self.flash_attn not in FLASH_ATTN:
-            raise ConfigError(f"flash_attn: must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.engine_kind not in ("llama", "fake"):
             raise ConfigError(f"engine_kind: unknown {self.engine_kind!r}")
+        if self.engine_kind == "llama":
+            try:  # what llama.cpp would refuse or assert on, refused here first (one set of rules)
+                self.engine_config(self.model or "").validate(need_file=False)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+    def engine_config(self, model_path: str):
+        from meshnode.engine.llama_engine import EngineConfig
+
+        return EngineConfig(model_path, n_seq_max=self.n_seq_max, n_ctx=self.ctx, n_batch=self.n_batch,
+                            n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
+                            flash_attn=self.flash_attn)
 
 
 def _type_of(f) -> type:

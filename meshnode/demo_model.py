@@ -165,23 +165,3 @@ def cached_model(preset: str = "tiny", seed: int = 0, cache_dir: str | os.PathLi
     if not path.exists():
         make_model(path, preset, seed)
     return path
-
-
-def file_digest(path: str | os.PathLike, full_below: int = 1 << 30) -> str:
-    """sha256 identifying a model file for the recipe fingerprint.
-
-    Files under 1 GiB are hashed whole; bigger ones (real models of many GB) by
-    their size and 64 evenly spaced 1 MiB blocks, so a node starts in seconds.
-    """
-    h = hashlib.sha256()
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        if size < full_below:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        else:
-            h.update(str(size).encode())
-            for k in range(64):
-                f.seek(k * (size - (1 << 20)) // 63)
-                h.update(f.read(1 << 20))
-    return h.hexdigest()

@@ -79,7 +79,8 @@ class EngineLink:
         self.next_start_at = 0.0
         self.started_at = 0.0
         self.tick_seq = 0
-        self.last_error = ""
+        self.last_error = ""  # why the engine last died (status reports it)
+        self.words = ""  # what this incarnation said about its own failure (hello_error, abort)
         self.unrecoverable = ""  # a death no restart can cure
 
     @property
@@ -95,6 +96,7 @@ class EngineLink:
         """Spawn an incarnation; it connects and says hello later, through on_message()."""
         self._close_sock()
         self.generation += 1
+        self.words = ""
         self.arena.reset_heartbeat()
         self.listener = seqpacket.listen(self.path)
         cfg = dict(self.engine_cfg, link=self.path, parent_pid=os.getpid(),
@@ -157,7 +159,10 @@ class EngineLink:
                 self.first_start_s = time.monotonic() - self.started_at
             return None
         if "hello_error" in msg:
-            self.last_error = msg["hello_error"]
+            self.words = msg["hello_error"]
+            return None
+        if "abort" in msg:  # its last words: the process is going down
+            self.broken = self.words = f"llama.cpp aborted: {msg['abort']}"
             return None
         if not self.inflight or msg.get("t") != self.inflight[0].t:
             return None  # a stale reply from before a restart
@@ -192,14 +197,24 @@ class EngineLink:
         """Why the engine is dead now, or None: exited, broken, hung in a tick, or silent at start."""
         if self.state not in (STARTING, IDLE, BUSY):
             return None
+        if self.broken and self.proc is not None:
+            self.proc.join(0.5)  # a broken link is a process going down: let it finish, to say how
         if self.proc is not None and not self.proc.is_alive():
-            detail = f": {self.last_error}" if self.state == STARTING and self.last_error else ""
-            return f"engine process exited (code {self.proc.exitcode}){detail}"
+            self._read_last_words()
+            return f"engine process exited (code {self.proc.exitcode})" + (f": {self.words}" if self.words else "")
         if self.broken:
-            return self.broken
+            return self.words or self.broken
         if self.state == STARTING and now - self.started_at > self.hello_deadline_s:
             return f"engine did not say hello within {self.hello_deadline_s:.1f} s"
         return self._hung(now)
+
+    def _read_last_words(self) -> None:
+        """A dead engine may have said why (hello_error, abort) in messages still unread."""
+        for _ in range(8):
+            watch = self.watch
+            if watch is None or not select.select([watch], [], [], 0)[0]:
+                return
+            self.on_message()
 
     def _hung(self, now: float) -> str | None:
         """A tick the engine has not finished, late by the engine's own heartbeat. A finished tick

@@ -43,13 +43,16 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def build_engine(cfg: dict):
+def build_engine(cfg: dict, report_abort=None):
     if cfg.get("kind") == "fake":
         from meshnode.engine.fake import FakeEngine
 
         return FakeEngine(**cfg.get("fake", {}))
+    from meshnode.engine import llamacpp
     from meshnode.engine.llama_engine import EngineConfig, LlamaEngine
 
+    if report_abort is not None:
+        llamacpp.on_abort(report_abort)
     return LlamaEngine(EngineConfig(**cfg["engine"]))
 
 
@@ -84,15 +87,27 @@ class EngineProcess:
         a = self.cfg["arena"]
         self.arena = TokenArena.attach(a["name"], a["n_input"], a["n_output"])
         try:
-            self.engine = build_engine(self.cfg)
+            self.engine = build_engine(self.cfg, self._aborting)
         except Exception as e:
             self.sock.send(L.hello_failed(f"{type(e).__name__}: {e}"))
             raise
         if self.faults.get("stop_at_hello"):  # as if SIGSTOPped by an operator before it could answer
             os.kill(os.getpid(), signal.SIGSTOP)
+        if self.faults.get("abort_at_start"):  # as if a GGML_ASSERT failed while loading
+            from meshnode.engine import llamacpp
+
+            llamacpp.abort("GGML_ASSERT(injected) failed")
         gc.freeze()  # the model and the process's start-up stay for good: no collection walks them
         self.sock.send(L.hello(engine_info(self.engine)))
         self.io = LinkIO(self.sock, self.arena)
+
+    def _aborting(self, message: str) -> None:
+        """ggml is about to abort the process: tell the front why, in one line, while we can."""
+        log.critical("llama.cpp aborted: %s", message)
+        try:
+            self.sock.send(L.aborted(message))
+        except OSError:
+            pass
 
     def loop(self) -> None:
         parent = self.cfg["parent_pid"]
@@ -155,6 +170,10 @@ class EngineProcess:
             time.sleep(3600)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "abort":
+            from meshnode.engine import llamacpp
+
+            llamacpp.abort("GGML_ASSERT(injected) failed")
 
     def shutdown(self) -> None:
         if self._front_gone():  # the front was killed: nobody else will clean up

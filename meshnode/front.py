@@ -84,10 +84,7 @@ class Front:
         self.arena = TokenArena.create(*L.arena_shape(cfg.n_batch, cfg.n_seq_max))
         orphans = [f for lock in self._locks if lock.path for f in (lock.path, lock.path + ".lock")]
         engine_cfg = {"kind": cfg.engine_kind, "log_level": cfg.log_level, "fake": cfg.fake or {},
-                      "orphan_files": orphans,
-                      "engine": {"model_path": cfg.model, "n_seq_max": cfg.n_seq_max, "n_ctx": cfg.ctx,
-                                 "n_batch": cfg.n_batch, "n_threads": cfg.threads, "type_k": cfg.type_k,
-                                 "type_v": cfg.type_v, "flash_attn": cfg.flash_attn}}
+                      "orphan_files": orphans, "engine": vars(cfg.engine_config(cfg.model))}
         self.link = EngineLink(self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults,
                                cfg.pipeline_depth, cfg.start_timeout_s, cfg.restart_timeout_min_s)
         self.link.start()

@@ -103,11 +103,11 @@ def sweep(model: str, levels: list[int], jobs: list[dict], threads: int = 0, int
         outputs[level] = out
     ref_level = min(levels)
     mismatches = [m for lv in levels if lv != ref_level for m in find_mismatches(outputs[ref_level], lv, outputs[lv])]
-    from meshnode.engine.llama_engine import EngineConfig, _fingerprint  # the recipe, without loading
+    from meshnode.engine.llama_engine import EngineConfig
 
     return {
         "model": os.path.basename(model),
-        "recipe": _fingerprint(EngineConfig(model), _llama_version()),
+        "recipe": EngineConfig(model).recipe(),
         "levels": rows,
         "corruption_free": not mismatches,
         "mismatches": mismatches,
@@ -117,12 +117,6 @@ def sweep(model: str, levels: list[int], jobs: list[dict], threads: int = 0, int
         "jobs": len(jobs),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
-
-
-def _llama_version() -> str:
-    import llama_cpp
-
-    return llama_cpp.llama_version().decode()
 
 
 def print_table(res: dict) -> None:

@@ -22,7 +22,7 @@ import ctypes
 import math
 import re
 
-from meshnode.engine.llama_engine import _install_log
+from meshnode.engine import llamacpp
 
 SPM = 1  # llama_vocab_type
 SLICE_BYTES = 1024  # cut a text at most this often (at a character that never merges) to stay linear
@@ -32,7 +32,7 @@ class Tokenizer:
     def __init__(self, model_path: str):
         import llama_cpp as L
 
-        _install_log()
+        llamacpp.install_log()
         self._L = L
         mp = L.llama_model_default_params()
         mp.vocab_only = True

@@ -356,3 +356,47 @@ def test_second_node_on_the_same_ipc_path_refuses(tiny_model):
         assert out.returncode == 1 and "in use by another meshnode" in out.stderr
         with n.client() as c:
             assert c.ping()
+
+
+# -- failed starts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", [["--ctx", "1"], ["--n-batch", "1"], ["--tick-deadline-s", "0"],
+                                     ["--tick-deadline-s", "nan"], ["--threads", "-1"]])
+def test_a_value_llama_cpp_would_refuse_stops_the_start_with_exit_2(tiny_model, tmp_path, setting):
+    t0 = time.monotonic()
+    out = serve(tiny_model, *setting, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock")
+    key = setting[0][2:].replace("-", "_")
+    assert out.returncode == 2 and key.replace("ctx", "ctx") in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_quantized_v_cache_without_flash_attention_stops_the_start_with_exit_2(tiny_model, tmp_path):
+    cfg = tmp_path / "n.toml"
+    cfg.write_text('type_v = "q4_0"\nflash_attn = "off"\n')
+    out = serve(tiny_model, "--config", str(cfg), "--listen", f"ipc://{tmp_path}/n.sock",
+                "--telemetry", f"ipc://{tmp_path}/t.sock")
+    assert out.returncode == 2 and "type_v" in out.stderr and "flash attention" in out.stderr
+
+
+def test_an_engine_that_dies_before_hello_ends_the_start_at_once_with_its_words(tiny_model, tmp_path, monkeypatch):
+    """A GGML_ASSERT while loading: the start ends in seconds, with the exit status and llama.cpp's
+    message, instead of the front spinning on a closed link until its start timeout."""
+    monkeypatch.setenv("MESHNODE_TEST_CONFIG", '{"faults": [{"abort_at_start": true}]}')
+    monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
+    t0 = time.monotonic()
+    out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock")
+    assert out.returncode == 1 and time.monotonic() - t0 < 20
+    line = next(ln for ln in out.stderr.splitlines() if "cannot serve" in ln)
+    assert "exited (code -6)" in line and "llama.cpp aborted" in line and "GGML_ASSERT(injected) failed" in line
+    assert "#0 " not in out.stderr  # no gdb backtrace dumped into the log
+
+
+def test_an_abort_mid_generation_is_reported_and_the_engine_restarts(tiny_model, reference_tokens):
+    internal = {"faults": [{"kind": "abort", "at_tick": 20}, {}]}
+    with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        got = c.collect(list(JOBS))
+        t = c.status()["telemetry"]
+        log = n.log()
+    assert {sid: r.tokens for sid, r in got.items()} == reference_tokens
+    assert t["engine"]["restarts"] == 1 and "llama.cpp aborted: injected:0: GGML_ASSERT(injected) failed" in log

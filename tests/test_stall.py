@@ -220,3 +220,45 @@ def test_a_stopped_engine_mid_generation_is_a_hang(tiny_model):
         got = c.collect(["s"], timeout_s=60)["s"]
         t = c.status()["telemetry"]
     assert got.tokens == want and t["engine"]["restarts"] == 1
+
+
+# -- client work metered -----------------------------------------------------------------------
+def test_client_work_gets_its_share_and_no_more():
+    from meshnode.cpushare import CpuShare
+
+    share = CpuShare(now=0.0, share=0.25, burst_s=0.02)
+    assert share.available(0.0) == 0.02  # a quiet node answers a burst at once
+    share.spend(0.05)  # one costly slice overdraws it
+    assert share.available(0.0) == 0.0 and share.wait_s(0.0) == pytest.approx(0.12)  # 0.03 s owed at 0.25
+    assert share.wait_s(0.119) > 0 and share.wait_s(0.121) == 0
+    share.spend(share.available(10.0))
+    spent, t = 0.0, 10.0
+    while t < 20.0:  # a flood that takes all it is given, for 10 s
+        t += 0.001
+        got = share.available(t)
+        share.spend(got)
+        spent += got
+    assert spent == pytest.approx(2.5, rel=0.01)  # a quarter of the time, whatever the demand
+
+
+def test_idle_metrics_connections_cannot_keep_a_scrape_out(tiny_model):
+    import socket
+    import urllib.request
+
+    from ipc.transport import free_tcp_port
+    from meshnode.metrics_http import MAX_CONNECTIONS, TIMEOUT_S
+
+    port = free_tcp_port()
+    with NodeProcess(tiny_model, "--metrics-listen", f"127.0.0.1:{port}"):
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + 4)]
+        t0 = time.monotonic()
+        body = None
+        while body is None and time.monotonic() - t0 < TIMEOUT_S + 3:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read()
+            except OSError:
+                time.sleep(0.1)
+        for s in idle:
+            s.close()
+    assert body and b"meshnode_requests_running" in body
+    assert time.monotonic() - t0 < TIMEOUT_S + 3

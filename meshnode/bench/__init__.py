@@ -46,7 +46,9 @@ def llama_build() -> str:
     """Which llama.cpp build ran: OpenMP or not changes how much CPU its idle threads take."""
     import llama_cpp
 
-    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    from meshnode.engine.llamacpp import system_info
+
+    info = system_info()
     return f"llama-cpp-python {llama_cpp.__version__}, OpenMP {'on' if 'OPENMP = 1' in info else 'off'}"
 
 

@@ -9,44 +9,17 @@ byte budget over the pool means something and admission can reserve cells.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from meshnode.demo_model import file_digest
+from meshnode.engine import llamacpp
+from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
 from meshnode.engine.plan import (GREEDY, FatalEngineError, InvalidPlan, Plan, StepResult,
                                   validate_plan)
 from meshnode.engine.sampling import sample
-
-log = logging.getLogger("meshnode.llama")
-
-# ggml type -> (block size, bytes per block), for the KV types a user may pick
-_TYPE_SIZE = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18)}
-KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}
-FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
-_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
-_LOG_CB = None  # ctypes keeps only a weak pointer: a collected callback crashes the process
-
-
-def _install_log() -> None:
-    """Route llama.cpp's log into Python logging, once per process."""
-    global _LOG_CB
-    if _LOG_CB is not None:
-        return
-    import llama_cpp
-
-    def forward(level, text, _user):
-        msg = text.decode("utf-8", "replace").rstrip("\n") if text else ""
-        if msg:
-            log.log(_LEVELS.get(level, logging.DEBUG), "%s", msg)
-
-    _LOG_CB = llama_cpp.llama_log_callback(forward)
-    llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p())
-    llama_cpp.llama_backend_init()
 
 
 @dataclass(frozen=True)
@@ -60,18 +33,28 @@ class EngineConfig:
     type_v: str = "f16"
     flash_attn: str = "auto"  # llama.cpp's flash attention computes in f16 on CPU: "off" for f32 numerics
 
-    def validate(self) -> None:
-        if not os.path.isfile(self.model_path):
+    def validate(self, need_file: bool = True) -> None:
+        """Every value llama.cpp would refuse or assert on, in the words of the config keys."""
+        if need_file and not os.path.isfile(self.model_path):
             raise FileNotFoundError(f"model file not found: {self.model_path}")
         if not 1 <= self.n_seq_max <= 256:
-            raise ValueError(f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
+            raise ValueError(f"n_seq_max: must be in [1, 256], got {self.n_seq_max}")
         if self.n_ctx < 1 or self.n_batch < 1:
-            raise ValueError("n_ctx and n_batch must be >= 1")
+            raise ValueError("ctx and n_batch: must be >= 1")
         if self.flash_attn not in FLASH_ATTN:
-            raise ValueError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
-        for t in (self.type_k, self.type_v):
+            raise ValueError(f"flash_attn: must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
+        for key, t in (("type_k", self.type_k), ("type_v", self.type_v)):
             if t not in KV_TYPES:
-                raise ValueError(f"unknown KV type {t!r}; choose one of {sorted(KV_TYPES)}")
+                raise ValueError(f"{key}: must be one of {sorted(KV_TYPES)}, got {t!r}")
+        if min(self.n_ctx, self.n_batch) < self.n_seq_max:  # GGML_ASSERT in llama.cpp's first decode
+            raise ValueError(f"ctx and n_batch: must both be at least n_seq_max ({self.n_seq_max}), "
+                             f"got {self.n_ctx} and {self.n_batch}")
+        if self.type_v in QUANTIZED_KV and self.flash_attn == "off":
+            raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on)")
+
+    def recipe(self) -> str:
+        """The fingerprint of what this configuration computes, without loading anything."""
+        return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash_attn, self.n_batch)
 
 
 class LlamaEngine:
@@ -79,13 +62,13 @@ class LlamaEngine:
         import llama_cpp as L
 
         cfg.validate()
-        _install_log()
+        llamacpp.install_log()
         self.cfg, self._L = cfg, L
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
         self._model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
         if not self._model:
-            raise FatalEngineError(f"llama.cpp could not load {cfg.model_path}")
+            raise FatalEngineError(f"llama.cpp could not load {cfg.model_path}: {llamacpp.last_errors()}")
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = cfg.n_ctx, cfg.n_batch, cfg.n_batch
         cp.n_seq_max, cp.kv_unified = cfg.n_seq_max, True
@@ -97,7 +80,7 @@ class LlamaEngine:
         self._ctx = L.llama_init_from_model(self._model, cp)
         if not self._ctx:
             L.llama_model_free(self._model)
-            raise FatalEngineError("llama.cpp could not create a context (n_ctx / n_seq_max too large?)")
+            raise FatalEngineError(f"llama.cpp could not create a context: {llamacpp.last_errors() or 'no reason given'}")
         self._mem = L.llama_get_memory(self._ctx)
         vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = L.llama_vocab_n_tokens(vocab)
@@ -112,8 +95,8 @@ class LlamaEngine:
         n_layer = L.llama_model_n_layer(self._model)
         head_dim = L.llama_model_n_embd(self._model) // L.llama_model_n_head(self._model)
         row = L.llama_model_n_head_kv(self._model) * head_dim
-        self.kv_bytes_per_token = n_layer * (_row_bytes(row, cp.type_k) + _row_bytes(row, cp.type_v))
-        self.recipe_fingerprint = _fingerprint(cfg, L.llama_version().decode())
+        self.kv_bytes_per_token = n_layer * (llamacpp.row_bytes(row, cp.type_k) + llamacpp.row_bytes(row, cp.type_v))
+        self.recipe_fingerprint = cfg.recipe()
         self._next_pos = [0] * self.n_seq_max
         self._samplers: dict = {}
         self._alloc_batch(self.n_batch)
@@ -228,15 +211,3 @@ class LlamaEngine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _row_bytes(n: int, ggml_type: int) -> int:
-    blck, size = _TYPE_SIZE[ggml_type]
-    return (n // blck) * size
-
-
-def _fingerprint(cfg: EngineConfig, llama_version: str) -> str:
-    """Model identity plus every setting that changes numerics, never batch shape or threads."""
-    parts = [file_digest(cfg.model_path), llama_version, cfg.type_k, cfg.type_v, cfg.flash_attn,
-             str(cfg.n_batch), "unified"]
-    return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

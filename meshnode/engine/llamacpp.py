@@ -1,0 +1,121 @@
+"""Everything the node needs to know about llama.cpp itself, in one public place.
+
+Log routing (into Python logging, keeping the last errors so a refusal can be
+reported in llama.cpp's own words), ggml's abort hook (a GGML_ASSERT becomes
+one line for the front instead of a gdb backtrace on stderr), the KV type and
+flash-attention tables, KV row sizes, the model file digest and the recipe
+fingerprint, and the build's system info. Importing this module does not load
+llama.cpp; the functions that need it import it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+from collections import deque
+
+log = logging.getLogger("meshnode.llama")
+
+KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}  # name -> ggml type
+QUANTIZED_KV = {"q8_0", "q4_0"}  # llama.cpp refuses these for V without flash attention
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+_TYPE_SIZE = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18)}  # ggml type -> block, bytes
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
+_LOG_CB = None  # ctypes keeps only a weak pointer: a collected callback crashes the process
+_ABORT_CB = None
+_ERRORS: deque[str] = deque(maxlen=8)  # llama.cpp's last error lines
+
+
+def install_log() -> None:
+    """Route llama.cpp's log into Python logging, once per process."""
+    global _LOG_CB
+    if _LOG_CB is not None:
+        return
+    import llama_cpp
+
+    def forward(level, text, _user):
+        msg = text.decode("utf-8", "replace").rstrip("\n") if text else ""
+        if msg:
+            lvl = _LEVELS.get(level, logging.DEBUG)
+            if lvl >= logging.ERROR:
+                _ERRORS.append(msg.strip())
+            log.log(lvl, "%s", msg)
+
+    _LOG_CB = llama_cpp.llama_log_callback(forward)
+    llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p())
+    llama_cpp.llama_backend_init()
+
+
+def last_errors() -> str:
+    """llama.cpp's recent error lines, joined: what it said when it refused something."""
+    return "; ".join(_ERRORS)
+
+
+def on_abort(report) -> None:
+    """Call `report(message)` when ggml aborts the process (GGML_ASSERT, GGML_ABORT), instead of
+    ggml's default print and gdb backtrace. The process still aborts after it returns."""
+    global _ABORT_CB
+    import llama_cpp
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+    lib.ggml_set_abort_callback.argtypes, lib.ggml_set_abort_callback.restype = [proto], ctypes.c_void_p
+
+    def hook(message):
+        report(message.decode("utf-8", "replace") if message else "ggml aborted")
+
+    _ABORT_CB = proto(hook)
+    lib.ggml_set_abort_callback(_ABORT_CB)
+
+
+def abort(message: str) -> None:
+    """ggml_abort, as a GGML_ASSERT would call it (tests of the abort path)."""
+    import llama_cpp
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+    lib.ggml_abort(b"injected", 0, b"%s", message.encode())
+
+
+def row_bytes(n: int, ggml_type: int) -> int:
+    blck, size = _TYPE_SIZE[ggml_type]
+    return (n // blck) * size
+
+
+def file_digest(path: str | os.PathLike, full_below: int = 1 << 30) -> str:
+    """sha256 identifying a model file for the recipe fingerprint.
+
+    Files under 1 GiB are hashed whole; bigger ones (real models of many GB) by
+    their size and 64 evenly spaced 1 MiB blocks, so a node starts in seconds.
+    """
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size < full_below:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            h.update(str(size).encode())
+            for k in range(64):
+                f.seek(k * (size - (1 << 20)) // 63)
+                h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def version() -> str:
+    import llama_cpp
+
+    return llama_cpp.llama_version().decode()
+
+
+def system_info() -> str:
+    """llama.cpp's own build line: `... | LLAMAFILE = 1 | OPENMP = 1 | ...`."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode(errors="replace")
+
+
+def recipe(model_path: str, type_k: str, type_v: str, flash_attn: str, n_batch: int, layout: str = "unified") -> str:
+    """Model identity plus every setting that changes numerics, never batch shape or threads."""
+    parts = [file_digest(model_path), version(), type_k, type_v, flash_attn, str(n_batch), layout]
+    return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
