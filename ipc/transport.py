@@ -1,8 +1,10 @@
 """Socket factories: every ZeroMQ option of the node in one place (the engine link is not
 ZeroMQ: ipc/seqpacket.py says why).
 
-Defaults are safe: endpoints live in a 0700 run dir (ipc://) or on 127.0.0.1;
-binding a non-loopback TCP address needs CURVE unless the operator says
+Defaults are safe: endpoints live in a 0700 run dir (ipc://) or on 127.0.0.1.
+Every bound endpoint follows one rule (`check_private`): one that others can
+reach (a non-loopback TCP address, or an abstract ipc://@name socket, which
+has no filesystem permissions) needs CURVE unless the operator says
 --insecure; every socket has LINGER 0 (never hang at exit), finite HWMs and,
 on the client side, MAXMSGSIZE so an oversize frame disconnects its sender
 instead of being buffered. ROUTER_MANDATORY makes an unroutable or stalled
@@ -63,22 +65,36 @@ def clean_stale_links(directory: str) -> list[str]:
 
 
 def ipc_path(endpoint: str) -> str | None:
-    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    """The filesystem path of an ipc:// endpoint (None for tcp://, and for abstract ipc://@name)."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    return endpoint[len("ipc://"):]
 
 
-def is_loopback(endpoint: str) -> bool:
-    """True for ipc:// and for tcp:// on a loopback address or localhost."""
+def exposure(endpoint: str) -> str | None:
+    """Why others than this host's node user could connect to `endpoint`, or None if they cannot."""
+    if endpoint.startswith("ipc://@"):
+        return "an abstract ipc socket has no filesystem permissions: any local user can connect"
     if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        return None
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]") if endpoint.startswith("tcp://") else endpoint
     if host == "localhost":
-        return True
+        return None
     try:
-        return ipaddress.ip_address(host).is_loopback
+        if ipaddress.ip_address(host).is_loopback:
+            return None
     except ValueError:
-        return False  # an interface name or '*': not loopback
+        pass  # an interface name or '*'
+    return "it accepts connections from other hosts"
+
+
+def check_private(endpoint: str, what: str, curve: bool, insecure: bool) -> None:
+    """The one rule for every endpoint the node binds: exposed needs CURVE, or --insecure."""
+    why = exposure(endpoint)
+    if why and not curve and not insecure:
+        fix = "pass --curve-secret-key and --curve-allow-dir, or " if what != "metrics" else ""
+        raise EndpointError(f"refusing to bind {what} endpoint {endpoint} without CURVE: {why}; {fix}pass "
+                            f"--insecure to accept plaintext from anyone")
 
 
 @dataclass
@@ -128,9 +144,7 @@ def _base(sock: zmq.Socket) -> zmq.Socket:
 
 def client_router(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, insecure: bool = False,
                   auth_holder: list | None = None) -> zmq.Socket:
-    if not is_loopback(endpoint) and curve is None and not insecure:
-        raise EndpointError(f"refusing to bind {endpoint} without CURVE: pass --curve-secret-key and "
-                            f"--curve-allow-dir, or --insecure to accept plaintext on the network")
+    check_private(endpoint, "client", curve is not None, insecure)
     s = _base(ctx.socket(zmq.ROUTER))
     s.setsockopt(zmq.ROUTER_MANDATORY, 1)
     s.setsockopt(zmq.SNDHWM, CLIENT_HWM)
@@ -144,23 +158,29 @@ def client_router(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, i
 
 
 def _enable_curve(ctx: zmq.Context, s: zmq.Socket, curve: Curve, auth_holder: list | None) -> None:
+    """CURVE server on `s`; one authenticator per context serves every socket of it."""
     import zmq.auth
     from zmq.auth.thread import ThreadAuthenticator
 
     public, secret = zmq.auth.load_certificate(curve.secret_key_file)
     if secret is None:
         raise EndpointError(f"{curve.secret_key_file} holds no secret key")
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
-    auth.configure_curve(domain="*", location=curve.allow_dir)
-    if auth_holder is not None:
+    if auth_holder is not None and not auth_holder:
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        auth.configure_curve(domain="*", location=curve.allow_dir)
         auth_holder.append(auth)
     s.curve_secretkey, s.curve_publickey, s.curve_server = secret, public, True
 
 
-def telemetry_pub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def telemetry_pub(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, insecure: bool = False,
+                  auth_holder: list | None = None) -> zmq.Socket:
+    """The snapshot says model, recipe and load: the same rule as the client socket."""
+    check_private(endpoint, "telemetry", curve is not None, insecure)
     s = _base(ctx.socket(zmq.PUB))
     s.setsockopt(zmq.SNDHWM, 100)
+    if curve is not None:
+        _enable_curve(ctx, s, curve, auth_holder)
     _bind(s, endpoint)
     return s
 
@@ -175,12 +195,31 @@ def client_dealer(ctx: zmq.Context, endpoint: str, server_public_key: bytes | No
     return s
 
 
-def telemetry_sub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def telemetry_sub(ctx: zmq.Context, endpoint: str, server_public_key: bytes | None = None,
+                  client_cert: tuple[bytes, bytes] | None = None) -> zmq.Socket:
     s = _base(ctx.socket(zmq.SUB))
+    if server_public_key is not None and client_cert is not None:
+        s.curve_serverkey = server_public_key
+        s.curve_publickey, s.curve_secretkey = client_cert
     s.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
     s.setsockopt(zmq.RCVHWM, 10)
     s.connect(endpoint)
     return s
+
+
+def client_curve(server_key_file: str | None, client_cert_file: str | None) -> dict:
+    """The Client / telemetry_sub keyword arguments for a CURVE node, from zmq.auth certificate files."""
+    if not server_key_file:
+        return {}
+    import zmq.auth
+
+    server_public, _ = zmq.auth.load_certificate(server_key_file)
+    if not client_cert_file:
+        raise EndpointError("a CURVE node needs this client's own certificate too (--curve-client-cert)")
+    public, secret = zmq.auth.load_certificate(client_cert_file)
+    if secret is None:
+        raise EndpointError(f"{client_cert_file} holds no secret key")
+    return {"server_public_key": server_public, "client_cert": (public, secret)}
 
 
 def _bind(s: zmq.Socket, endpoint: str) -> None:

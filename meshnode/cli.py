@@ -17,7 +17,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         ("max-batch", "sequences per tick"), ("prefill-chunk", "prompt tokens per tick"),
                         ("ctx", "KV cells in the unified pool"), ("n-seq-max", "llama.cpp sequence slots"),
                         ("n-batch", "most tokens per llama_decode"), ("threads", "CPU threads (0 = all)"),
-                        ("pipeline-depth", "ticks in flight: 2 = plan ahead (default), 1 = lockstep")]:
+                        ("pipeline-depth", "ticks in flight: 2 = plan ahead (default), 1 = lockstep"),
+                        ("max-clients", "client connections; beyond, new ones are refused")]:
         p.add_argument(f"--{name}", type=int, help=help_)
     for name, help_ in [("kv-budget-mb", "KV byte budget"), ("weight-budget-mb", "refuse to start above this"),
                         ("memory-floor-mb", "reject new sessions below this available memory"),
@@ -35,6 +36,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(a) -> int:
+    from meshnode import signals
+
+    signals.install()  # before the heavy imports below: a signal during start-up is a clean stop
     from meshnode import config
     from meshnode.front import serve
 
@@ -67,13 +71,14 @@ def cmd_make_model(a) -> int:
 
 
 def cmd_generate(a) -> int:
-    from ipc.transport import default_listen
+    from ipc.transport import client_curve, default_listen
     from meshnode.client import Client
     from meshnode.engine.plan import Sampling
 
     tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else None
     sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed)
-    with Client(a.connect or default_listen(), timeout_s=a.timeout) as c:
+    with Client(a.connect or default_listen(), timeout_s=a.timeout,
+                **client_curve(a.curve_server_key, a.curve_client_cert)) as c:
         c.submit("gen-1", tokens=tokens, text=a.text, max_tokens=a.max_tokens, sampling=sampling,
                  ignore_eos=a.ignore_eos)
         while True:
@@ -137,12 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--curve-server-key", help="the node's public certificate, for a CURVE node")
+    p.add_argument("--curve-client-cert", help="this client's secret certificate, for a CURVE node")
     p.set_defaults(fn=cmd_generate)
 
+    from meshnode.top import add_args as top_args
     p = sub.add_parser("top", help="live terminal telemetry viewer")
-    p.add_argument("--connect", help="telemetry endpoint (default: the default serve telemetry endpoint)")
-    p.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
-    p.add_argument("--timeout", type=float, default=10.0, help="with --once: how long to wait")
+    top_args(p)
     p.set_defaults(fn=cmd_top)
 
     from meshnode.sweep import add_args as sweep_args

@@ -50,6 +50,7 @@ class NodeConfig:
     restart_timeout_min_s: float = _in(0.5, DAY, 10.0)  # a restart may take max(this, 5 x the first start)
     pipeline_depth: int = _in(1, 2, 2)  # ticks in flight: 2 plans the next tick while the engine runs one
     drain_timeout_s: float = _in(0, DAY, 30.0)  # on SIGTERM, sessions get this long to finish
+    max_clients: int = _in(1, 1_000_000, 1024)  # client connections; beyond, new ones are refused
     metrics_listen: str | None = None  # host:port for Prometheus /metrics; None = off
     curve_secret_key: str | None = None
     curve_allow_dir: str | None = None
@@ -79,6 +80,15 @@ class NodeConfig:
             raise ConfigError(f"model: no such file {self.model}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
             raise ConfigError("curve_secret_key and curve_allow_dir must be given together")
+        from ipc.transport import EndpointError, check_private
+
+        for key, ep, what in (("listen", self.listen, "client"), ("telemetry", self.telemetry, "telemetry"),
+                              ("metrics_listen", self.metrics_listen and f"tcp://{self.metrics_listen}", "metrics")):
+            try:  # the rule the sockets enforce when they bind, applied before anything starts
+                if ep:
+                    check_private(ep, what, self.curve_secret_key is not None and what != "metrics", self.insecure)
+            except EndpointError as e:
+                raise ConfigError(f"{key}: {e}") from None
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.engine_kind not in ("llama", "fake"):

@@ -58,11 +58,12 @@ class Flight:
 class EngineLink:
     def __init__(self, run_dir: str, engine_cfg: dict, arena: TokenArena, tick_deadline_s: float,
                  faults: list | None = None, depth: int = 2, start_timeout_s: float = 300.0,
-                 restart_timeout_min_s: float = 10.0):
+                 restart_timeout_min_s: float = 10.0, claim=lambda path: None):
         self.run_dir, self.engine_cfg, self.arena = run_dir, engine_cfg, arena
         self.tick_deadline_s = tick_deadline_s
         self.start_timeout_s, self.restart_timeout_min_s = start_timeout_s, restart_timeout_min_s
         self.first_start_s: float | None = None  # measured: spawn to hello of the first incarnation
+        self.claim = claim  # tells the front's reaper of each socket file made here
         self.faults = faults
         self.depth = depth
         self.inflight: deque[Flight] = deque()
@@ -98,6 +99,7 @@ class EngineLink:
         self.generation += 1
         self.words = ""
         self.arena.reset_heartbeat()
+        self.claim(self.path)
         self.listener = seqpacket.listen(self.path)
         cfg = dict(self.engine_cfg, link=self.path, parent_pid=os.getpid(),
                    arena={"name": self.arena.name, "n_input": self.arena.n_input, "n_output": self.arena.n_output})
@@ -116,9 +118,11 @@ class EngineLink:
             return self.start_timeout_s
         return min(self.start_timeout_s, max(self.restart_timeout_min_s, RESTART_FACTOR * self.first_start_s))
 
-    def wait_ready(self) -> SimpleNamespace:
-        """Block until the first incarnation says hello (node start-up only)."""
+    def wait_ready(self, stop=lambda: False) -> SimpleNamespace | None:
+        """Block until the first incarnation says hello (node start-up only); None if `stop()`."""
         while self.state == STARTING:
+            if stop():
+                return None
             if select.select([self.watch], [], [], 0.1)[0]:
                 self.on_message()
             why = self.check(time.monotonic())

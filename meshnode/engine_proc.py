@@ -4,7 +4,8 @@ Isolation is the point: a crash, a hang or a leak in llama.cpp kills only this
 process; the front restarts it and re-prefills the sessions. The loop is
 initialize / loop / shutdown; it exits on a `stop` message, when the link
 closes, or when the front dies (PR_SET_PDEATHSIG, plus a getppid check for
-the window before prctl takes effect). The main thread only runs steps: the
+the window before prctl takes effect). What the front leaves behind when it
+is killed is its reaper's to remove, not this process's. The main thread only runs steps: the
 link's reading, writing and memory figures happen beside the decode, on the
 threads of meshnode/engine/link_io.py.
 
@@ -68,7 +69,6 @@ class EngineProcess:
         self.cfg = cfg
         self.faults = cfg.get("faults") or {}
         self.stop = False
-        self.link_closed = False  # the front closed the link without a stop: it may be dying
         self.ticks = 0
         self._ready_at = 0.0
         self.chain = Chain()
@@ -91,6 +91,7 @@ class EngineProcess:
         except Exception as e:
             self.sock.send(L.hello_failed(f"{type(e).__name__}: {e}"))
             raise
+        time.sleep(self.faults.get("sleep_at_start", 0))  # a slow model load
         if self.faults.get("stop_at_hello"):  # as if SIGSTOPped by an operator before it could answer
             os.kill(os.getpid(), signal.SIGSTOP)
         if self.faults.get("abort_at_start"):  # as if a GGML_ASSERT failed while loading
@@ -119,7 +120,6 @@ class EngineProcess:
                     return
                 continue
             if tick in (STOP, CLOSED):
-                self.link_closed = tick == CLOSED
                 return
             t = tick.t if isinstance(tick.t, int) else 0
             self.arena.beat(t, finished=False)  # the front judges a hang by this, not by its own clock
@@ -176,9 +176,8 @@ class EngineProcess:
             llamacpp.abort("GGML_ASSERT(injected) failed")
 
     def shutdown(self) -> None:
-        if self._front_gone():  # the front was killed: nobody else will clean up
-            log.warning("front %d is gone: removing its sockets, locks and arena", self.cfg["parent_pid"])
-            self._remove_orphans()  # first, so nothing below can prevent it
+        """Close what this process opened. What the front owns (its sockets, locks, the arena) is
+        its reaper's to remove if it was killed (meshnode/reaper.py), never ours."""
         if hasattr(self, "io"):
             self.io.close()  # first: its reader copies tokens out of the arena
         for name in ("arena", "engine"):
@@ -187,26 +186,6 @@ class EngineProcess:
                 obj.close()
         if hasattr(self, "sock"):
             self.sock.close()
-
-    def _front_gone(self) -> bool:
-        """Whether the front died. PDEATHSIG fires when the front's main thread exits, which can be
-        before its other threads have: until then getppid() still names the front, so after a
-        SIGTERM, or a link closed without a stop, we give the kernel a moment to reparent us."""
-        deadline = time.monotonic() + (1.0 if self.stop or self.link_closed else 0.0)
-        while os.getppid() == self.cfg["parent_pid"]:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    def _remove_orphans(self) -> None:
-        paths = self.cfg.get("orphan_files", []) + [self.cfg["link"],
-                                                     f"/dev/shm/{self.cfg['arena']['name']}"]
-        for path in paths:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
 
 
 def engine_main(cfg: dict) -> None:

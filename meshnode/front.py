@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import signal
 import time
 from collections import deque
 
@@ -24,15 +23,18 @@ from ipc import link as L
 from ipc import protocol as P
 from ipc import reasons as R
 from ipc.shm import TokenArena, clean_stale
-from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, client_router, default_listen, \
+from ipc.transport import CLIENT_HWM, Curve, check_private, EndpointLock, clean_stale_links, client_router, default_listen, \
     default_telemetry, run_dir, telemetry_pub
-from meshnode import __version__
+from meshnode import __version__, signals
 from meshnode.budget import NodeBudget
 from meshnode.config import NodeConfig
 from meshnode.cpushare import RECEIVE_S_PER_BYTE, CpuShare
+from meshnode.metrics_http import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.engine_link import FAILED, EngineLink
+from meshnode.gate import RESERVE_FDS, Gate, descriptors, open_descriptors
 from meshnode.memory import rss
 from meshnode.outbox import GONE, STALLED, Outbox
+from meshnode.reaper import Reaper
 from meshnode.scheduler import Event, Scheduler
 from meshnode.sdnotify import Notifier
 from meshnode.session import Ask, Session
@@ -45,12 +47,12 @@ PUBLISH_EVERY_S = 1.0
 STATUS_EVERY_S = 5.0
 CLIENT_SLICE_S = 0.004  # client requests handled per loop turn, at most: then the engine link's turn
 MAX_HELD = 256  # a client's requests waiting behind its text being tokenized
+TELEMETRY_SUBSCRIBERS = 64  # connections the telemetry PUB accepts
 
 
 class Front:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
-        self.stop_requested = 0  # signals: 1 = drain, 2 = stop now
         self.stopping = False
         self.streams: dict = {}
         self.held: dict[bytes, deque] = {}  # a client's requests behind its text being tokenized
@@ -59,14 +61,25 @@ class Front:
         self._locks: list[EndpointLock] = []
         self._poller_link = self._link_fd = None  # the engine link the poller watches, and its fd
         self._front_rss = rss()
+        self._fds_open, self.gates = 0, []
         self.share = CpuShare(time.perf_counter())
         # set by initialize(); shutdown() releases whichever of them exist
         self.sched = self.link = self.router = self.pub = self.metrics = None
-        self.arena = self.zctx = self.tok = self.texts = None
+        self.arena = self.zctx = self.tok = self.texts = self.reaper = None
 
     # -- initialize ------------------------------------------------------------------
     def initialize(self) -> None:
         cfg = self.cfg
+        signals.install()  # already done by `meshnode serve`; here for callers of serve() itself
+        self.reaper = Reaper()  # first, while this process has no thread yet
+        self.fd_limit, for_connections = descriptors()
+        self.max_clients = min(cfg.max_clients, for_connections - TELEMETRY_SUBSCRIBERS - METRICS_CONNECTIONS)
+        if self.max_clients < 1:
+            raise RuntimeError(f"the descriptor limit ({self.fd_limit}) leaves no room for clients; raise it "
+                               f"(LimitNOFILE= in the unit, ulimit -n) to at least {RESERVE_FDS + 100}")
+        if self.max_clients < cfg.max_clients:
+            log.warning("the descriptor limit (%d) allows %d client connections, not max_clients=%d",
+                        self.fd_limit, self.max_clients, cfg.max_clients)
         if cfg.model is None:
             from meshnode.demo_model import cached_model
             cfg.model = str(cached_model("tiny"))
@@ -77,18 +90,25 @@ class Front:
             log.warning("removed a dead node's engine socket %s", name)
         self.listen = cfg.listen or default_listen()
         self.telemetry_ep = cfg.telemetry or default_telemetry()
-        self._locks = [EndpointLock(self.listen), EndpointLock(self.telemetry_ep)]
+        for ep in (self.listen, self.telemetry_ep):  # one at a time: a refused second releases the first
+            self._locks.append(EndpointLock(ep))
+            if self._locks[-1].path:
+                self.reaper.claim(self._locks[-1].path)
+                self.reaper.claim(self._locks[-1].path + ".lock")
         self.tok = Tokenizer(cfg.model)
         self.texts = TextJobs(self.tok.encode)
         self.zctx = zmq.Context()
         self.arena = TokenArena.create(*L.arena_shape(cfg.n_batch, cfg.n_seq_max))
-        orphans = [f for lock in self._locks if lock.path for f in (lock.path, lock.path + ".lock")]
+        self.reaper.claim(f"/dev/shm/{self.arena.name}")
         engine_cfg = {"kind": cfg.engine_kind, "log_level": cfg.log_level, "fake": cfg.fake or {},
-                      "orphan_files": orphans, "engine": vars(cfg.engine_config(cfg.model))}
+                      "engine": vars(cfg.engine_config(cfg.model))}
         self.link = EngineLink(self.run_dir, engine_cfg, self.arena, cfg.tick_deadline_s, cfg.faults,
-                               cfg.pipeline_depth, cfg.start_timeout_s, cfg.restart_timeout_min_s)
+                               cfg.pipeline_depth, cfg.start_timeout_s, cfg.restart_timeout_min_s,
+                               claim=self.reaper.claim)
         self.link.start()
-        info = self.link.wait_ready()
+        info = self.link.wait_ready(lambda: signals.received > 0)
+        if info is None:
+            raise StartStopped("stopped by a signal during start-up")
         if info.n_vocab != self.tok.n_vocab:  # the file changed between the two loads
             raise RuntimeError(f"the engine's model has {info.n_vocab} tokens, the front's tokenizer "
                                f"{self.tok.n_vocab}: {cfg.model} changed while the node started")
@@ -103,17 +123,20 @@ class Front:
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
         self.router = client_router(self.zctx, self.listen, curve, cfg.insecure, self._auth)
         self.outbox = Outbox(self.router)
+        self.pub = telemetry_pub(self.zctx, self.telemetry_ep, curve, cfg.insecure, self._auth)
+        self.gates = [Gate(self.router, self.listen, self.max_clients),
+                      Gate(self.pub, self.telemetry_ep, TELEMETRY_SUBSCRIBERS)]
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         self._poller.register(self.texts.fileno(), zmq.POLLIN)
+        for gate in self.gates:
+            self._poller.register(gate.monitor, zmq.POLLIN)
         self._watching_clients, self._metrics_fds = True, set()
-        self.pub = telemetry_pub(self.zctx, self.telemetry_ep)
         if cfg.metrics_listen:
             from meshnode.metrics_http import MetricsServer
+            check_private(f"tcp://{cfg.metrics_listen}", "metrics", False, cfg.insecure)
             self.metrics = MetricsServer(cfg.metrics_listen)
             self.metrics.publish(self._snapshot())
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
         b = self.budget
         log.info("meshnode ready: listen=%s telemetry=%s model=%s recipe=%s engine_pid=%d "
                  "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token) "
@@ -124,18 +147,15 @@ class Front:
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self._status_line()}")
 
-    def _on_signal(self, signum, _frame) -> None:
-        self.stop_requested += 1
-
     # -- loop ---------------------------------------------------------------------------
     def loop(self) -> None:
         next_publish = next_status = time.monotonic()
         drain_deadline = None
         while not self.stopping:
             now = time.monotonic()
-            if self.stop_requested and drain_deadline is None:
+            if signals.received and drain_deadline is None:
                 drain_deadline = self._begin_drain(now)
-            if self.stop_requested > 1 or (drain_deadline and (now >= drain_deadline or not self.sched.live)):
+            if signals.received > 1 or (drain_deadline and (now >= drain_deadline or not self.sched.live)):
                 self._send(self.sched.end_all(R.DRAINED))
                 self.stopping = True
                 break
@@ -150,6 +170,7 @@ class Front:
                 self.outbox.flush()
             if now >= next_publish:
                 self._front_rss = rss()  # psutil costs about 80 us: not on every status request
+                self._fds_open = open_descriptors()
                 snap = self._snapshot()
                 self.pub.send_multipart(P.telemetry(snap))
                 if self.metrics is not None:
@@ -183,6 +204,9 @@ class Front:
         if ready.get(self.texts.fileno()):
             for job in self.texts.finished():
                 self._on_text(job)
+        for gate in self.gates:
+            if ready.get(gate.monitor):
+                gate.on_events()
         if self.metrics is not None:
             self.metrics.expire(time.monotonic())
         if ready.get(self.router) or any(ready.get(fd) for fd in self._metrics_fds):
@@ -384,6 +408,9 @@ class Front:
         snap["front_rss_bytes"] = self._front_rss
         snap["undeliverable_total"] = self.outbox.dropped_total
         snap["clients_stalled"] = len(self.outbox.pending)
+        snap["clients_connected"], snap["subscribers_connected"] = (g.connected for g in self.gates)
+        snap["clients_refused_total"] = self.gates[0].refused_total
+        snap["fds_open"], snap["fds_limit"] = self._fds_open, self.fd_limit
         snap["healthy"] = self.link.state != FAILED
         snap["model"], snap["recipe"] = os.path.basename(self.cfg.model), self.recipe
         return snap
@@ -406,13 +433,19 @@ class Front:
         """Release everything initialize() got this far, in reverse dependency order."""
         if self.sched is not None and self.sched.live:
             self._send(self.sched.end_all(R.DRAINED))
-        steps = [(self.link, "stop"), (self.texts, "close"), (self.router, "close"), (self.pub, "close"),
+        steps = [(self.link, "stop"), (self.texts, "close"), *((g, "close") for g in self.gates),
+                 (self.router, "close"), (self.pub, "close"),
                  (self.metrics, "close"),
                  *((a, "stop") for a in self._auth), (self.arena, "close"), (self.zctx, "term"),
-                 *((lock, "release") for lock in self._locks), (self.tok, "close"), (self.notifier, "close")]
+                 *((lock, "release") for lock in self._locks), (self.tok, "close"), (self.notifier, "close"),
+                 (self.reaper, "done")]
         for obj, method in steps:
             if obj is not None:
                 getattr(obj, method)()
+
+
+class StartStopped(Exception):
+    """A signal arrived before the node was ready: a clean stop, not a failure."""
 
 
 def serve(cfg: NodeConfig) -> int:
@@ -420,6 +453,8 @@ def serve(cfg: NodeConfig) -> int:
     try:
         front.initialize()
         front.loop()
+    except StartStopped as e:
+        log.info("%s", e)
     finally:
         front.shutdown()
     return 0

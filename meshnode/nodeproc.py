@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from meshnode.client import Client
 class NodeProcess:
     def __init__(self, model: str | None, *args: str, internal: dict | None = None, log_path: str | None = None,
                  run_dir: str | None = None, env: dict | None = None, listen: str | None = None,
-                 connect: str | None = None, client_kw: dict | None = None):
+                 connect: str | None = None, client_kw: dict | None = None, nofile: int | None = None):
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="meshnode-node-")
         listen = listen or f"ipc://{self.run_dir}/node.sock"
         self.listen = connect or listen  # where clients connect (a wildcard bind is not an address)
@@ -32,10 +33,14 @@ class NodeProcess:
         self.log_path = log_path or os.path.join(self.run_dir, "node.log")
         self.proc: subprocess.Popen | None = None
         self.client_kw = client_kw or {}  # e.g. CURVE keys for the readiness ping
+        self.nofile = nofile  # the node's descriptor limit, soft and hard (tests of exhaustion)
 
     def start(self, timeout_s: float = 120.0) -> "NodeProcess":
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        limit = None if self.nofile is None else (
+            lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile)))
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=limit)
         deadline = time.monotonic() + timeout_s
         with Client(self.listen, timeout_s=1.0, **self.client_kw) as c:
             while time.monotonic() < deadline:

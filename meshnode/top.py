@@ -14,7 +14,7 @@ from collections import deque
 import zmq
 
 from ipc import protocol as P
-from ipc.transport import default_telemetry, telemetry_sub
+from ipc.transport import client_curve, default_telemetry, telemetry_sub
 
 SPARK = " ▁▂▃▄▅▆▇█"
 
@@ -79,9 +79,9 @@ def _recv(sock: zmq.Socket) -> dict | None:
     return snap if isinstance(snap, dict) else None
 
 
-def once(endpoint: str, timeout_s: float) -> int:
+def once(endpoint: str, timeout_s: float, curve: dict) -> int:
     ctx = zmq.Context()
-    sock = telemetry_sub(ctx, endpoint)
+    sock = telemetry_sub(ctx, endpoint, **curve)
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -97,14 +97,14 @@ def once(endpoint: str, timeout_s: float) -> int:
         ctx.term()
 
 
-def live(endpoint: str) -> int:
+def live(endpoint: str, curve: dict) -> int:
     import curses
 
     def run(scr) -> None:
         curses.curs_set(0)
         scr.nodelay(True)
         ctx = zmq.Context()
-        sock = telemetry_sub(ctx, endpoint)
+        sock = telemetry_sub(ctx, endpoint, **curve)
         snap, history = None, deque(maxlen=60)
         try:
             while True:
@@ -135,12 +135,19 @@ def live(endpoint: str) -> int:
 
 def main(a) -> int:
     endpoint = a.connect or default_telemetry()
-    return once(endpoint, a.timeout) if a.once else live(endpoint)
+    curve = client_curve(a.curve_server_key, a.curve_client_cert)
+    return once(endpoint, a.timeout, curve) if a.once else live(endpoint, curve)
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--connect", help="telemetry endpoint (default: the default `meshnode serve` one)")
+    ap.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
+    ap.add_argument("--timeout", type=float, default=10.0, help="with --once: how long to wait")
+    ap.add_argument("--curve-server-key", help="the node's public certificate, for a CURVE node")
+    ap.add_argument("--curve-client-cert", help="this client's secret certificate, for a CURVE node")
 
 
 def cli(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="top", description="live meshnode telemetry viewer")
-    ap.add_argument("--connect", help="telemetry endpoint (default: the default `meshnode serve` one)")
-    ap.add_argument("--once", action="store_true", help="print one plain-text snapshot and exit")
-    ap.add_argument("--timeout", type=float, default=10.0)
+    add_args(ap)
     return main(ap.parse_args(argv))

@@ -1,6 +1,7 @@
 """Reliability: fuzzed frames, overload, engine faults, front death, stalled clients, security."""
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -318,7 +319,7 @@ def serve(model, *args, timeout=60):
 def test_non_loopback_tcp_needs_curve_or_insecure(tiny_model, tmp_path):
     out = serve(tiny_model, "--listen", f"tcp://0.0.0.0:{free_tcp_port()}",
                 "--telemetry", f"ipc://{tmp_path}/t.sock")
-    assert out.returncode == 1 and "CURVE" in out.stderr
+    assert out.returncode == 2 and "CURVE" in out.stderr and "listen" in out.stderr
     port = free_tcp_port()
     with NodeProcess(tiny_model, "--insecure", listen=f"tcp://0.0.0.0:{port}",
                      connect=f"tcp://127.0.0.1:{port}") as n:
@@ -400,3 +401,135 @@ def test_an_abort_mid_generation_is_reported_and_the_engine_restarts(tiny_model,
         log = n.log()
     assert {sid: r.tokens for sid, r in got.items()} == reference_tokens
     assert t["engine"]["restarts"] == 1 and "llama.cpp aborted: injected:0: GGML_ASSERT(injected) failed" in log
+
+
+# -- descriptors ------------------------------------------------------------------------------------
+def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
+    """At systemd's default limit of 1024, 1,100 idle connections used to abort the front inside
+    libzmq: now the ones beyond the cap are closed, the live session goes on, and an engine restart
+    still finds the descriptors it needs."""
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    with NodeProcess(tiny_model, nofile=1024) as n, n.client() as c:
+        want = c.generate("ref", tokens=[3, 4, 5], max_tokens=200, ignore_eos=True).tokens
+        c.submit("live", tokens=[3, 4, 5], max_tokens=200, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "tokens", keep=True)
+        idle = []
+        for _ in range(1100):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(n.listen[len("ipc://"):])
+            except OSError:  # refused by the kernel once the node is closing them as they come
+                s.close()
+                continue
+            idle.append(s)
+        t = wait_until(lambda: (lambda t: t if t["clients_refused_total"] > 0 else None)(c.status()["telemetry"]), 10)
+        assert t and t["fds_open"] < t["fds_limit"] == 1024
+        os.kill(c.status()["node"]["engine_pid"], 9)
+        got = c.collect(["live"], timeout_s=60)["live"]
+        t = c.status()["telemetry"]
+        for s in idle:
+            s.close()
+    assert n.proc.returncode == 0, n.log()
+    assert got.tokens == want and got.done["reason"] == R.LENGTH
+    assert t["engine"]["restarts"] == 1 and t["healthy"]
+    print(f"idle connections: {t['clients_connected']} held, {t['clients_refused_total']} closed; "
+          f"{t['fds_open']} of {t['fds_limit']} descriptors open")
+
+
+@pytest.mark.parametrize("flag, endpoint, key", [
+    ("--telemetry", "tcp://0.0.0.0:{port}", "telemetry"),
+    ("--metrics-listen", "0.0.0.0:{port}", "metrics_listen"),
+    ("--listen", "ipc://@meshnode-abstract-{port}", "listen"),
+])
+def test_every_endpoint_others_can_reach_needs_curve_or_insecure(tiny_model, tmp_path, flag, endpoint, key):
+    ep = endpoint.format(port=free_tcp_port())
+    args = ["--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock", flag, ep]
+    out = serve(tiny_model, *args)
+    assert out.returncode == 2 and key in out.stderr and "--insecure" in out.stderr, out.stderr
+
+
+def test_an_abstract_socket_with_insecure_serves_and_drops_no_lock_in_the_working_dir(tiny_model, tmp_path):
+    name = f"ipc://@meshnode-test-{os.getpid()}"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with NodeProcess(tiny_model, "--insecure", listen=name) as n, n.client() as c:
+            assert c.ping()
+            assert not [f for f in os.listdir(tmp_path) if f.endswith(".lock")]
+    finally:
+        os.chdir(cwd)
+
+
+def test_curve_protects_the_telemetry_too(tiny_model, tmp_path):
+    import subprocess
+    import zmq.auth
+
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(keys), "client")
+    os.rename(client_public, allowed / "client.key")
+    server_pub, _ = zmq.auth.load_certificate(server_secret)
+    port, tport = free_tcp_port(), free_tcp_port()
+    known = {"server_public_key": server_pub, "client_cert": zmq.auth.load_certificate(client_secret)}
+    top = [sys.executable, "-m", "meshnode", "top", "--once", "--timeout", "3", "--connect", f"tcp://127.0.0.1:{tport}"]
+    with NodeProcess(tiny_model, "--curve-secret-key", server_secret, "--curve-allow-dir", str(allowed),
+                     "--telemetry", f"tcp://0.0.0.0:{tport}", listen=f"tcp://0.0.0.0:{port}",
+                     connect=f"tcp://127.0.0.1:{port}", client_kw=known):
+        stranger = subprocess.run(top, capture_output=True, text=True, timeout=30)
+        member = subprocess.run(top + ["--curve-server-key", server_public, "--curve-client-cert", client_secret],
+                                capture_output=True, text=True, timeout=30)
+    assert stranger.returncode == 1 and "no telemetry" in stranger.stderr
+    assert member.returncode == 0 and "recipe mn1-" in member.stdout
+
+
+# -- leftovers and signals at start -------------------------------------------------------------------
+def run_files(run_dir):
+    return sorted(f for f in os.listdir(run_dir) if f.endswith((".sock", ".lock")))
+
+
+def test_a_front_killed_after_a_crash_loop_leaves_nothing(tiny_model):
+    """No engine is left to clean up after a front in a crash loop: its reaper does."""
+    before = leftover_segments()
+    internal = {"faults": [{"kind": "kill", "at_tick": 5}, {"die_at_start": True}]}
+    n = NodeProcess(tiny_model, internal=internal).start()
+    with n.client() as c:
+        c.submit("s", tokens=[3, 4, 5], max_tokens=500, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "done", timeout_s=30)
+        assert not c.status()["node"]["healthy"]
+    assert run_files(n.run_dir)  # the node's sockets and locks, while it lives
+    n.proc.kill()
+    n.proc.wait()
+    assert wait_until(lambda: not run_files(n.run_dir), 3), run_files(n.run_dir)
+    assert wait_until(lambda: set(leftover_segments()) <= set(before), 3)
+
+
+def test_a_second_node_refused_at_its_second_endpoint_leaves_nothing_of_its_own(tiny_model, tmp_path):
+    with NodeProcess(tiny_model) as a:
+        out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/b.sock", "--telemetry", a.telemetry)
+        assert out.returncode == 1 and "in use by another meshnode" in out.stderr
+        assert run_files(tmp_path) == []  # b.sock.lock was taken, then released with the refusal
+        with a.client() as c:
+            assert c.ping()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_is_a_clean_stop(tiny_model, sig):
+    from nodes import children_of
+
+    before = leftover_segments()
+    n = NodeProcess(tiny_model, internal={"faults": [{"sleep_at_start": 30}]})
+    n._log = open(n.log_path, "w")
+    n.proc = subprocess.Popen(n.args, env=n.env, stdout=n._log, stderr=subprocess.STDOUT)
+    assert wait_until(lambda: children_of(n.proc.pid), 20)  # the engine is loading the model
+    time.sleep(0.5)
+    n.proc.send_signal(sig)
+    assert n.proc.wait(15) == 0, n.log()
+    n._log.close()
+    assert "Traceback" not in n.log() and "stopped by a signal during start-up" in n.log()
+    assert wait_until(lambda: not run_files(n.run_dir), 3) and set(leftover_segments()) <= set(before)
