@@ -164,10 +164,35 @@ def main() -> int:
             md += ["![in-flight ITL and burst TTFT per chunk size](burst.png)", ""]
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:
-        md += ["## Engine death: SIGKILL to the first token of the restarted engine", ""]
+        md += ["## Engine death: SIGKILL to the first token of the restarted engine, and what follows", ""]
         md += [f"- {k}: `meshnode bench restart --preset {k} --json evidence/restart-{k}.json`: "
                + ", ".join(f"{w:.2f} s" for w in v["waits_s"]) for k, v in restarts.items()]
+        cont = {k: v for k, v in restarts.items() if "first_difference" in v}
+        if cont:
+            md += ["", "Sessions of several thousand tokens' context, the engine killed at the first one's token "
+                       f"{next(iter(cont.values()))['kill_at']}, against the same run without a fault "
+                       "(first token that differs):", "", "| model | " + " | ".join(
+                           next(iter(cont.values()))["first_difference"]) + " |",
+                   "|---|" + "---|" * len(next(iter(cont.values()))["first_difference"])]
+            md += [f"| {k} ({v['continuation_tokens']} tokens) | " + " | ".join(
+                "identical" if at is None else str(at) for at in v["first_difference"].values()) + " |"
+                for k, v in cont.items()]
         md.append("")
+    abuse = load("abuse-bench.json")
+    if abuse:
+        md += ["## Abuse: the largest valid request of every kind against 4 streams (bench model)", "",
+               "`meshnode bench abuse --preset bench --json evidence/abuse-bench.json`: abusers switched on and off "
+               f"in alternating {abuse['phase_s']:g} s phases, {abuse['pairs_per_round']} pairs per round.", "",
+               "| round | steady p50 ms | steady p99 | steady max | abuse p50 | abuse p99 | abuse max | "
+               "max / steady p99 |", "|---|---|---|---|---|---|---|---|"]
+        md += [f"| {r['round']} | {r['steady_p50_ms']:.1f} | {r['steady_p99_ms']:.1f} | {r['steady_max_ms']:.1f} | "
+               f"{r['abuse_p50_ms']:.1f} | {r['abuse_p99_ms']:.1f} | {r['abuse_max_ms']:.1f} | "
+               f"{r['abuse_max_ms'] / r['steady_p99_ms']:.2f}x |" for r in abuse["rows"]]
+        md += ["", "Requests answered, by kind: " + "; ".join(
+            f"{k} {v['sent']}" + "".join(f", {kk} {vv}" for kk, vv in v.items() if kk != "sent")
+            for k, v in abuse["requests"].items()) + ".", "",
+            f"Worst gap under abuse / steady p99: **{abuse['worst_ratio']:.2f}x** (target <= 2x); engine restarts "
+            f"**{abuse['restarts']}**; sessions without their done **{abuse['lost']}**.", ""]
     ipc_path = os.path.join(HERE, "ipc.txt")
     if os.path.exists(ipc_path):
         md += ["## Engine-link transport round trip (diagnostic)", "",

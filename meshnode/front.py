@@ -335,7 +335,10 @@ class Front:
                 text = stream.feed(ev.tokens) if stream else ""
                 self._reply(ident, P.tokens(sid, ev.tokens, text), final=False)
             else:
-                self.streams.pop(ev.session.key, None)
+                stream = self.streams.pop(ev.session.key, None)
+                tail = stream.end() if stream else ""
+                if tail:  # the end of an incomplete character: streamed pieces add up to done.text
+                    self._reply(ident, P.tokens(sid, [], tail), final=False)
                 s = ev.session
                 self._reply(ident, P.done(sid, ev.reason, s.generated, self.tok.decode(s.generated), s.usage(),
                                           ev.detail))

@@ -115,7 +115,12 @@ class Tokenizer:
 
 
 class TextStream:
-    """Turns a session's token pieces into text without splitting characters."""
+    """Turns a session's token pieces into text without splitting characters.
+
+    A character split across tokens is held until it is complete; `end()` gives what is still held
+    when the session ends (an incomplete character, as U+FFFD), so the pieces streamed always add
+    up to the session's final text.
+    """
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
@@ -123,3 +128,6 @@ class TextStream:
 
     def feed(self, tokens: list[int]) -> str:
         return self.dec.decode(b"".join(self.tok.piece(t) for t in tokens))
+
+    def end(self) -> str:
+        return self.dec.decode(b"", final=True)

@@ -533,3 +533,36 @@ def test_a_signal_during_start_up_is_a_clean_stop(tiny_model, sig):
     n._log.close()
     assert "Traceback" not in n.log() and "stopped by a signal during start-up" in n.log()
     assert wait_until(lambda: not run_files(n.run_dir), 3) and set(leftover_segments()) <= set(before)
+
+
+# -- text and sampling edges ----------------------------------------------------------------------
+def test_streamed_text_adds_up_to_the_final_text_even_mid_character(tiny_model):
+    """The fake engine samples byte tokens about half the time, so sessions of these lengths end
+    inside a multi-byte character; the piece held back then comes out before the done."""
+    ended_mid_character = 0
+    with NodeProcess(tiny_model, internal={"engine_kind": "fake"}) as n, n.client() as c:
+        for i in range(20):
+            c.submit(f"u{i}", tokens=[3 + i, 4], max_tokens=7 + i, ignore_eos=True)
+            pieces, toks = [], []
+            while (ev := c.recv())["event"] != "done":
+                if ev["event"] == "tokens":
+                    pieces.append(ev["text"])
+                    toks += ev["tokens"]
+            assert "".join(pieces) == ev["text"] and toks == ev["tokens"]
+            ended_mid_character += ev["text"].endswith("\ufffd")
+    assert ended_mid_character  # the case under test did happen
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30])
+def test_a_vanishing_temperature_is_greedy_without_numeric_warnings(temperature):
+    import warnings
+
+    import numpy as np
+
+    from meshnode.engine.sampling import sample
+
+    logits = np.random.default_rng(3).standard_normal(512).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow / invalid-value warnings fail the test
+        got = {sample(logits, Sampling(temperature, 0, 1.0, seed), draw) for seed, draw in [(1, 0), (2, 7), (9, 3)]}
+    assert got == {int(np.argmax(logits))}

@@ -31,12 +31,14 @@ def sample(logits: np.ndarray, sampling: Sampling, draw: int) -> int:
     """Pick a token from one row of logits: argmax when greedy, else temp/top-k/top-p."""
     if sampling.greedy:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / sampling.temperature
+    z = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # a tiny temperature sends all but the best to -inf: its limit
+        z = (z - z.max()) / sampling.temperature  # max first: logits / 5e-324 would be inf - inf = nan
     order = np.argsort(-z, kind="stable")  # ties broken by token id: deterministic
     if 0 < sampling.top_k < len(order):
         order = order[: sampling.top_k]
     z = z[order]
-    p = np.exp(z - z[0])
+    p = np.exp(z)
     p /= p.sum()
     if sampling.top_p < 1.0:
         keep = int(np.searchsorted(np.cumsum(p), sampling.top_p) + 1)
