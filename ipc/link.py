@@ -23,7 +23,7 @@ Reply: {"t", "ok": true, "miss": [seq, ...], "ms", "kv_cells", "gap_ms", "rss", 
 from __future__ import annotations
 
 from ipc.protocol import MAX_MESSAGE_BYTES, pack, unpack
-from meshnode.engine.plan import Plan, Sampling, SeqChunk, StepResult
+from meshnode.core.types import Plan, Sampling, SeqChunk, StepResult
 
 HALVES = 2
 STOP = pack({"stop": True})

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 import msgpack
 import numpy as np
 
-from ipc import reasons as R
-from meshnode.engine.plan import Sampling
+from meshnode.core import reasons as R
+from meshnode.core.types import Sampling
 
 VERSION = b"MN1"
 TELEMETRY_TOPIC = b"telemetry"

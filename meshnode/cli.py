@@ -36,11 +36,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(a) -> int:
-    from meshnode import signals
+    from meshnode.front import signals
 
     signals.install()  # before the heavy imports below: a signal during start-up is a clean stop
-    from meshnode import config
-    from meshnode.front import serve
+    from meshnode.ops import config
+    from meshnode.front.node import serve
 
     keys = set(config.public_keys()) - {"model"}
     overrides = {k: getattr(a, k) for k in keys if hasattr(a, k)}
@@ -62,7 +62,7 @@ def cmd_serve(a) -> int:
 
 
 def cmd_make_model(a) -> int:
-    from meshnode.demo_model import make_model
+    from meshnode.ops.models import make_model
     from meshnode.engine.llamacpp import file_digest
 
     path = make_model(a.out, a.preset, a.seed)
@@ -73,7 +73,7 @@ def cmd_make_model(a) -> int:
 def cmd_generate(a) -> int:
     from ipc.transport import client_curve, default_listen
     from meshnode.client import Client
-    from meshnode.engine.plan import Sampling
+    from meshnode.core.types import Sampling
 
     tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else None
     sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed)
@@ -99,7 +99,7 @@ def cmd_generate(a) -> int:
 
 
 def cmd_top(a) -> int:
-    from meshnode.top import main as top_main
+    from meshnode.ops.top import main as top_main
 
     return top_main(a)
 
@@ -111,7 +111,7 @@ def cmd_bench(a) -> int:
 
 
 def cmd_sweep(a) -> int:
-    from meshnode.sweep import main as sweep_main
+    from meshnode.bench.sweep import main as sweep_main
 
     return sweep_main(a)
 
@@ -146,12 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-client-cert", help="this client's secret certificate, for a CURVE node")
     p.set_defaults(fn=cmd_generate)
 
-    from meshnode.top import add_args as top_args
+    from meshnode.ops.top import add_args as top_args
     p = sub.add_parser("top", help="live terminal telemetry viewer")
     top_args(p)
     p.set_defaults(fn=cmd_top)
 
-    from meshnode.sweep import add_args as sweep_args
+    from meshnode.bench.sweep import add_args as sweep_args
     p = sub.add_parser("sweep", help="concurrency sweep through real nodes")
     sweep_args(p)
     p.set_defaults(fn=cmd_sweep)

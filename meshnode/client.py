@@ -14,7 +14,7 @@ import zmq
 
 from ipc import protocol as P
 from ipc.transport import client_dealer
-from meshnode.engine.plan import Sampling
+from meshnode.core.types import Sampling
 
 
 @dataclass

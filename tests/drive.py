@@ -1,7 +1,7 @@
 """A minimal engine driver for tests: prefill in chunks, then decode, per plan rules."""
 import numpy as np
 
-from meshnode.engine.plan import GREEDY, Plan, SeqChunk
+from meshnode.core.types import GREEDY, Plan, SeqChunk
 
 
 def generate(engine, prompts: dict, n_new: int, chunk: int | None = None, sampling=None, together=True,
@@ -76,7 +76,7 @@ class Pipelined:
     def run_one(self):
         """The engine runs the oldest queued tick; the front handles its reply."""
         from meshnode.engine.chain import AWAITING_RESYNC
-        from meshnode.engine.plan import InvalidPlan
+        from meshnode.core.types import InvalidPlan
 
         t, plan, resync, discard = self.queue.pop(0)
         try:
@@ -115,7 +115,7 @@ class _NoSlot:
         self.engine = engine
 
     def step(self, plan):
-        from meshnode.engine.plan import StepResult
+        from meshnode.core.types import StepResult
 
         seqs = [c.seq_id for c in plan.chunks]
         self.engine.step(Plan([], list(plan.release) + seqs))

@@ -1,8 +1,8 @@
 """Demo GGUF files: deterministic, loadable, and tokenizing any text."""
 import hashlib
 
-from meshnode.demo_model import build_vocab, make_model
-from meshnode.tokenizer import TextStream, Tokenizer
+from meshnode.ops.models import build_vocab, make_model
+from meshnode.text.tokenizer import TextStream, Tokenizer
 
 
 def digest(p):

@@ -8,7 +8,7 @@ import pytest
 from ipc import link as L
 from ipc import seqpacket
 from ipc.shm import TokenArena
-from meshnode.engine.plan import Plan, Sampling, SeqChunk, StepResult
+from meshnode.core.types import Plan, Sampling, SeqChunk, StepResult
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_an_oversize_message_is_refused_before_it_is_sent():
 
 
 def test_a_reply_that_is_not_msgpack_marks_the_link_broken_instead_of_raising(arena, tmp_path):
-    from meshnode.engine_link import EngineLink
+    from meshnode.front.engine_link import EngineLink
 
     link = EngineLink(str(tmp_path), {}, arena, tick_deadline_s=5.0)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -11,9 +11,9 @@ from ipc import link as L
 from ipc.protocol import pack
 from ipc.seqpacket import LinkSocket
 from ipc.shm import TokenArena
-from meshnode.engine.link_io import CLOSED, STOP, LinkIO, Tick
-from meshnode.engine.plan import Plan, SeqChunk, StepResult
-from meshnode.engine_proc import EngineProcess
+from meshnode.worker.link_io import CLOSED, STOP, LinkIO, Tick
+from meshnode.core.types import Plan, SeqChunk, StepResult
+from meshnode.worker.main import EngineProcess
 
 
 @pytest.fixture

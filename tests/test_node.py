@@ -8,11 +8,11 @@ import pytest
 import zmq
 
 from ipc import protocol as P
-from ipc import reasons as R
+from meshnode.core import reasons as R
 from ipc.shm import leftover_segments
-from meshnode.engine.plan import Sampling
-from meshnode.demo_model import cached_model
-from meshnode.nodeproc import NodeProcess
+from meshnode.core.types import Sampling
+from meshnode.ops.models import cached_model
+from meshnode.dev.nodeproc import NodeProcess
 from nodes import assert_clean, children_of, wait_until
 
 

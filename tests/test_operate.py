@@ -12,12 +12,12 @@ import urllib.request
 import psutil
 import pytest
 
-from ipc import reasons as R
+from meshnode.core import reasons as R
 from ipc.shm import leftover_segments
 from ipc.transport import free_tcp_port
-from meshnode import config
-from meshnode.budget import ConfigError
-from meshnode.nodeproc import NodeProcess
+from meshnode.ops import config
+from meshnode.core.budget import ConfigError
+from meshnode.dev.nodeproc import NodeProcess
 from nodes import assert_clean, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from drive import Pipelined
-from ipc import reasons as R
-from meshnode.budget import NodeBudget
+from meshnode.core import reasons as R
+from meshnode.core.budget import NodeBudget
 from meshnode.engine.chain import AWAITING_RESYNC, Chain
 from meshnode.engine.fake import FakeEngine
-from meshnode.engine.plan import InvalidPlan, Plan, Sampling, SeqChunk, StepResult
-from meshnode.scheduler import Scheduler
-from meshnode.session import Session
+from meshnode.core.types import InvalidPlan, Plan, Sampling, SeqChunk, StepResult
+from meshnode.core.scheduler import Scheduler
+from meshnode.core.session import Session
 
 
 def scheduler(engine, **kw):

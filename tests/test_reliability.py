@@ -14,13 +14,13 @@ import zmq
 from hypothesis import given, settings, strategies as st
 
 from ipc import protocol as P
-from ipc import reasons as R
+from meshnode.core import reasons as R
 from ipc.shm import leftover_segments
 from ipc.transport import free_tcp_port
 from meshnode.client import Client
 from meshnode.engine.chain import AWAITING_RESYNC
-from meshnode.engine.plan import Sampling
-from meshnode.nodeproc import NodeProcess
+from meshnode.core.types import Sampling
+from meshnode.dev.nodeproc import NodeProcess
 from nodes import wait_until
 
 # -- fuzzing the decoder ------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_crash_loop_makes_the_node_unhealthy_instead_of_spinning(tiny_model):
 def test_a_model_file_replaced_under_the_node_fails_clearly_at_the_restart(tiny_model, tmp_path):
     """A restart that finds another model cannot re-prefill anyone: the node ends the live session,
     says why, and refuses new work instead of serving a model its tokenizer does not describe."""
-    from meshnode.demo_model import make_model
+    from meshnode.ops.models import make_model
 
     model = tmp_path / "served.gguf"
     model.write_bytes(open(tiny_model, "rb").read())

@@ -1,11 +1,11 @@
 """Admission, budgets and the continuous-batching scheduler, driven by a fake engine."""
 import pytest
 
-from ipc import reasons as R
-from meshnode.budget import ConfigError, NodeBudget
+from meshnode.core import reasons as R
+from meshnode.core.budget import ConfigError, NodeBudget
 from meshnode.engine.fake import FakeEngine
-from meshnode.scheduler import Scheduler
-from meshnode.session import Session
+from meshnode.core.scheduler import Scheduler
+from meshnode.core.session import Session
 
 
 class Clock:
@@ -205,7 +205,7 @@ def test_run_to_completion_is_bounded():
 
 def test_real_engine_batched_sessions_equal_serialized(tiny_model):
     """The scheduler over the real tiny-model engine: 4 divergent sessions, prompts 1/3/7/12."""
-    from meshnode.engine.llama_engine import EngineConfig, LlamaEngine
+    from meshnode.engine.llama import EngineConfig, LlamaEngine
 
     lengths = [1, 3, 7, 12]
     with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:

@@ -2,11 +2,11 @@
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ipc import reasons as R
-from meshnode.budget import NodeBudget
+from meshnode.core import reasons as R
+from meshnode.core.budget import NodeBudget
 from meshnode.engine.fake import FakeEngine
-from meshnode.scheduler import Scheduler
-from meshnode.session import Session
+from meshnode.core.scheduler import Scheduler
+from meshnode.core.session import Session
 from drive import Pipelined
 
 

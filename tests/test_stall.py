@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ipc import link as L
-from ipc import reasons as R
+from meshnode.core import reasons as R
 from ipc.shm import TokenArena
-from meshnode import tokenizer as T
-from meshnode.engine.plan import Plan
-from meshnode.engine_link import EngineLink, Flight
-from meshnode.nodeproc import NodeProcess
-from meshnode.textjobs import TextJobs
+from meshnode.text import tokenizer as T
+from meshnode.core.types import Plan
+from meshnode.front.engine_link import EngineLink, Flight
+from meshnode.dev.nodeproc import NodeProcess
+from meshnode.text.jobs import TextJobs
 
 # the worst texts found for llama.cpp's SPM tokenizer: characters the vocab lacks, so every one is a
 # byte-fallback symbol (4.2 s for 256 KiB of tabs through plain llama_tokenize on this machine)
@@ -224,7 +224,7 @@ def test_a_stopped_engine_mid_generation_is_a_hang(tiny_model):
 
 # -- client work metered -----------------------------------------------------------------------
 def test_client_work_gets_its_share_and_no_more():
-    from meshnode.cpushare import CpuShare
+    from meshnode.core.cpushare import CpuShare
 
     share = CpuShare(now=0.0, share=0.25, burst_s=0.02)
     assert share.available(0.0) == 0.02  # a quiet node answers a burst at once
@@ -246,7 +246,7 @@ def test_idle_metrics_connections_cannot_keep_a_scrape_out(tiny_model):
     import urllib.request
 
     from ipc.transport import free_tcp_port
-    from meshnode.metrics_http import MAX_CONNECTIONS, TIMEOUT_S
+    from meshnode.front.metrics import MAX_CONNECTIONS, TIMEOUT_S
 
     port = free_tcp_port()
     with NodeProcess(tiny_model, "--metrics-listen", f"127.0.0.1:{port}"):

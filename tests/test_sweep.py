@@ -1,7 +1,7 @@
 """The concurrency sweep: schema on the real tiny model, corruption and saturation detection."""
 import json
 
-from meshnode.sweep import find_mismatches, make_jobs, saturation, sweep
+from meshnode.bench.sweep import find_mismatches, make_jobs, saturation, sweep
 
 LEVEL_KEYS = {"concurrency", "ticks", "avg_batch_occupancy", "max_batch_occupancy", "tokens_per_tick",
               "gen_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "peak_kv_bytes",

@@ -2,11 +2,11 @@
 import json
 import re
 
-from meshnode.budget import NodeBudget
+from meshnode.core.budget import NodeBudget
 from meshnode.engine.fake import FakeEngine
-from meshnode.scheduler import Scheduler
-from meshnode.session import Session
-from meshnode.telemetry import Telemetry, to_prometheus
+from meshnode.core.scheduler import Scheduler
+from meshnode.core.session import Session
+from meshnode.core.telemetry import Telemetry, to_prometheus
 
 # every key shared/protocol.md lists
 PROTOCOL_KEYS = """active_sessions queue_depth batch_occupancy_last batch_occupancy_avg batch_occupancy_max

@@ -37,7 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def model_path(a) -> str:
     if a.model:
         return a.model
-    from meshnode.demo_model import cached_model
+    from meshnode.ops.models import cached_model
 
     return str(cached_model(a.preset))
 

@@ -28,7 +28,7 @@ import zmq
 from ipc import protocol as P
 from ipc.transport import free_tcp_port
 from meshnode.bench import model_path
-from meshnode.nodeproc import NodeProcess
+from meshnode.dev.nodeproc import NodeProcess
 
 STREAMS = 4
 PAIRS = 5  # steady + abuse phase pairs per round

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from meshnode.bench import model_path
-from meshnode.nodeproc import NodeProcess
+from meshnode.dev.nodeproc import NodeProcess
 
 CHUNKS = [16, 32, 64, 128, 512]
 BURST_PROMPT = 1000

@@ -24,11 +24,11 @@ import os
 import time
 
 from meshnode.bench import llama_build, model_path
-from meshnode.budget import NodeBudget
-from meshnode.engine.llama_engine import EngineConfig, LlamaEngine
-from meshnode.nodeproc import NodeProcess
-from meshnode.scheduler import Scheduler
-from meshnode.session import Session
+from meshnode.core.budget import NodeBudget
+from meshnode.engine.llama import EngineConfig, LlamaEngine
+from meshnode.dev.nodeproc import NodeProcess
+from meshnode.core.scheduler import Scheduler
+from meshnode.core.session import Session
 
 CONCURRENCY, N_JOBS = 8, 16
 # One round per order of the three sides (six), since single runs swing by 10-30% on a shared 2-core

@@ -17,8 +17,8 @@ import signal
 import time
 
 from meshnode.bench import model_path
-from meshnode.engine.plan import Sampling
-from meshnode.nodeproc import NodeProcess
+from meshnode.core.types import Sampling
+from meshnode.dev.nodeproc import NodeProcess
 
 KILL_AT = 300
 

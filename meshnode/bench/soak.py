@@ -15,8 +15,8 @@ import time
 
 from meshnode.bench import model_path
 from meshnode.client import Client
-from meshnode.engine.plan import Sampling
-from meshnode.nodeproc import NodeProcess
+from meshnode.core.types import Sampling
+from meshnode.dev.nodeproc import NodeProcess
 
 IN_FLIGHT_PER_CLIENT = 4
 

@@ -16,7 +16,7 @@ are handled here so that one bad tick never takes good sequences with it:
 """
 from __future__ import annotations
 
-from meshnode.engine.plan import InvalidPlan, Plan, StepResult
+from meshnode.core.types import InvalidPlan, Plan, StepResult
 
 AWAITING_RESYNC = "refused: an earlier tick failed and the front has not resynchronised yet"
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from meshnode.engine.plan import FatalEngineError, Plan, StepResult, validate_plan
+from meshnode.core.types import FatalEngineError, Plan, StepResult, validate_plan
 
 
 class FakeEngine:

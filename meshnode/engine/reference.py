@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from meshnode.engine.plan import GREEDY, Plan, StepResult, validate_plan
+from meshnode.core.types import GREEDY, Plan, StepResult, validate_plan
 from meshnode.engine.sampling import sample
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshnode.engine.plan import Sampling
+from meshnode.core.types import Sampling
 
 _MASK = (1 << 64) - 1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
-from ipc import reasons as R
+from meshnode.core import reasons as R
 
 RATE_WINDOW_S = 10.0
 WAIT_WINDOW = 1024  # ticks the engine-wait percentiles cover

@@ -17,7 +17,7 @@ import numpy as np
 
 from meshnode.engine import llamacpp
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
-from meshnode.engine.plan import (GREEDY, FatalEngineError, InvalidPlan, Plan, StepResult,
+from meshnode.core.types import (GREEDY, FatalEngineError, InvalidPlan, Plan, StepResult,
                                   validate_plan)
 from meshnode.engine.sampling import sample
 

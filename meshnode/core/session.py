@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from meshnode.engine.plan import GREEDY, Sampling
+from meshnode.core.types import GREEDY, Sampling
 
 NEW, QUEUED, RUNNING, DONE = "NEW", "QUEUED", "RUNNING", "DONE"
 

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from meshnode.nodeproc import NodeProcess
+from meshnode.dev.nodeproc import NodeProcess
 
 SATURATION_TOLERANCE = 0.05
 
@@ -103,7 +103,7 @@ def sweep(model: str, levels: list[int], jobs: list[dict], threads: int = 0, int
         outputs[level] = out
     ref_level = min(levels)
     mismatches = [m for lv in levels if lv != ref_level for m in find_mismatches(outputs[ref_level], lv, outputs[lv])]
-    from meshnode.engine.llama_engine import EngineConfig
+    from meshnode.engine.llama import EngineConfig
 
     return {
         "model": os.path.basename(model),
@@ -148,7 +148,7 @@ def main(a) -> int:
     if a.model:
         model = a.model
     else:
-        from meshnode.demo_model import cached_model
+        from meshnode.ops.models import cached_model
 
         model = str(cached_model(a.preset))
     levels = [int(x) for x in a.levels.split(",")]

@@ -35,8 +35,8 @@ from types import SimpleNamespace
 from ipc import link as L
 from ipc import seqpacket
 from ipc.shm import TokenArena
-from meshnode.engine.plan import Plan
-from meshnode.engine_proc import engine_main
+from meshnode.core.types import Plan
+from meshnode.worker.main import engine_main
 
 log = logging.getLogger("meshnode.front")
 

@@ -21,26 +21,27 @@ import zmq
 
 from ipc import link as L
 from ipc import protocol as P
-from ipc import reasons as R
+from meshnode.core import reasons as R
 from ipc.shm import TokenArena, clean_stale
 from ipc.transport import CLIENT_HWM, Curve, check_private, EndpointLock, clean_stale_links, client_router, default_listen, \
     default_telemetry, run_dir, telemetry_pub
-from meshnode import __version__, signals
-from meshnode.budget import NodeBudget
-from meshnode.config import NodeConfig
-from meshnode.cpushare import RECEIVE_S_PER_BYTE, CpuShare
-from meshnode.metrics_http import MAX_CONNECTIONS as METRICS_CONNECTIONS
-from meshnode.engine_link import FAILED, EngineLink
-from meshnode.gate import RESERVE_FDS, Gate, descriptors, open_descriptors
-from meshnode.memory import rss
-from meshnode.outbox import GONE, STALLED, Outbox
-from meshnode.reaper import Reaper
-from meshnode.scheduler import Event, Scheduler
-from meshnode.sdnotify import Notifier
-from meshnode.session import Ask, Session
-from meshnode.telemetry import Telemetry
-from meshnode.textjobs import TextJobs
-from meshnode.tokenizer import TextStream, Tokenizer
+from meshnode import __version__
+from meshnode.front import signals
+from meshnode.core.budget import NodeBudget
+from meshnode.ops.config import NodeConfig
+from meshnode.core.cpushare import RECEIVE_S_PER_BYTE, CpuShare
+from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
+from meshnode.front.engine_link import FAILED, EngineLink
+from meshnode.front.gate import RESERVE_FDS, Gate, descriptors, open_descriptors
+from meshnode.ops.memory import rss
+from meshnode.front.outbox import GONE, STALLED, Outbox
+from meshnode.front.reaper import Reaper
+from meshnode.core.scheduler import Event, Scheduler
+from meshnode.ops.sdnotify import Notifier
+from meshnode.core.session import Ask, Session
+from meshnode.core.telemetry import Telemetry
+from meshnode.text.jobs import TextJobs
+from meshnode.text.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("meshnode.front")
 PUBLISH_EVERY_S = 1.0
@@ -81,7 +82,7 @@ class Front:
             log.warning("the descriptor limit (%d) allows %d client connections, not max_clients=%d",
                         self.fd_limit, self.max_clients, cfg.max_clients)
         if cfg.model is None:
-            from meshnode.demo_model import cached_model
+            from meshnode.ops.models import cached_model
             cfg.model = str(cached_model("tiny"))
         for name in clean_stale():
             log.warning("removed stale shared memory segment %s", name)
@@ -133,7 +134,7 @@ class Front:
             self._poller.register(gate.monitor, zmq.POLLIN)
         self._watching_clients, self._metrics_fds = True, set()
         if cfg.metrics_listen:
-            from meshnode.metrics_http import MetricsServer
+            from meshnode.front.metrics import MetricsServer
             check_private(f"tcp://{cfg.metrics_listen}", "metrics", False, cfg.insecure)
             self.metrics = MetricsServer(cfg.metrics_listen)
             self.metrics.publish(self._snapshot())

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc import reasons as R
-from meshnode.admission import Admission, AdmissionDecision
-from meshnode.budget import NodeBudget
-from meshnode.engine.plan import Plan, SeqChunk, StepResult
-from meshnode.session import DONE, QUEUED, RUNNING, Ask, Session
+from meshnode.core import reasons as R
+from meshnode.core.admission import Admission, AdmissionDecision
+from meshnode.core.budget import NodeBudget
+from meshnode.core.types import Plan, SeqChunk, StepResult
+from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
 
 
 @dataclass

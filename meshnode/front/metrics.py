@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import time
 
-from meshnode.telemetry import to_prometheus
+from meshnode.core.telemetry import to_prometheus
 
 MAX_CONNECTIONS = 16  # beyond, a new connection is closed at once
 TIMEOUT_S = 2.0  # a connection that has not sent its request by then is closed

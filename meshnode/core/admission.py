@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ipc import reasons as R
-from meshnode.budget import NodeBudget
-from meshnode.session import Ask
+from meshnode.core import reasons as R
+from meshnode.core.budget import NodeBudget
+from meshnode.core.session import Ask
 
 
 @dataclass(frozen=True)

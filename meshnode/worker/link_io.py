@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from ipc import link as L
 from ipc.protocol import pack
 from ipc.seqpacket import LinkSocket
-from meshnode.engine.plan import Plan
-from meshnode.memory import host_memory, rss
+from meshnode.core.types import Plan
+from meshnode.ops.memory import host_memory, rss
 
 MEMORY_EVERY_S = 0.25
 STOP, CLOSED = "stop", "closed"  # what next() returns besides ticks: asked to stop, link gone

@@ -26,8 +26,8 @@ from ipc import link as L
 from ipc import seqpacket
 from ipc.shm import TokenArena
 from meshnode.engine.chain import Chain
-from meshnode.engine.link_io import CLOSED, STOP, LinkIO, Tick
-from meshnode.engine.plan import EngineError, FatalEngineError, InvalidPlan
+from meshnode.worker.link_io import CLOSED, STOP, LinkIO, Tick
+from meshnode.core.types import EngineError, FatalEngineError, InvalidPlan
 
 log = logging.getLogger("meshnode.engine")
 PR_SET_PDEATHSIG = 1
@@ -50,7 +50,7 @@ def build_engine(cfg: dict, report_abort=None):
 
         return FakeEngine(**cfg.get("fake", {}))
     from meshnode.engine import llamacpp
-    from meshnode.engine.llama_engine import EngineConfig, LlamaEngine
+    from meshnode.engine.llama import EngineConfig, LlamaEngine
 
     if report_abort is not None:
         llamacpp.on_abort(report_abort)

@@ -15,7 +15,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from meshnode.budget import ConfigError
+from meshnode.core.budget import ConfigError
 
 
 def _in(lo: float, hi: float, default=None, internal: bool = False):
@@ -100,7 +100,7 @@ class NodeConfig:
                 raise ConfigError(str(e)) from None
 
     def engine_config(self, model_path: str):
-        from meshnode.engine.llama_engine import EngineConfig
+        from meshnode.engine.llama import EngineConfig
 
         return EngineConfig(model_path, n_seq_max=self.n_seq_max, n_ctx=self.ctx, n_batch=self.n_batch,
                             n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
