@@ -1,64 +1,204 @@
-"""Every engine-link message, in one place: the front and the engine process both use this file.
+"""Every engine-link message, typed, and their msgpack form: the front and the engine process both use this file.
 
-One msgpack map per message over the link socket (ipc/seqpacket.py). A tick's token ids
-travel through the shared-memory arena (ipc/shm.py), never through msgpack.
+One msgpack map per message over the link socket (ipc/seqpacket.py), with a
+`kind`; `encode` and `decode` are the only code that reads or writes those
+maps, so nothing else ever handles a raw dict. A tick's token ids travel
+through the shared-memory arena (ipc/shm.py), never through msgpack.
 
-Two ticks may be in flight (the front plans one ahead so the engine never
-waits for it), so the arena has two halves and tick t uses half t % 2. The
-front writes tick t+2's tokens only after tick t's reply has arrived, and by
-then the engine has read tick t's tokens and the front has read its samples.
-
-Tick:  {"t": n, "release": [seq, ...], "seqs": [[seq, pos, offset, n, draw, *sampling?], ...],
-        "out": base, "follow": [seq, ...]?, "resync": true?, "fresh": true?}
-    Entry k's tokens are arena.input[offset:offset+n]; its sampled token goes to
-    arena.output[base + k] (-1 for none). `sampling` (4 numbers) rides on a sequence's first
-    chunk (pos 0). A `follow` sequence decodes the token it sampled in the tick before
-    (meshnode/engine/chain.py); `resync` ends the refusals that follow a refused tick; `fresh`
-    says the engine was idle and this tick is new work, not the answer to its last reply.
-Reply: {"t", "ok": true, "miss": [seq, ...], "ms", "kv_cells", "gap_ms", "rss", "mem": [avail, total]}
-    `gap_ms`: the engine's time between the previous tick's step and this one's, the node's cost
-    per tick (-1 for a fresh tick). `rss` and `mem` are re-read at most every 0.25 s.
-    or {"t", "ok": false, "fatal": bool, "detail": str}.
+Two ticks may be in flight (the front plans one ahead), so the arena has two
+halves and tick t uses half t % 2. The front writes tick t+2's tokens only
+after tick t's answer has arrived, and by then the engine has read tick t's
+tokens and the front has read its samples.
 """
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields
+
 from ipc.protocol import MAX_MESSAGE_BYTES, pack, unpack
-from meshnode.core.types import Plan, Sampling, SeqChunk, StepResult
+from meshnode.core.types import EngineInfo, Plan, Sampling, SeqChunk
 
 HALVES = 2
-STOP = pack({"stop": True})
+_SAMPLING = [f.name for f in fields(Sampling)]
+_INFO = [f.name for f in fields(EngineInfo)]
 
 
+# -- front -> engine ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TickRequest:
+    """Run `plan` as tick `tick`. `resync` ends the refusals that follow a refused tick; `fresh` says
+    the engine was idle, so this is new work, not the answer to its last reply."""
+
+    tick: int
+    plan: Plan
+    resync: bool = False
+    fresh: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit cleanly."""
+
+
+# -- engine -> front ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    pid: int
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class HelloFailed:
+    detail: str
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The engine's last words when ggml aborts the process (a GGML_ASSERT)."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class TickDone:
+    """Tick `tick` ran; its sampled tokens are in the arena. `gap_ms`: the engine's time between the
+    previous tick's step and this one's (-1 for a fresh tick). The memory figures are the engine
+    process's latest (re-read at most every 0.25 s)."""
+
+    tick: int
+    cache_miss: tuple[int, ...] = ()
+    step_ms: float = 0.0
+    kv_cells: int = 0
+    gap_ms: float = -1.0
+    rss: int = 0
+    mem_available: int = 0
+    mem_total: int = 0
+
+
+@dataclass(frozen=True)
+class TickRefused:
+    tick: int
+    fatal: bool
+    detail: str
+
+
+Message = TickRequest | Stop | Hello | HelloFailed | Aborted | TickDone | TickRefused
+
+
+# -- the spawn ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineProcessConfig:
+    """What the front gives each engine incarnation, through the spawn (pickled), before the link exists."""
+
+    link_path: str
+    parent_pid: int
+    arena_name: str
+    arena_input: int
+    arena_output: int
+    engine_kind: str  # "llama" (the engine's EngineConfig fields in engine_params) or "fake" (tests)
+    engine_params: dict
+    log_level: str = "WARNING"
+    faults: dict | None = None  # tests only: what meshnode/dev/faulty.py injects into this incarnation
+
+
+# -- the arena ------------------------------------------------------------------------------------
 def arena_shape(n_batch: int, n_seq_max: int) -> tuple[int, int]:
     """(input, output) sizes in tokens for an arena that holds every tick in flight."""
     return HALVES * n_batch, HALVES * n_seq_max
 
 
-def _bases(t: int, arena) -> tuple[int, int]:
-    half = t % HALVES
+def _bases(tick: int, arena) -> tuple[int, int]:
+    half = tick % HALVES
     return half * (arena.n_input // HALVES), half * (arena.n_output // HALVES)
 
 
-def encode_tick(t: int, plan: Plan, arena, resync: bool = False, fresh: bool = False) -> bytes:
-    """Tick t: its tokens into the arena's half for t, the rest into one small map."""
-    off, out = _bases(t, arena)
-    buf, seqs, follow = arena.input, [], []
-    for c in plan.chunks:
+def write_samples(arena, tick: int, plan: Plan, tokens: dict[int, int]) -> None:
+    """The engine's side: chunk k's sampled token (or -1) into the output half of `tick`."""
+    _, out = _bases(tick, arena)
+    for k, c in enumerate(plan.chunks):
+        arena.output[out + k] = tokens.get(c.seq_id, -1)
+
+
+def read_samples(arena, tick: int, plan: Plan, n_vocab: int) -> dict[int, int]:
+    """The front's side: each sampling chunk's token. One outside the vocabulary raises ValueError: the
+    engine is broken, and detokenizing it would abort the front (llama.cpp throws std::out_of_range)."""
+    _, out = _bases(tick, arena)
+    samples = arena.output
+    tokens = {c.seq_id: int(samples[out + k]) for k, c in enumerate(plan.chunks) if c.draw >= 0}
+    for seq, tok in tokens.items():
+        if not 0 <= tok < n_vocab:
+            raise ValueError(f"engine sampled token {tok} for sequence {seq}, outside the vocabulary of {n_vocab}")
+    return tokens
+
+
+class MalformedTick(ValueError):
+    """A tick whose fields do not decode, with its number when that is readable: refused in its place."""
+
+    def __init__(self, tick: int, detail: str):
+        super().__init__(detail)
+        self.tick = tick
+
+
+# -- msgpack ----------------------------------------------------------------------------------------
+def encode(msg: Message, arena=None) -> bytes:
+    """The message's bytes; a TickRequest's tokens go into `arena` on the way."""
+    if isinstance(msg, TickRequest):
+        return pack(_tick_map(msg, arena))
+    if isinstance(msg, Hello):
+        return pack({"kind": "hello", "pid": msg.pid, "info": {**asdict(msg.info), "eog": list(msg.info.eog)}})
+    if isinstance(msg, TickDone):
+        return pack({"kind": "done", **asdict(msg), "cache_miss": list(msg.cache_miss)})
+    kind = {Stop: "stop", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
+    return pack({"kind": kind, **asdict(msg)})
+
+
+def _tick_map(msg: TickRequest, arena) -> dict:
+    off, _ = _bases(msg.tick, arena)
+    buf, cols = arena.input, {"seq": [], "pos": [], "offset": [], "n": [], "draw": []}
+    sampling, follow = [], []
+    for c in msg.plan.chunks:
         n = len(c.tokens)
         buf[off:off + n] = c.tokens
-        entry = [c.seq_id, c.pos, off, n, c.draw]
-        seqs.append(entry + c.sampling.as_list() if c.sampling is not None else entry)
+        for k, v in (("seq", c.seq_id), ("pos", c.pos), ("offset", off), ("n", n), ("draw", c.draw)):
+            cols[k].append(int(v))
+        if c.sampling is not None:
+            sampling.append({"seq": c.seq_id, **asdict(c.sampling)})
         if c.follow:
             follow.append(c.seq_id)
         off += n
-    msg = {"t": t, "release": list(plan.release), "seqs": seqs, "out": out}
-    if follow:
-        msg["follow"] = follow
-    if resync:
-        msg["resync"] = True
-    if fresh:
-        msg["fresh"] = True
-    return pack(msg)
+    return {"kind": "tick", "tick": msg.tick, "release": [int(s) for s in msg.plan.release], **cols,
+            "sampling": sampling, "follow": follow, "resync": msg.resync, "fresh": msg.fresh}
+
+
+def decode(data, arena=None) -> Message:
+    """A message from its bytes; ValueError names what is malformed. A TickRequest's tokens are copied
+    out of `arena`."""
+    m = unpack(data, max_bytes=16 * MAX_MESSAGE_BYTES)
+    if not isinstance(m, dict):
+        raise ValueError("engine link message is not a map")
+    kind = m.get("kind")
+    if kind == "tick":
+        try:
+            return _tick_request(m, arena)
+        except (KeyError, TypeError, ValueError) as e:
+            raise MalformedTick(m["tick"] if isinstance(m.get("tick"), int) else 0, f"malformed tick: {e}") from None
+    try:
+        if kind == "done":
+            return TickDone(int(m["tick"]), tuple(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
+                            int(m["kv_cells"]), float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
+                            int(m["mem_total"]))
+        if kind == "refused":
+            return TickRefused(m["tick"], bool(m["fatal"]), str(m["detail"]))
+        if kind == "hello":
+            return Hello(m["pid"], EngineInfo(**{k: m["info"][k] for k in _INFO} | {"eog": tuple(m["info"]["eog"])}))
+        if kind == "hello_failed":
+            return HelloFailed(str(m["detail"]))
+        if kind == "aborted":
+            return Aborted(str(m["detail"]))
+        if kind == "stop":
+            return Stop()
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed engine link message {kind!r}: {e!r}") from None
+    raise ValueError(f"unknown engine link message kind {kind!r}")
 
 
 def _ints(v, name: str) -> list[int]:
@@ -67,72 +207,26 @@ def _ints(v, name: str) -> list[int]:
     return v
 
 
-def decode_tick(msg: dict, arena) -> tuple[Plan, int, bool]:
-    """(plan, output base, resync) of a tick; ValueError names what is malformed."""
-    seqs = msg.get("seqs", [])
-    if not isinstance(seqs, list):
-        raise ValueError("tick field 'seqs' is not a list")
-    follow = set(_ints(msg.get("follow", []), "follow"))
-    out = msg.get("out", 0)
-    if not isinstance(out, int) or out < 0 or out + len(seqs) > arena.n_output:
-        raise ValueError(f"tick output base {out!r} does not fit {len(seqs)} entries in the arena")
+def _tick_request(m: dict, arena) -> TickRequest:
+    cols = [_ints(m.get(k, []), k) for k in ("seq", "pos", "offset", "n", "draw")]
+    if len({len(c) for c in cols}) != 1:
+        raise ValueError("tick columns differ in length")
+    sampling = {}
+    for s in m.get("sampling", []):
+        if not isinstance(s, dict) or set(s) != {"seq", *_SAMPLING}:
+            raise ValueError(f"malformed sampling entry {s!r}")
+        sampling[s["seq"]] = Sampling(**{k: s[k] for k in _SAMPLING})
+    follow = set(_ints(m.get("follow", []), "follow"))
+    tick = m.get("tick")
+    if not isinstance(tick, int):
+        raise ValueError(f"tick number {tick!r} is not an integer")
+    _, out = _bases(tick, arena)
+    if out + len(cols[0]) > arena.n_output:
+        raise ValueError(f"{len(cols[0])} chunks do not fit the arena's output")
     chunks = []
-    for e in seqs:
-        if not isinstance(e, list) or len(e) not in (5, 9) or not all(isinstance(x, int) for x in e[:5]) \
-                or not all(isinstance(x, (int, float)) for x in e[5:]):
-            raise ValueError(f"malformed tick entry {e!r}")
-        seq, pos, off, n, draw = e[:5]
+    for seq, pos, off, n, draw in zip(*cols):
         if off < 0 or n < 0 or off + n > arena.n_input:
-            raise ValueError(f"tick entry {e!r} points outside the arena")
-        sampling = Sampling.from_list(e[5:]) if len(e) == 9 else None
-        chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling, seq in follow))
-    return Plan(chunks, _ints(msg.get("release", []), "release")), out, bool(msg.get("resync"))
-
-
-def write_samples(arena, out: int, plan: Plan, res: StepResult) -> None:
-    """The engine's side: entry k's sampled token (or -1) into arena.output[out + k]."""
-    for k, c in enumerate(plan.chunks):
-        arena.output[out + k] = res.tokens.get(c.seq_id, -1)
-
-
-def read_result(msg: dict, plan: Plan, arena, n_vocab: int) -> StepResult:
-    """The front's side: a successful reply to `plan` plus its samples from the arena. A sample
-    outside the vocabulary raises ValueError: the engine is broken, and detokenizing it would
-    abort the front (llama.cpp throws std::out_of_range)."""
-    _, out = _bases(msg["t"], arena)
-    samples = arena.output
-    tokens = {c.seq_id: int(samples[out + k]) for k, c in enumerate(plan.chunks) if c.draw >= 0}
-    for seq, tok in tokens.items():
-        if not 0 <= tok < n_vocab:
-            raise ValueError(f"engine sampled token {tok} for sequence {seq}, outside the vocabulary of {n_vocab}")
-    return StepResult(tokens, list(msg.get("miss", [])), float(msg.get("ms", 0.0)), int(msg.get("kv_cells", 0)))
-
-
-def tick_ok(t, miss: list[int], step_ms: float, kv_cells: int, gap_ms: float) -> dict:
-    """Without the memory figures: the engine's writer thread adds its latest "rss" and "mem"."""
-    return {"t": t, "ok": True, "miss": miss, "ms": step_ms, "kv_cells": kv_cells, "gap_ms": gap_ms}
-
-
-def tick_failed(t, fatal: bool, detail: str) -> dict:
-    return {"t": t, "ok": False, "fatal": fatal, "detail": detail}
-
-
-def hello(info: dict) -> bytes:
-    """The engine's first message: its shape (n_vocab, n_seq_max, ..., recipe, pid)."""
-    return pack({"hello": info})
-
-
-def hello_failed(detail: str) -> bytes:
-    return pack({"hello_error": detail})
-
-
-def aborted(detail: str) -> bytes:
-    """The engine's last words when ggml aborts the process (a GGML_ASSERT): why it is dying."""
-    return pack({"abort": detail})
-
-
-def unpack_message(data: bytes) -> dict:
-    msg = unpack(data, max_bytes=16 * MAX_MESSAGE_BYTES)
-    if not isinstance(msg, dict):
-        raise ValueError("engine link message is not a map")
-    return msg
+            raise ValueError(f"chunk of sequence {seq} points outside the arena")
+        chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling.get(seq), seq in follow))
+    return TickRequest(tick, Plan(chunks, _ints(m.get("release", []), "release")), bool(m.get("resync")),
+                       bool(m.get("fresh")))

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import sys
 
 
@@ -36,17 +34,21 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(a) -> int:
+    return serve_node(a)
+
+
+def serve_node(a, internal: dict | None = None) -> int:
+    """`meshnode serve`; `internal` settings (an engine kind, faults) come only from meshnode/dev/serve.py."""
     from meshnode.front import signals
 
     signals.install()  # before the heavy imports below: a signal during start-up is a clean stop
-    from meshnode.ops import config
     from meshnode.front.node import serve
+    from meshnode.ops import config
 
     keys = set(config.public_keys()) - {"model"}
     overrides = {k: getattr(a, k) for k in keys if hasattr(a, k)}
     overrides["model"] = a.model
-    if os.environ.get("MESHNODE_TEST_CONFIG"):  # test/drill-only settings; inert unless a test sets it
-        overrides.update(json.loads(os.environ["MESHNODE_TEST_CONFIG"]))
+    overrides.update(internal or {})
     try:
         cfg = config.load(a.config, overrides)
     except ValueError as e:

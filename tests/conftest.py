@@ -1,10 +1,4 @@
-import os
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 @pytest.fixture(scope="session")

@@ -4,16 +4,12 @@ import logging
 import numpy as np
 import pytest
 
-from drive import generate
+from helpers import generate, prompt
 from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.core.types import InvalidPlan, Plan, Sampling, SeqChunk
 from meshnode.engine.reference import ReferenceEngine
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 50, 64]
-
-
-def prompt(n, salt=0):
-    return [3 + (i * 37 + salt * 101) % 500 for i in range(n)]
 
 
 @pytest.fixture(scope="module")

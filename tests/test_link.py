@@ -5,15 +5,15 @@ import socket
 import numpy as np
 import pytest
 
-from ipc import link as L
-from ipc import seqpacket
+from ipc import link, seqpacket
+from ipc.protocol import pack
 from ipc.shm import TokenArena
-from meshnode.core.types import Plan, Sampling, SeqChunk, StepResult
+from meshnode.core.types import EngineInfo, Plan, Sampling, SeqChunk
 
 
 @pytest.fixture
 def arena():
-    a = TokenArena.create(*L.arena_shape(16, 4))
+    a = TokenArena.create(*link.arena_shape(16, 4))
     yield a
     a.close()
 
@@ -25,35 +25,55 @@ def plan():
 
 def test_a_tick_round_trips_and_consecutive_ticks_use_separate_halves(arena):
     for t in (7, 8):
-        got, out, resync = L.decode_tick(L.unpack_message(L.encode_tick(t, plan(), arena, resync=t == 8)), arena)
-        assert resync == (t == 8) and got.release == [1]
-        assert [(c.seq_id, c.pos, c.tokens.tolist(), c.draw, c.follow) for c in got.chunks] == \
+        got = link.decode(link.encode(link.TickRequest(t, plan(), resync=t == 8), arena), arena)
+        assert got.tick == t and got.resync == (t == 8) and got.plan.release == [1]
+        assert [(c.seq_id, c.pos, c.tokens.tolist(), c.draw, c.follow) for c in got.plan.chunks] == \
             [(0, 0, [5, 6, 7], 0, False), (2, 9, [-1], 4, True)]
-        assert got.chunks[0].sampling == Sampling(0.5, 3, 0.9, 11) and got.chunks[1].sampling is None
-        L.write_samples(arena, out, got, StepResult({0: 40, 2: 41}))
+        assert got.plan.chunks[0].sampling == Sampling(0.5, 3, 0.9, 11) and got.plan.chunks[1].sampling is None
+        link.write_samples(arena, t, got.plan, {0: 40, 2: 41})
     # tick 8 did not overwrite tick 7's tokens or samples: two ticks can be in flight
-    assert L.read_result({"t": 7}, plan(), arena, n_vocab=64).tokens == {0: 40, 2: 41}
+    assert link.read_samples(arena, 7, plan(), n_vocab=64) == {0: 40, 2: 41}
     assert arena.input[:3].tolist() == [5, 6, 7] and arena.input[16:19].tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("msg", [link.Stop(), link.HelloFailed("no model"), link.Aborted("GGML_ASSERT(x) failed"),
+                                 link.TickDone(3, (1,), 2.5, 40, 0.1, 1 << 20, 5, 9), link.TickRefused(4, True, "rc=-3"),
+                                 link.Hello(17, EngineInfo(512, 2, (2, 5), 8, 4096, 4096, 512, 2048, 10, "mn1-x"))])
+def test_every_other_message_round_trips_typed(msg):
+    assert link.decode(link.encode(msg)) == msg
 
 
 @pytest.mark.parametrize("bad", [64, -1])
 def test_a_sample_outside_the_vocabulary_is_refused_not_passed_on(arena, bad):
-    got, out, _ = L.decode_tick(L.unpack_message(L.encode_tick(7, plan(), arena)), arena)
-    L.write_samples(arena, out, got, StepResult({0: 40, 2: bad}))
+    got = link.decode(link.encode(link.TickRequest(7, plan()), arena), arena)
+    link.write_samples(arena, 7, got.plan, {0: 40, 2: bad})
     with pytest.raises(ValueError, match=f"token {bad} for sequence 2, outside the vocabulary of 64"):
-        L.read_result({"t": 7}, plan(), arena, n_vocab=64)
+        link.read_samples(arena, 7, plan(), n_vocab=64)
 
 
-@pytest.mark.parametrize("msg, words", [
-    ({"t": 1, "seqs": [[0, 0, 30, 5, 0]]}, "outside the arena"),
-    ({"t": 1, "seqs": [[0, 0, 0, 1.5, 0]]}, "malformed"),
-    ({"t": 1, "seqs": [[0, 0, 0, 1, 0]], "out": 8}, "output base"),
-    ({"t": 1, "seqs": [], "follow": ["x"]}, "follow"),
-    ({"t": 1, "seqs": "no"}, "seqs"),
+def tick_map(**fields):
+    return pack({"kind": "tick", "tick": 1, "release": [], "seq": [0], "pos": [0], "offset": [0], "n": [1],
+                 "draw": [0], "sampling": [], "follow": [], **fields})
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"offset": [30], "n": [5]}, "outside the arena"),
+    ({"n": [1.5]}, "not a list of integers"),
+    ({"seq": [0, 1]}, "differ in length"),
+    ({"follow": ["x"]}, "follow"),
+    ({"sampling": [{"seq": 0, "temperature": 1}]}, "sampling"),
 ])
-def test_malformed_ticks_are_refused_with_a_reason(arena, msg, words):
+def test_malformed_ticks_are_refused_with_a_reason_and_their_number(arena, fields, words):
+    with pytest.raises(link.MalformedTick, match=words) as e:
+        link.decode(tick_map(**fields), arena)
+    assert e.value.tick == 1
+
+
+@pytest.mark.parametrize("data, words", [(pack([1, 2]), "not a map"), (pack({"kind": "launch"}), "unknown"),
+                                         (pack({"kind": "done", "tick": 1}), "malformed")])
+def test_other_malformed_messages_are_value_errors(data, words):
     with pytest.raises(ValueError, match=words):
-        L.decode_tick(msg, arena)
+        link.decode(data)
 
 
 def test_the_link_accepts_only_the_process_it_spawned(tmp_path):
@@ -84,13 +104,16 @@ def test_an_oversize_message_is_refused_before_it_is_sent():
 
 
 def test_a_reply_that_is_not_msgpack_marks_the_link_broken_instead_of_raising(arena, tmp_path):
+    from meshnode.core.health import EngineHealth
+    from meshnode.core.pipeline import TickPipeline
     from meshnode.front.engine_link import EngineLink
 
-    link = EngineLink(str(tmp_path), {}, arena, tick_deadline_s=5.0)
+    engine_link = EngineLink(str(tmp_path), arena, TickPipeline(), EngineHealth(5.0), engine_kind="fake",
+                             engine_params={}, n_vocab=512, model_path="m.gguf")
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    link.sock = seqpacket.LinkSocket(a)
+    engine_link.sock = seqpacket.LinkSocket(a)
     b.send(b"\xc1")  # never valid msgpack
-    assert link.on_message() is None
-    assert "engine sent a malformed message" in link.broken
+    assert engine_link.receive() is None
+    assert "engine sent a malformed message" in engine_link.broken
     a.close()
     b.close()

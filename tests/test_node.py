@@ -13,11 +13,7 @@ from ipc.shm import leftover_segments
 from meshnode.core.types import Sampling
 from meshnode.ops.models import cached_model
 from meshnode.dev.nodeproc import NodeProcess
-from nodes import assert_clean, children_of, wait_until
-
-
-def prompt(n, salt=0):
-    return [3 + (i * 29 + salt * 7) % 500 for i in range(n)]
+from helpers import assert_clean, children_of, prompt, wait_until
 
 
 @pytest.fixture(scope="module")

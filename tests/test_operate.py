@@ -18,7 +18,7 @@ from ipc.transport import free_tcp_port
 from meshnode.ops import config
 from meshnode.core.budget import ConfigError
 from meshnode.dev.nodeproc import NodeProcess
-from nodes import assert_clean, wait_until
+from helpers import assert_clean, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

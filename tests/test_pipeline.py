@@ -8,19 +8,17 @@ shows up as a different output.
 import numpy as np
 import pytest
 
-from drive import Pipelined
+from helpers import Pipelined, run_to_completion, scheduler as build
 from meshnode.core import reasons as R
-from meshnode.core.budget import NodeBudget
-from meshnode.engine.chain import AWAITING_RESYNC, Chain
-from meshnode.engine.fake import FakeEngine
-from meshnode.core.types import InvalidPlan, Plan, Sampling, SeqChunk, StepResult
-from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
+from meshnode.core.types import InvalidPlan, Plan, Sampling, SeqChunk, StepResult
+from meshnode.engine.fake import FakeEngine
+from meshnode.engine.followups import AWAITING_RESYNC, Followups
 
 
-def scheduler(engine, **kw):
+def scheduler(engine, depth=2, **kw):
     kw = {"max_active": 5, "max_queue": 20, "max_batch_size": 3, "max_prefill_tokens_per_tick": 16, **kw}
-    return Scheduler(NodeBudget.from_engine(engine, **kw), engine.eos)
+    return build(engine, depth=depth, **kw)[1]
 
 
 def sessions(stops=None):
@@ -40,10 +38,10 @@ def outcome(events):
 
 def lockstep(make=sessions, **kw):
     e = FakeEngine()
-    s = scheduler(e, **kw)
+    s = scheduler(e, depth=1, **kw)
     for x in make():
         s.submit(x)
-    return outcome(s.run_to_completion(e))
+    return outcome(run_to_completion(s, e))
 
 
 def pipelined(make=sessions, refuse=(), miss=(), **kw):
@@ -74,7 +72,7 @@ def same_except(got, want, keys):
 
 
 def assert_clean(s, e):
-    assert not s.live and s.admission.kv_reserved_bytes == 0 and s.in_flight == 0
+    assert not s.live and s.admission.kv_reserved_bytes == 0 and not s.pipeline
     assert e._next_pos == [0] * e.n_seq_max  # every sequence released in the engine too
 
 
@@ -105,15 +103,15 @@ def test_the_last_sample_is_never_fed_back():
     s.submit(Session("a", [3, 4, 5], 1))
     d = Pipelined(s, e)
     d.fill()
-    assert len(d.queue) == 1  # the prompt's tick; nothing to plan on top of it
+    assert len(d.sent) == 1  # the prompt's tick; nothing to plan on top of it
     got = outcome(d.run_to_completion())
     assert got == lockstep(lambda: [Session("a", [3, 4, 5], 1)]) and got["a"][0] == R.LENGTH
-    assert d.t == 2  # the prompt's tick and the release: no step computed a token nobody wanted
+    assert s.pipeline._last_t == 2  # the prompt's tick and the release: no step computed a token nobody wanted
 
 
 def test_cancel_while_two_ticks_are_in_flight():
     e, s, d, events = started(3)
-    assert len(d.queue) == 2
+    assert len(d.sent) == 2
     victim = s.running[0].key
     events.append(s.cancel(victim))
     events += d.run_to_completion()
@@ -148,7 +146,7 @@ def test_a_tick_without_kv_room_ends_its_sessions_only(t):
 
 def test_engine_restart_with_ticks_in_flight_reprefills_identically():
     _, s, d, events = started(6)
-    assert len(d.queue) == 2
+    assert len(d.sent) == 2
     e = FakeEngine()  # the engine died with two ticks queued: they are lost with it
     s.engine_restarted()
     events += Pipelined(s, e).run_to_completion()
@@ -156,47 +154,47 @@ def test_engine_restart_with_ticks_in_flight_reprefills_identically():
     assert_clean(s, e)
 
 
-# -- the Chain on its own ------------------------------------------------------------------------
+# -- Followups on their own ------------------------------------------------------------------------
 def chunk(seq, pos, toks, draw=-1, follow=False):
     return SeqChunk(seq, pos, np.array(toks, np.int32), draw, follow=follow)
 
 
-def test_chain_fills_in_the_last_sample():
-    c = Chain()
-    c.step(FakeEngine(), Plan([chunk(0, 0, [5, 6], draw=0)]))
+def test_followups_fills_in_the_last_sample():
+    c = Followups()
+    c.run(FakeEngine(), Plan([chunk(0, 0, [5, 6], draw=0)]))
     plan, dropped = c.resolve(Plan([chunk(0, 2, [-1], draw=1, follow=True)]))
     assert dropped == [] and plan.chunks[0].tokens.tolist() == [c.sampled[0]] and not plan.chunks[0].follow
 
 
-def test_chain_refuses_a_follow_without_a_sample():
-    c = Chain()
+def test_followups_refuses_a_follow_without_a_sample():
+    c = Followups()
     with pytest.raises(InvalidPlan, match="follows a sample"):
         c.resolve(Plan([chunk(0, 2, [-1], draw=1, follow=True)]))
 
 
-def test_chain_drops_followups_of_a_lost_sequence_but_not_a_new_session_on_it():
-    c = Chain()
+def test_followups_drops_followups_of_a_lost_sequence_but_not_a_new_session_on_it():
+    c = Followups()
     c.lost = {0, 1}
     plan, dropped = c.resolve(Plan([chunk(0, 3, [-1], 1, True), chunk(1, 0, [7], 0)], release=[1]))
     assert dropped == [0] and [x.seq_id for x in plan.chunks] == [1]
 
 
-def test_chain_refuses_everything_until_resync():
-    c = Chain()
-    c.failed()
+def test_followups_refuses_everything_until_resync():
+    c = Followups()
+    c.refused()
     with pytest.raises(InvalidPlan, match=AWAITING_RESYNC[:20]):
         c.resolve(Plan([chunk(0, 0, [5])]))
     plan, _ = c.resolve(Plan([chunk(0, 0, [5])]), resync=True)
     assert len(plan.chunks) == 1 and not c.refusing
 
 
-def test_step_reports_dropped_sequences_as_misses():
-    c = Chain()
+def test_run_reports_dropped_sequences_as_misses():
+    c = Followups()
     c.lost = {0}
 
     class Engine:
         def step(self, plan):
             return StepResult(tokens={c_.seq_id: 9 for c_ in plan.chunks})
 
-    res = c.step(Engine(), Plan([chunk(0, 3, [-1], 1, True), chunk(1, 0, [7], 0)]))
+    res = c.run(Engine(), Plan([chunk(0, 3, [-1], 1, True), chunk(1, 0, [7], 0)]))
     assert res.cache_miss == [0] and res.tokens == {1: 9} and c.lost == {0}

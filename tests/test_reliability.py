@@ -18,10 +18,10 @@ from meshnode.core import reasons as R
 from ipc.shm import leftover_segments
 from ipc.transport import free_tcp_port
 from meshnode.client import Client
-from meshnode.engine.chain import AWAITING_RESYNC
+from meshnode.engine.followups import AWAITING_RESYNC
 from meshnode.core.types import Sampling
 from meshnode.dev.nodeproc import NodeProcess
-from nodes import wait_until
+from helpers import children_of, serve, wait_until
 
 # -- fuzzing the decoder ------------------------------------------------------------------------
 ints = st.integers(-(2**63), 2**64 - 1)  # everything msgpack can carry
@@ -229,9 +229,9 @@ def test_a_model_file_replaced_under_the_node_fails_clearly_at_the_restart(tiny_
 
 def test_an_engine_whose_vocabulary_is_not_the_tokenizers_stops_the_start(tiny_model, tmp_path, monkeypatch):
     """The file changed between the front's vocab-only load and the engine's: say so, serve nothing."""
-    monkeypatch.setenv("MESHNODE_TEST_CONFIG", '{"engine_kind": "fake", "fake": {"n_vocab": 4096}}')
     monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
-    out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock")
+    out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock",
+                internal={"engine_kind": "fake", "fake": {"n_vocab": 4096}})
     assert out.returncode == 1 and "the engine's model has 4096 tokens, the front's tokenizer 512" in out.stderr
 
 
@@ -311,11 +311,6 @@ def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model):
 
 
 # -- security -------------------------------------------------------------------------------------
-def serve(model, *args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "meshnode", "serve", "--model", model, *args],
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def test_non_loopback_tcp_needs_curve_or_insecure(tiny_model, tmp_path):
     out = serve(tiny_model, "--listen", f"tcp://0.0.0.0:{free_tcp_port()}",
                 "--telemetry", f"ipc://{tmp_path}/t.sock")
@@ -381,10 +376,10 @@ def test_a_quantized_v_cache_without_flash_attention_stops_the_start_with_exit_2
 def test_an_engine_that_dies_before_hello_ends_the_start_at_once_with_its_words(tiny_model, tmp_path, monkeypatch):
     """A GGML_ASSERT while loading: the start ends in seconds, with the exit status and llama.cpp's
     message, instead of the front spinning on a closed link until its start timeout."""
-    monkeypatch.setenv("MESHNODE_TEST_CONFIG", '{"faults": [{"abort_at_start": true}]}')
     monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
     t0 = time.monotonic()
-    out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock")
+    out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock",
+                internal={"faults": [{"abort_at_start": True}]})
     assert out.returncode == 1 and time.monotonic() - t0 < 20
     line = next(ln for ln in out.stderr.splitlines() if "cannot serve" in ln)
     assert "exited (code -6)" in line and "llama.cpp aborted" in line and "GGML_ASSERT(injected) failed" in line
@@ -520,8 +515,6 @@ def test_a_second_node_refused_at_its_second_endpoint_leaves_nothing_of_its_own(
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_start_up_is_a_clean_stop(tiny_model, sig):
-    from nodes import children_of
-
     before = leftover_segments()
     n = NodeProcess(tiny_model, internal={"faults": [{"sleep_at_start": 30}]})
     n._log = open(n.log_path, "w")

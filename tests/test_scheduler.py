@@ -1,34 +1,18 @@
 """Admission, budgets and the continuous-batching scheduler, driven by a fake engine."""
 import pytest
 
+from helpers import Clock, done_reasons, outputs, run_tick, run_to_completion, scheduler, session, step
 from meshnode.core import reasons as R
 from meshnode.core.budget import ConfigError, NodeBudget
-from meshnode.engine.fake import FakeEngine
-from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
-
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
+from meshnode.engine.fake import FakeEngine
 
 
 def node(max_active=2, max_queue=2, prefill=8, engine=None, **kw):
-    e = engine or FakeEngine(n_seq_max=8, n_ctx=4096)
-    b = NodeBudget.from_engine(e, max_active=max_active, max_queue=max_queue, max_prefill_tokens_per_tick=prefill,
-                               **kw)
-    return e, Scheduler(b, e.eos, recipe=e.recipe_fingerprint)
+    return scheduler(engine, max_active=max_active, max_queue=max_queue, max_prefill_tokens_per_tick=prefill, **kw)
 
 
-def sess(key, n_prompt=4, max_tokens=5, **kw):
-    return Session(key, [3 + i % 400 for i in range(n_prompt)], max_tokens, **kw)
-
-
-def done_reasons(events):
-    return {e.session.key: e.reason for e in events if e.kind == "done"}
+sess = session
 
 
 def test_fill_slots_then_queue_then_reject_then_recover():
@@ -36,10 +20,10 @@ def test_fill_slots_then_queue_then_reject_then_recover():
     got = [s.submit(sess(i)).reason for i in range(5)]
     assert got == [R.ADMITTED, R.ADMITTED, R.QUEUED, R.QUEUED, R.REJECTED_QUEUE_FULL]
     assert len(s.running) == 2 and len(s.waiting) == 2
-    ends = done_reasons(s.run_to_completion(e, 200))
+    ends = done_reasons(run_to_completion(s, e, 200))
     assert ends == {0: R.LENGTH, 1: R.LENGTH, 2: R.LENGTH, 3: R.LENGTH}
     assert s.submit(sess(9)).reason == R.ADMITTED  # recovered
-    s.run_to_completion(e, 200)
+    run_to_completion(s, e, 200)
     assert s.admission.kv_reserved_bytes == 0 and s.admission.scratch_reserved_bytes == 0
 
 
@@ -79,44 +63,44 @@ def test_kv_reservation_limits_concurrency_and_returns_to_zero():
     reasons = [s.submit(sess(i, n_prompt=5, max_tokens=5)).reason for i in range(4)]
     assert reasons == [R.ADMITTED, R.ADMITTED, R.ADMITTED, R.QUEUED]  # 3 x 10 tokens fill 30
     assert s.admission.kv_reserved_bytes == 30 * 1024
-    s.run_to_completion(e, 100)
+    run_to_completion(s, e, 100)
     assert s.admission.kv_reserved_bytes == 0
 
 
 def test_cancel_frees_the_reservation_and_releases_the_sequence_next_plan():
     e, s = node()
     s.submit(sess("a", max_tokens=50))
-    s.run_tick(e)
+    run_tick(s, e)
     seq = s.live["a"].seq_id
     ev = s.cancel("a")
     assert ev.reason == R.CANCELLED and s.admission.kv_reserved_bytes == 0
-    assert s.plan().release == [seq]
+    assert s.plan().plan.release == [seq]
     assert s.cancel("a") is None
 
 
 def test_decode_first_and_prefill_bound():
     e, s = node(max_active=5, max_queue=0, prefill=8)
     s.submit(sess("live", n_prompt=2, max_tokens=40))
-    s.run_tick(e)  # prompt in; now decoding
+    run_tick(s, e)  # prompt in; now decoding
     for i in range(4):
         assert s.submit(sess(f"burst{i}", n_prompt=30, max_tokens=3)).reason == R.ADMITTED
-    plan = s.plan()
-    assert plan.chunks[0].seq_id == s.live["live"].seq_id and len(plan.chunks[0].tokens) == 1  # decode first
-    s.apply(e.step(plan))
+    tick = s.plan()
+    assert tick.plan.chunks[0].seq_id == s.live["live"].seq_id and len(tick.plan.chunks[0].tokens) == 1  # decode first
+    step(s, e, tick)
     decoded_every_tick = True
     while any(x.pending > 1 for x in s.running):
         before = s.counters.prefill_tokens
-        plan = s.plan()
+        tick = s.plan()
         assert 0 < s.counters.prefill_tokens - before <= 8
-        decoded_every_tick &= any(c.seq_id == s.live["live"].seq_id for c in plan.chunks)
-        s.apply(e.step(plan))
+        decoded_every_tick &= any(c.seq_id == s.live["live"].seq_id for c in tick.plan.chunks)
+        step(s, e, tick)
     assert decoded_every_tick
 
 
 def test_huge_prompt_progresses_with_a_one_token_budget():
     e, s = node(prefill=1)
     s.submit(sess("big", n_prompt=50, max_tokens=2))
-    ends = done_reasons(s.run_to_completion(e, 60))
+    ends = done_reasons(run_to_completion(s, e, 60))
     assert ends == {"big": R.LENGTH}
 
 
@@ -125,12 +109,12 @@ def test_batched_decode_matches_serialized_and_occupancy_reaches_four():
     e, s = node(max_active=4, max_queue=0)
     for i, n in enumerate(lengths):
         s.submit(Session(i, [3 + (i * 13 + k) % 400 for k in range(n)], 12))
-    batched = {ev.session.key: ev.tokens for ev in s.run_to_completion(e, 100) if ev.kind == "done"}
+    batched = outputs(run_to_completion(s, e, 100))
     assert s.counters.occupancy_max == 4
     for i, n in enumerate(lengths):
         e2, s2 = node(max_active=1)
         s2.submit(Session(i, [3 + (i * 13 + k) % 400 for k in range(n)], 12))
-        alone = [ev.tokens for ev in s2.run_to_completion(e2, 100) if ev.kind == "done"][0]
+        alone = [ev.tokens for ev in run_to_completion(s2, e2, 100) if ev.kind == "done"][0]
         assert batched[i] == alone
     assert len({tuple(t) for t in batched.values()}) == 4  # divergent sessions
 
@@ -139,58 +123,59 @@ def test_endings_eos_stop_and_ignore_eos():
     e = FakeEngine(n_seq_max=4)
     _, s = node(engine=e, max_active=4)
     s.submit(sess("stop", max_tokens=30))
-    s.run_tick(e)
+    run_tick(s, e)
     first = s.live["stop"].generated[0]
     e2, s2 = node(engine=FakeEngine(n_seq_max=4, eos=first), max_active=4)
     s2.submit(sess("eos", max_tokens=30))
     s2.submit(sess("ign", max_tokens=3, ignore_eos=True))
     e3, s3 = node(max_active=4)
     s3.submit(sess("stop", max_tokens=30, stop_tokens=frozenset({first})))
-    assert done_reasons(s2.run_to_completion(e2, 50)) == {"eos": R.EOS, "ign": R.LENGTH}
-    assert done_reasons(s3.run_to_completion(e3, 50)) == {"stop": R.STOP}
+    assert done_reasons(run_to_completion(s2, e2, 50)) == {"eos": R.EOS, "ign": R.LENGTH}
+    assert done_reasons(run_to_completion(s3, e3, 50)) == {"stop": R.STOP}
 
 
 def test_engine_restart_reprefills_with_identical_tokens():
     e, s = node(max_active=3)
     for i in range(3):
         s.submit(sess(i, n_prompt=5 + i, max_tokens=12))
-    want = {ev.session.key: ev.tokens for ev in s.run_to_completion(e, 100) if ev.kind == "done"}
+    want = outputs(run_to_completion(s, e, 100))
     e, s = node(max_active=3)
     for i in range(3):
         s.submit(sess(i, n_prompt=5 + i, max_tokens=12))
     for _ in range(6):
-        s.run_tick(e)
+        run_tick(s, e)
     s.plan()  # a tick in flight when the engine dies
     e = FakeEngine(n_seq_max=8, n_ctx=4096)  # the restarted engine: empty KV
     s.engine_restarted()
-    got = {ev.session.key: ev.tokens for ev in s.run_to_completion(e, 100) if ev.kind == "done"}
+    got = outputs(run_to_completion(s, e, 100))
     assert got == want
 
 
 def test_cache_miss_ends_the_session_and_frees_kv():
     e, s = node()
     s.submit(sess("a", max_tokens=10))
-    plan = s.plan()
-    res = e.step(plan)
-    res.cache_miss, res.tokens = [plan.chunks[0].seq_id], {}
-    assert done_reasons(s.apply(res)) == {"a": R.CACHE_MISS}
+    tick = s.plan()
+    res = e.step(tick.plan)
+    res.cache_miss, res.tokens = [tick.plan.chunks[0].seq_id], {}
+    assert done_reasons(s.apply(s.pipeline.answer(tick.t), res)) == {"a": R.CACHE_MISS}
     # the engine dropped the sequence already; releasing it once more keeps a new session on the
     # same id from being dropped as a follow-up of the miss when ticks are pipelined
-    assert s.admission.kv_reserved_bytes == 0 and s.plan().release == [plan.chunks[0].seq_id]
+    released = s.plan()
+    assert s.admission.kv_reserved_bytes == 0 and released.plan.release == [tick.plan.chunks[0].seq_id]
+    s.pipeline.answer(released.t)
     assert s.plan() is None
 
 
 def test_usage_times_come_from_the_clock():
     clock = Clock()
-    e = FakeEngine()
-    s = Scheduler(NodeBudget.from_engine(e, max_active=1), e.eos, clock=clock)
+    e, s = scheduler(clock=clock, max_active=1)
     s.submit(sess("a", max_tokens=2))
     s.submit(sess("b", max_tokens=2))
     clock.t += 1.0
     evs = []
     while not s.idle:
         clock.t += 0.5
-        evs += s.run_tick(e)
+        evs += run_tick(s, e)
     usage = {ev.session.key: ev.session.usage() for ev in evs if ev.kind == "done"}
     assert usage["a"]["queue_ms"] == 0 and usage["a"]["ttft_ms"] == 1500.0
     assert usage["b"]["queue_ms"] > 0 and usage["b"]["completion_tokens"] == 2
@@ -200,7 +185,7 @@ def test_run_to_completion_is_bounded():
     e, s = node()
     s.submit(sess("long", max_tokens=1000))
     with pytest.raises(RuntimeError, match="still live"):
-        s.run_to_completion(e, max_ticks=5)
+        run_to_completion(s, e, max_ticks=5)
 
 
 def test_real_engine_batched_sessions_equal_serialized(tiny_model):
@@ -210,10 +195,10 @@ def test_real_engine_batched_sessions_equal_serialized(tiny_model):
     lengths = [1, 3, 7, 12]
     with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
         def run(keys, max_active):
-            s = Scheduler(NodeBudget.from_engine(e, max_active=max_active, max_prefill_tokens_per_tick=5), e.eos)
+            _, s = scheduler(e, max_active=max_active, max_prefill_tokens_per_tick=5)
             for i in keys:
                 s.submit(Session(i, [3 + (i * 13 + k) % 400 for k in range(lengths[i])], 10, ignore_eos=True))
-            out = {ev.session.key: ev.tokens for ev in s.run_to_completion(e, 200) if ev.kind == "done"}
+            out = outputs(run_to_completion(s, e, 200))
             return out, s.counters.occupancy_max
 
         batched, occupancy = run(range(4), 4)
@@ -223,63 +208,35 @@ def test_real_engine_batched_sessions_equal_serialized(tiny_model):
     assert len({tuple(t) for t in batched.values()}) == 4
 
 
-def test_submit_and_cancel_are_safe_against_a_running_loop():
-    import threading
-
-    e, s = node(max_active=4, max_queue=8)
-    done, stop = {}, threading.Event()
-
-    def loop():
-        while not stop.is_set() or not s.idle:
-            for ev in s.run_tick(e):
-                if ev.kind == "done":
-                    done[ev.session.key] = done.get(ev.session.key, 0) + 1
-
-    t = threading.Thread(target=loop)
-    t.start()
-    accepted = set()
-    for i in range(300):
-        if s.submit(sess(i, n_prompt=1 + i % 9, max_tokens=1 + i % 7)).accepted:
-            accepted.add(i)
-        if i % 3 == 0:
-            ev = s.cancel(i - 1)
-            if ev is not None:
-                done[ev.session.key] = done.get(ev.session.key, 0) + 1
-    stop.set()
-    t.join(30)
-    assert not t.is_alive()
-    assert set(done) == accepted and set(done.values()) == {1}
-    assert s.admission.kv_reserved_bytes == 0 and s.admission.n_active == 0
-
-
 def test_a_refused_plan_ends_its_sessions_and_keeps_its_releases():
     e, s = node(max_active=2, max_queue=2)
     s.submit(sess("a", max_tokens=20))
-    s.run_tick(e)
+    run_tick(s, e)
     s.cancel("a")  # its sequence is to be released with the next plan
     s.submit(sess("b", max_tokens=50))
     s.submit(sess("c", max_tokens=50))
-    plan = s.plan()
-    assert plan.release  # the release rides on the plan that the engine now refuses
-    ends = done_reasons(s.fail_inflight(R.ENGINE_ERROR))
+    tick = s.plan()
+    assert tick.plan.release  # the release rides on the plan that the engine now refuses
+    ends = done_reasons(s.refused(s.pipeline.answer(tick.t), R.ENGINE_ERROR))
     assert ends == {"b": R.ENGINE_ERROR, "c": R.ENGINE_ERROR}
     again = s.plan()
-    assert set(plan.release) <= set(again.release)
-    s.apply(e.step(again))
+    assert set(tick.plan.release) <= set(again.plan.release) and again.resync
+    step(s, e, again)
     s.submit(sess("d", max_tokens=3))
-    assert done_reasons(s.run_to_completion(e, 20)) == {"d": R.LENGTH}  # ids are not poisoned
+    assert done_reasons(run_to_completion(s, e, 20)) == {"d": R.LENGTH}  # ids are not poisoned
 
 
 def test_any_end_of_generation_token_ends_with_eos():
     e = FakeEngine()
     _, s = node(engine=e, max_active=2)
     s.submit(sess("probe", max_tokens=3))
-    s.run_tick(e)
+    run_tick(s, e)
     first = s.live["probe"].generated[0]
     e2 = FakeEngine()
-    s2 = Scheduler(NodeBudget.from_engine(e2), [e2.eos, first])  # e.g. EOS and an end-of-turn token
+    e2.eog = [e2.eos, first]  # e.g. EOS and an end-of-turn token
+    _, s2 = scheduler(e2)
     s2.submit(sess("chat", max_tokens=30))
-    assert done_reasons(s2.run_to_completion(e2, 50)) == {"chat": R.EOS}
+    assert done_reasons(run_to_completion(s2, e2, 50)) == {"chat": R.EOS}
 
 
 def test_an_engine_in_a_crash_loop_refuses_new_work():

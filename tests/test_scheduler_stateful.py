@@ -2,21 +2,21 @@
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from helpers import Pipelined, run_to_completion, scheduler, step
 from meshnode.core import reasons as R
-from meshnode.core.budget import NodeBudget
-from meshnode.engine.fake import FakeEngine
-from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
-from drive import Pipelined
+from meshnode.engine.fake import FakeEngine
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    depth = 1
+
     def __init__(self):
         super().__init__()
-        self.engine = FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256)
-        self.budget = NodeBudget.from_engine(self.engine, max_active=3, max_queue=3, max_batch_size=3,
-                                             max_prefill_tokens_per_tick=7, kv_budget_bytes=1024 * 300)
-        self.sched = Scheduler(self.budget, self.engine.eos)
+        self.engine, self.sched = scheduler(FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256), depth=self.depth,
+                                            max_active=3, max_queue=3, max_batch_size=3,
+                                            max_prefill_tokens_per_tick=7, kv_budget_bytes=1024 * 300)
+        self.budget = self.sched.budget
         self.n = 0
         self.submitted = self.accepted = self.rejected = 0
         self.ends: dict = {}  # key -> number of done events
@@ -43,12 +43,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def tick(self):
         before = self.sched.counters.prefill_tokens
-        plan = self.sched.plan()
-        if plan is None:
+        tick = self.sched.plan()
+        if tick is None:
             return
-        assert len(plan.chunks) <= self.budget.max_batch_size
+        assert len(tick.plan.chunks) <= self.budget.max_batch_size
         assert self.sched.counters.prefill_tokens - before <= self.budget.max_prefill_tokens_per_tick
-        self._record(self.sched.apply(self.engine.step(plan)))
+        self._record(step(self.sched, self.engine, tick))
 
     @rule(k=st.integers(1, 40))
     def cancel(self, k):
@@ -66,8 +66,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def engine_refuses_plan(self):
         """The engine refuses a plan (InvalidPlan): its sessions end, the rest go on."""
-        if self.sched.plan() is not None:
-            self._record(self.sched.fail_inflight("ENGINE_ERROR"))
+        tick = self.sched.plan()
+        if tick is not None:
+            self._record(self.sched.refused(self.sched.pipeline.answer(tick.t), "ENGINE_ERROR"))
 
     @invariant()
     def bounds_hold(self):
@@ -80,7 +81,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(n <= 1 for n in self.ends.values())  # never two dones
 
     def finish(self):
-        return self.sched.run_to_completion(self.engine, 5000)
+        return run_to_completion(self.sched, self.engine, 5000)
 
     def teardown(self):
         self._record(self.finish())
@@ -92,6 +93,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 class PipelinedMachine(SchedulerMachine):
     """The same rules and invariants with ticks planned ahead of the engine, as the node runs them."""
 
+    depth = 2
+
     def __init__(self):
         super().__init__()
         self.driver = Pipelined(self.sched, self.engine)
@@ -99,9 +102,9 @@ class PipelinedMachine(SchedulerMachine):
     def _run_oldest(self, fault: set | None = None):
         """Plan ahead, then the engine runs the oldest queued tick, into `fault` if given."""
         self.driver.fill()
-        if self.driver.queue:
+        if self.driver.sent:
             if fault is not None:
-                fault.add(self.driver.queue[0][0])
+                fault.add(self.driver.sent[0].t)
             self._record(self.driver.run_one())
 
     @rule()

@@ -8,12 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ipc import link as L
 from meshnode.core import reasons as R
-from ipc.shm import TokenArena
 from meshnode.text import tokenizer as T
 from meshnode.core.types import Plan
-from meshnode.front.engine_link import EngineLink, Flight
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.text.jobs import TextJobs
 
@@ -84,33 +81,20 @@ def test_text_jobs_run_off_the_caller_in_order_and_bound_their_backlog():
 
 
 # -- the hang rule, by the engine's heartbeat ---------------------------------------------------
-def test_a_reply_waiting_unread_is_never_a_hang_but_an_unfinished_tick_is():
-    arena = TokenArena.create(*L.arena_shape(16, 4))
-    try:
-        link = EngineLink("/tmp", {}, arena, tick_deadline_s=1.0)
-        link.state = "BUSY"
-        for _ in range(2):
-            link.tick_seq += 1
-            link.inflight.append(Flight(link.tick_seq, Plan(), 100.0))
-        arena.beat(1, False)
-        arena.beat(1, True)
-        arena.beat(2, False)
-        arena.beat(2, True)  # both ticks done at about now; the front was away for ages
-        now = time.monotonic() + 0.5
-        assert link._hung(now) is None
-        assert link._hung(now + 3600) is None  # however long the front was busy
-        arena.reset_heartbeat()
-        arena.beat(1, False)  # tick 1 started and never finished
-        assert link._hung(time.monotonic() + 0.5) is None
-        why = link._hung(time.monotonic() + 1.5)
-        assert why and "tick 1" in why and "in its step" in why
-        arena.reset_heartbeat()
-        arena.beat(1, False)
-        arena.beat(1, True)  # tick 1 done, tick 2 sent (at 100.0) and never taken
-        why = link._hung(time.monotonic() + 1.5)
-        assert why and "tick 2" in why and "without taking it" in why
-    finally:
-        arena.close()
+def test_an_answer_waiting_unread_is_never_a_hang_but_an_unfinished_tick_is():
+    from meshnode.core.health import EngineHealth
+    from meshnode.core.pipeline import Tick
+
+    health = EngineHealth(tick_deadline_s=1.0)
+    sent = [Tick(1, Plan(), sent_at=100.0), Tick(2, Plan(), sent_at=100.0)]
+    assert health.hung(101.5, sent, (2, 2, 100.2)) == ""  # both ticks done at 100.2; the front was away
+    assert health.hung(3700.0, sent, (2, 2, 100.2)) == ""  # however long the front was busy
+    assert health.hung(100.9, sent, (1, 0, 100.1)) == ""  # tick 1 started and running: not late yet
+    why = health.hung(101.5, sent, (1, 0, 100.1))
+    assert "tick 1" in why and "in its step" in why
+    why = health.hung(101.5, sent, (1, 1, 100.2))  # tick 1 done, tick 2 sent and never taken
+    assert "tick 2" in why and "without taking it" in why
+    assert health.hung(101.5, [Tick(3, Plan(), sent_at=101.0)], (2, 2, 100.2)) == ""  # sent just now
 
 
 # -- through a node -------------------------------------------------------------------------------

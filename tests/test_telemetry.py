@@ -2,9 +2,7 @@
 import json
 import re
 
-from meshnode.core.budget import NodeBudget
-from meshnode.engine.fake import FakeEngine
-from meshnode.core.scheduler import Scheduler
+from helpers import Clock, run_tick, scheduler
 from meshnode.core.session import Session
 from meshnode.core.telemetry import Telemetry, to_prometheus
 
@@ -15,35 +13,27 @@ prefill_tokens_total decode_tokens_total prefill_tokens_per_s decode_tokens_per_
 rejected_by_reason bad_frames_total engine memory uptime_s draining""".split()
 
 
-class Clock:
-    t = 50.0
-
-    def __call__(self):
-        return self.t
-
-
-def setup():
-    clock = Clock()
-    e = FakeEngine()
-    s = Scheduler(NodeBudget.from_engine(e, max_active=2, max_queue=1), e.eos, clock=clock)
+def telemetry():
+    clock = Clock(50.0)
+    e, s = scheduler(clock=clock, max_active=2, max_queue=1)
     return clock, e, s, Telemetry(s, clock=clock)
 
 
 def test_snapshot_has_every_protocol_key_and_is_json_safe():
-    clock, e, s, t = setup()
+    clock, e, s, t = telemetry()
     snap = t.snapshot()
     assert set(PROTOCOL_KEYS) <= set(snap)
-    assert set(snap["engine"]) >= {"pid", "rss_bytes", "restarts", "last_tick_ms"}
+    assert set(snap["engine"]) >= {"rss_bytes", "last_tick_ms"}  # the front adds pid, restarts, healthy
     assert set(snap["memory"]) >= {"available_bytes", "total_bytes", "pressure"}
     assert json.loads(json.dumps(snap)) == snap
 
 
 def test_rates_are_deterministic_under_an_injected_clock():
-    clock, e, s, t = setup()
+    clock, e, s, t = telemetry()
     t.snapshot()
     s.submit(Session("a", [3] * 10, 4))
     for _ in range(5):
-        s.run_tick(e)
+        run_tick(s, e)
     clock.t += 2.0
     snap = t.snapshot()
     assert snap["prefill_tokens_total"] == 10 and snap["decode_tokens_total"] == 4
@@ -52,13 +42,13 @@ def test_rates_are_deterministic_under_an_injected_clock():
 
 
 def test_rejects_and_occupancy_are_counted():
-    clock, e, s, t = setup()
+    clock, e, s, t = telemetry()
     for i in range(4):
         d = s.submit(Session(i, [3, 4], 3))
         if not d.accepted:
             t.count_reject(d.reason)
     t.count_bad_frame()
-    s.run_tick(e)
+    run_tick(s, e)
     snap = t.snapshot()
     assert snap["rejected_total"] == 1 and snap["rejected_by_reason"]["REJECTED_QUEUE_FULL"] == 1
     assert snap["bad_frames_total"] == 1 and snap["batch_occupancy_max"] == 2
@@ -66,9 +56,11 @@ def test_rejects_and_occupancy_are_counted():
 
 
 def test_prometheus_exposition_parses():
-    clock, e, s, t = setup()
+    clock, e, s, t = telemetry()
     t.count_reject("REJECTED_QUEUE_FULL")
-    text = to_prometheus(t.snapshot())
+    snap = t.snapshot()
+    snap["engine"].update(pid=1, restarts=0, healthy=True)  # what the front adds
+    text = to_prometheus(snap)
     samples = {}
     for line in text.splitlines():
         if line.startswith("#"):
@@ -87,7 +79,7 @@ def test_prometheus_exposition_parses():
 
 def test_engine_wait_counts_back_to_back_ticks_only():
     """A fresh tick (-1: the engine was idle, waiting for clients) is not front + IPC cost."""
-    clock, e, s, t = setup()
+    clock, e, s, t = telemetry()
     for gap_ms in [0.05, 0.07, 0.08, -1.0, 0.06, 0.09, 0.1, 0.07, 2.0, -1.0, 0.075, 0.065]:
         t.record_tick(1 << 20, 50.0, 10, gap_ms)
     eng = t.snapshot()["engine"]

@@ -25,6 +25,7 @@ import time
 
 from meshnode.bench import llama_build, model_path
 from meshnode.core.budget import NodeBudget
+from meshnode.dev.drive import run_to_completion
 from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.core.scheduler import Scheduler
@@ -62,7 +63,7 @@ def in_process(path: str, threads: int, work) -> dict:
     t0 = time.perf_counter()
     for sid, toks, n in work:
         sched.submit(Session(sid, toks, n, ignore_eos=True))
-    events = sched.run_to_completion(timed)
+    events = run_to_completion(sched, timed)
     wall = time.perf_counter() - t0
     engine.close()
     out = {e.session.key: e.tokens for e in events if e.kind == "done"}

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler: pure Python, no sockets, no llama.cpp.
+"""The continuous-batching scheduler: pure Python, no sockets, no threads, no llama.cpp.
 
 Policy (fixed):
 1. Queued sessions start FIFO while a slot, their KV reservation and their
@@ -12,18 +12,15 @@ Policy (fixed):
    still progresses). A long prompt spans ticks: prefill never stalls decode.
 A chunk that reaches the end of a session's tokens samples the next one.
 
-`plan()` then `apply(result)` is one tick. The front may plan the next tick
-before the last one's result is back (ticks are applied in the order they
-were planned): a session whose sample is still in flight decodes it as a
-`follow` chunk the engine fills in, so the engine never idles while the
-front works. After an engine restart, `engine_restarted()` marks every
-running session's KV as gone; the same chunked prefill rebuilds prompt +
-generated tokens, and the counter-based sampler makes the continuation
-identical.
+`plan()` then `apply(tick, result)` is one tick. Up to `depth` ticks may be
+planned before the first one's result is back (meshnode/core/pipeline.py):
+a session whose sample is still in flight decodes it as a `follow` chunk the
+engine fills in, so the engine never idles while the front works. After an
+engine restart, `engine_restarted()` marks every running session's KV as gone,
+and the same chunked prefill rebuilds prompt + generated tokens.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,8 +30,9 @@ import numpy as np
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget
-from meshnode.core.types import Plan, SeqChunk, StepResult
+from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
+from meshnode.core.types import Plan, SeqChunk, StepResult
 
 
 @dataclass
@@ -44,13 +42,6 @@ class Event:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     detail: str = ""  # why, in a sentence, when the reason alone does not say (a `done` only)
-
-
-@dataclass
-class Tick:
-    """A planned tick whose result is not applied yet."""
-    chunks: list[tuple[Session, SeqChunk]]
-    release: list[int]
 
 
 @dataclass
@@ -64,12 +55,15 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic):
+    def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
+                 pipeline: TickPipeline | None = None):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
-        tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG)."""
+        tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `pipeline`: the ticks
+        in flight, shared with whatever sends them (default: one at a time)."""
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe)
+        self.pipeline = pipeline if pipeline is not None else TickPipeline(1)
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
         self.live: dict = {}
@@ -77,73 +71,67 @@ class Scheduler:
         self.to_release: list[int] = []
         self.counters = Counters()
         self.draining = False
-        self.engine_down: str | None = None  # set when the engine is in a crash loop: new work is refused
-        self.mem_available: int | None = None
-        self._inflight: deque[Tick] = deque()
-        self._lock = threading.RLock()
+        self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
+        self.mem_available: int | None = None  # the host's or cgroup's, as last measured
 
-    # -- requests (thread-safe) -------------------------------------------------
+    # -- requests --------------------------------------------------------------------
     def submit(self, s: Session) -> AdmissionDecision:
-        with self._lock:
-            d = self.precheck(s.ask)
-            if not d.accepted:
-                return d
-            s.t_submit = self.clock()
-            self.live[s.key] = s
-            if d.reason == R.ADMITTED:
-                self._start(s)
-            else:
-                s.state = QUEUED
-                self.waiting.append(s)
+        d = self.precheck(s.ask)
+        if not d.accepted:
             return d
+        s.t_submit = self.clock()
+        self.live[s.key] = s
+        if d.reason == R.ADMITTED:
+            self._start(s)
+        else:
+            s.state = QUEUED
+            self.waiting.append(s)
+        return d
 
     def precheck(self, ask: Ask) -> AdmissionDecision:
         """What submit() would decide now, without admitting: for a prompt size that is only a
         lower bound (a text not tokenized yet), a refusal is final and an acceptance provisional."""
-        with self._lock:
-            return self.admission.check(ask, live=ask.key in self.live, queue_len=len(self.waiting),
-                                        draining=self.draining, mem_available=self.mem_available,
-                                        engine_down=self.engine_down)
+        return self.admission.check(ask, live=ask.key in self.live, queue_len=len(self.waiting),
+                                    draining=self.draining, mem_available=self.mem_available,
+                                    engine_down=self.engine_down)
 
     def cancel(self, key) -> Event | None:
         """End a live session now; its reservation frees and its sequence is released next plan."""
-        with self._lock:
-            s = self.live.get(key)
-            return self._end(s, R.CANCELLED) if s else None
+        s = self.live.get(key)
+        return self._end(s, R.CANCELLED) if s else None
 
     def end_all(self, reason: str) -> list[Event]:
         """End every live session (drain deadline, unrecoverable engine): each gets its done."""
-        with self._lock:
-            return [self._end(s, reason) for s in list(self.live.values())]
+        return [self._end(s, reason) for s in list(self.live.values())]
 
-    # -- one tick -----------------------------------------------------------------
-    def plan(self) -> Plan | None:
-        """The next tick's work, or None when there is nothing to do."""
-        with self._lock:
-            self._promote()
-            b = self.budget
-            decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
-            chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
-            room, slots = b.max_prefill_tokens_per_tick, b.max_batch_size - len(chunks)
-            for s in self.running:
-                if room <= 0 or slots <= 0:
-                    break
-                if s.pending > 1:
-                    n = min(s.pending, room)
-                    chunks.append(self._chunk(s, n))
-                    room, slots = room - n, slots - 1
-                    self.counters.prefill_tokens += n
-            release, self.to_release = self.to_release, []
-            if not chunks and not release:
-                return None
-            self._inflight.append(Tick(chunks, release))
-            if chunks:  # a release-only plan is housekeeping, not a tick of work
-                c = self.counters
-                c.ticks += 1
-                c.occupancy_last = len(chunks)
-                c.occupancy_max = max(c.occupancy_max, len(chunks))
-                c.occupancy_sum += len(chunks)
-            return Plan([ch for _, ch in chunks], release)
+    # -- one tick -----------------------------------------------------------------------
+    def plan(self) -> Tick | None:
+        """The next tick, pushed on the pipeline; None when it is full or there is nothing to do."""
+        if self.pipeline.full:
+            return None
+        self._promote()
+        b = self.budget
+        decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
+        chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
+        room, slots = b.max_prefill_tokens_per_tick, b.max_batch_size - len(chunks)
+        for s in self.running:
+            if room <= 0 or slots <= 0:
+                break
+            if s.pending > 1:
+                n = min(s.pending, room)
+                chunks.append(self._chunk(s, n))
+                room, slots = room - n, slots - 1
+                self.counters.prefill_tokens += n
+        release, self.to_release = self.to_release, []
+        if not chunks and not release:
+            return None
+        if chunks:  # a release-only tick is housekeeping, not a tick of work
+            c = self.counters
+            c.ticks += 1
+            c.occupancy_last = len(chunks)
+            c.occupancy_max = max(c.occupancy_max, len(chunks))
+            c.occupancy_sum += len(chunks)
+        return self.pipeline.push(Plan([ch for _, ch in chunks], release), chunks)
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
@@ -157,37 +145,29 @@ class Scheduler:
         s.draws_in_flight += end
         return s, chunk
 
-    @property
-    def in_flight(self) -> int:
-        """Planned ticks whose results are not applied yet."""
-        return len(self._inflight)
-
-    def apply(self, result: StepResult) -> list[Event]:
-        """Turn the engine's result for the oldest planned tick into per-session events."""
-        with self._lock:
-            if not self._inflight:
-                return []
-            events: list[Event] = []
-            missed = set(result.cache_miss)
-            for s, c in self._inflight.popleft().chunks:
-                if s.state != RUNNING or s.seq_id != c.seq_id:
-                    continue  # cancelled or ended while the tick ran: its result is stale
-                if c.seq_id in missed:
-                    events.append(self._end(s, R.CACHE_MISS))  # released again: see Chain
-                    continue
-                if c.draw < 0:
-                    continue
-                s.draws_in_flight -= 1
-                tok = result.tokens[c.seq_id]
-                s.tokens.append(tok)
-                self.counters.decode_tokens += 1
-                if s.n_generated == 1 and not s.t_first:
-                    s.t_first = self.clock()
-                events.append(Event("tokens", s, [tok]))
-                reason = self._finish_reason(s, tok)
-                if reason:
-                    events.append(self._end(s, reason))
-            return events
+    def apply(self, tick: Tick, result: StepResult) -> list[Event]:
+        """Turn the engine's result for `tick` (answered, off the pipeline) into per-session events."""
+        events: list[Event] = []
+        missed = set(result.cache_miss)
+        for s, c in tick.chunks:
+            if s.state != RUNNING or s.seq_id != c.seq_id:
+                continue  # cancelled or ended while the tick ran: its result is stale
+            if c.seq_id in missed:
+                events.append(self._end(s, R.CACHE_MISS))  # released again: see engine/followups.py
+                continue
+            if c.draw < 0:
+                continue
+            s.draws_in_flight -= 1
+            tok = result.tokens[c.seq_id]
+            s.tokens.append(tok)
+            self.counters.decode_tokens += 1
+            if s.n_generated == 1 and not s.t_first:
+                s.t_first = self.clock()
+            events.append(Event("tokens", s, [tok]))
+            reason = self._finish_reason(s, tok)
+            if reason:
+                events.append(self._end(s, reason))
+        return events
 
     def _finish_reason(self, s: Session, tok: int) -> str | None:
         if tok in self.eog and not s.ignore_eos:
@@ -198,39 +178,33 @@ class Scheduler:
             return R.LENGTH
         return None
 
-    def fail_inflight(self, reason: str) -> list[Event]:
-        """The engine refused the oldest planned tick: end its sessions; the others go on.
+    def refused(self, tick: Tick, reason: str = R.ENGINE_ERROR) -> list[Event]:
+        """The engine refused `tick`: end its sessions; the others go on.
 
-        Ticks planned after it were built on top of it, and the engine refuses them until the
-        next tick it gets is a resync, so their sessions roll back to before them and are planned
-        again. None of the refused releases may have run, so they go out again with the next plan
-        (releasing an empty sequence is harmless; a lost release would poison its id).
+        Ticks planned after it were built on top of it and the engine refuses them too
+        (TickPipeline.refused), so their sessions roll back to before them and are planned again.
+        None of the refused releases ran, so they go out again with the next plan (releasing an
+        empty sequence is harmless; a lost release would poison its id).
         """
-        with self._lock:
-            if not self._inflight:
-                return []
-            failed = self._inflight.popleft()
-            events = [self._end(s, reason) for s, c in failed.chunks if s.state == RUNNING and s.seq_id == c.seq_id]
-            release = list(failed.release)
-            for tick in self._inflight:
-                release += tick.release
-                for s, c in tick.chunks:
-                    if s.state == RUNNING and s.seq_id == c.seq_id:
-                        s.n_cached = min(s.n_cached, c.pos)
-                        s.draws_in_flight -= c.draw >= 0
-            self._inflight.clear()
-            self.to_release = release + self.to_release
-            return events
+        events = [self._end(s, reason) for s, c in tick.chunks if s.state == RUNNING and s.seq_id == c.seq_id]
+        release = list(tick.plan.release)
+        for behind in self.pipeline.refused():
+            release += behind.plan.release
+            for s, c in behind.chunks:
+                if s.state == RUNNING and s.seq_id == c.seq_id:
+                    s.n_cached = min(s.n_cached, c.pos)
+                    s.draws_in_flight -= c.draw >= 0
+        self.to_release = release + self.to_release
+        return events
 
     def engine_restarted(self) -> None:
         """The engine's KV is gone: rebuild every running session by re-prefilling it."""
-        with self._lock:
-            self._inflight.clear()
-            self.to_release = []
-            for s in self.running:
-                s.n_cached = s.draws_in_flight = 0
+        self.pipeline.clear()
+        self.to_release = []
+        for s in self.running:
+            s.n_cached = s.draws_in_flight = 0
 
-    # -- internals -----------------------------------------------------------------
+    # -- internals ----------------------------------------------------------------------
     def _start(self, s: Session) -> None:
         self.admission.reserve(s.ask)
         s.seq_id = self.free_seqs.pop(0)
@@ -253,22 +227,6 @@ class Scheduler:
         self.live.pop(s.key, None)
         return Event("done", s, s.generated, reason)
 
-    # -- in-process driving --------------------------------------------------------
     @property
     def idle(self) -> bool:
         return not self.live and not self.to_release
-
-    def run_tick(self, engine) -> list[Event]:
-        plan = self.plan()
-        return self.apply(engine.step(plan)) if plan else []
-
-    def run_to_completion(self, engine, max_ticks: int = 100_000) -> list[Event]:
-        """Tick until every session ends; bounded, so a misconfiguration cannot loop forever."""
-        events: list[Event] = []
-        for _ in range(max_ticks):
-            if self.idle:
-                return events
-            events += self.run_tick(engine)
-        if not self.idle:
-            raise RuntimeError(f"sessions still live after {max_ticks} ticks")
-        return events

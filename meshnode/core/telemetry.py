@@ -16,6 +16,9 @@ WAIT_WINDOW = 1024  # ticks the engine-wait percentiles cover
 
 
 class Telemetry:
+    """The node's counters and the snapshot built from them and the scheduler's public state. What
+    other parts own (engine pid, restarts, health, client sockets) the front adds to the snapshot."""
+
     def __init__(self, scheduler, clock=time.monotonic):
         self.sched = scheduler
         self.clock = clock
@@ -23,9 +26,8 @@ class Telemetry:
         self.rejected = Counter()
         self.bad_frames_total = 0
         self.client_faults_total = 0  # clients whose sessions were cancelled because they vanished or stalled
-        self.engine = {"pid": 0, "rss_bytes": 0, "rss_peak_bytes": 0, "restarts": 0, "last_tick_ms": 0.0,
-                       "kv_cells": 0, "kv_cells_peak": 0, "step_ms_total": 0.0, "healthy": True,
-                       "busy_gap_ms_total": 0.0, "busy_gaps": 0}
+        self.engine = {"rss_bytes": 0, "rss_peak_bytes": 0, "last_tick_ms": 0.0, "kv_cells": 0, "kv_cells_peak": 0,
+                       "step_ms_total": 0.0, "busy_gap_ms_total": 0.0, "busy_gaps": 0}
         self.memory = {"available_bytes": 0, "total_bytes": 0, "pressure": 0.0}
         self._samples: deque = deque()
         self._waits: deque = deque(maxlen=WAIT_WINDOW)
@@ -45,7 +47,7 @@ class Telemetry:
             e["busy_gap_ms_total"] += gap_ms
             e["busy_gaps"] += 1
             self._waits.append(gap_ms * 1e3)
-        e.update(rss_bytes=rss, last_tick_ms=round(step_ms, 3), kv_cells=kv_cells, healthy=True,
+        e.update(rss_bytes=rss, last_tick_ms=round(step_ms, 3), kv_cells=kv_cells,
                  step_ms_total=e["step_ms_total"] + step_ms,
                  rss_peak_bytes=max(e["rss_peak_bytes"], rss), kv_cells_peak=max(e["kv_cells_peak"], kv_cells))
 
@@ -53,7 +55,6 @@ class Telemetry:
         pressure = 1.0 - available / total if total else 0.0
         self.memory = {"available_bytes": int(available), "total_bytes": int(total),
                        "pressure": round(min(1.0, max(0.0, pressure)), 4)}
-        self.sched.mem_available = int(available)
 
     def _rates(self, now: float, prefill: int, decode: int) -> tuple[float, float]:
         self._samples.append((now, prefill, decode))
@@ -65,40 +66,38 @@ class Telemetry:
 
     def snapshot(self) -> dict:
         s, now = self.sched, self.clock()
-        with s._lock:
-            c, a, b = s.counters, s.admission, s.budget
-            prefill_rate, decode_rate = self._rates(now, c.prefill_tokens, c.decode_tokens)
-            return {
-                "active_sessions": len(s.running),
-                "queue_depth": len(s.waiting),
-                "batch_occupancy_last": c.occupancy_last,
-                "batch_occupancy_avg": round(c.occupancy_sum / c.ticks, 4) if c.ticks else 0.0,
-                "batch_occupancy_max": c.occupancy_max,
-                "max_batch_size": b.max_batch_size,
-                "kv_bytes": a.kv_reserved_bytes,
-                "kv_used_bytes": self.engine["kv_cells"] * b.kv_bytes_per_token,
-                "kv_used_peak_bytes": self.engine["kv_cells_peak"] * b.kv_bytes_per_token,
-                "kv_budget_bytes": b.kv_budget_bytes,
-                "kv_pressure": round(a.kv_reserved_bytes / b.kv_budget_bytes, 4),
-                "scratch_bytes": a.scratch_reserved_bytes,
-                "scratch_budget_bytes": b.scratch_envelope_bytes,
-                "scratch_pressure": round(a.scratch_reserved_bytes / b.scratch_envelope_bytes, 4),
-                "weight_bytes": b.weight_bytes,
-                "prefill_tokens_total": c.prefill_tokens,
-                "decode_tokens_total": c.decode_tokens,
-                "prefill_tokens_per_s": round(prefill_rate, 3),
-                "decode_tokens_per_s": round(decode_rate, 3),
-                "ticks_total": c.ticks,
-                "rejected_total": sum(self.rejected.values()),
-                "rejected_by_reason": {r: self.rejected.get(r, 0) for r in R.REJECTIONS},
-                "bad_frames_total": self.bad_frames_total,
-                "client_faults_total": self.client_faults_total,
-                "engine": dict(self.engine, **self._wait_percentiles()),
-                "memory": dict(self.memory),
-                "uptime_s": round(now - self.t0, 3),
-                "draining": s.draining,
-            }
-
+        c, a, b = s.counters, s.admission, s.budget
+        prefill_rate, decode_rate = self._rates(now, c.prefill_tokens, c.decode_tokens)
+        return {
+            "active_sessions": len(s.running),
+            "queue_depth": len(s.waiting),
+            "batch_occupancy_last": c.occupancy_last,
+            "batch_occupancy_avg": round(c.occupancy_sum / c.ticks, 4) if c.ticks else 0.0,
+            "batch_occupancy_max": c.occupancy_max,
+            "max_batch_size": b.max_batch_size,
+            "kv_bytes": a.kv_reserved_bytes,
+            "kv_used_bytes": self.engine["kv_cells"] * b.kv_bytes_per_token,
+            "kv_used_peak_bytes": self.engine["kv_cells_peak"] * b.kv_bytes_per_token,
+            "kv_budget_bytes": b.kv_budget_bytes,
+            "kv_pressure": round(a.kv_reserved_bytes / b.kv_budget_bytes, 4),
+            "scratch_bytes": a.scratch_reserved_bytes,
+            "scratch_budget_bytes": b.scratch_envelope_bytes,
+            "scratch_pressure": round(a.scratch_reserved_bytes / b.scratch_envelope_bytes, 4),
+            "weight_bytes": b.weight_bytes,
+            "prefill_tokens_total": c.prefill_tokens,
+            "decode_tokens_total": c.decode_tokens,
+            "prefill_tokens_per_s": round(prefill_rate, 3),
+            "decode_tokens_per_s": round(decode_rate, 3),
+            "ticks_total": c.ticks,
+            "rejected_total": sum(self.rejected.values()),
+            "rejected_by_reason": {r: self.rejected.get(r, 0) for r in R.REJECTIONS},
+            "bad_frames_total": self.bad_frames_total,
+            "client_faults_total": self.client_faults_total,
+            "engine": dict(self.engine, **self._wait_percentiles()),
+            "memory": dict(self.memory),
+            "uptime_s": round(now - self.t0, 3),
+            "draining": s.draining,
+        }
 
     def _wait_percentiles(self) -> dict:
         w = sorted(self._waits)

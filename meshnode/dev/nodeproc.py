@@ -25,11 +25,11 @@ class NodeProcess:
         listen = listen or f"ipc://{self.run_dir}/node.sock"
         self.listen = connect or listen  # where clients connect (a wildcard bind is not an address)
         self.telemetry = f"ipc://{self.run_dir}/telemetry.sock"
-        self.args = [sys.executable, "-m", "meshnode", "serve", *(["--model", model] if model else []),
+        # test and drill settings (a fake engine, faults) go through the dev entry, never `meshnode serve`
+        entry = ["meshnode.dev.serve", json.dumps(internal)] if internal else ["meshnode", "serve"]
+        self.args = [sys.executable, "-m", *entry, *(["--model", model] if model else []),
                      "--listen", listen, "--telemetry", self.telemetry, *args]
         self.env = dict(os.environ, MESHNODE_RUN_DIR=self.run_dir, **(env or {}))
-        if internal:  # test/drill-only settings (fake engine, fault injection)
-            self.env["MESHNODE_TEST_CONFIG"] = json.dumps(internal)
         self.log_path = log_path or os.path.join(self.run_dir, "node.log")
         self.proc: subprocess.Popen | None = None
         self.client_kw = client_kw or {}  # e.g. CURVE keys for the readiness ping

@@ -12,10 +12,11 @@ import time
 
 import numpy as np
 
-from meshnode.core.types import FatalEngineError, Plan, StepResult, validate_plan
+from meshnode.core.types import FatalEngineError, Plan, StepResult
+from meshnode.engine.base import Engine
 
 
-class FakeEngine:
+class FakeEngine(Engine):
     def __init__(self, n_vocab: int = 512, n_seq_max: int = 8, n_ctx: int = 4096, n_batch: int = 512,
                  n_ctx_seq: int | None = None, eos: int = 2, kv_bytes_per_token: int = 1024,
                  weight_bytes: int = 1 << 20, step_s: float = 0.0, corrupt=()):
@@ -28,38 +29,29 @@ class FakeEngine:
         self.fail_next = False  # the next step raises a fatal error, as llama_decode rc < -1 would
         self.corrupt: set[int] = set(corrupt)  # sequence ids whose samples are deliberately wrong
         self.plans: list[Plan] = []
-        self._next_pos = [0] * n_seq_max
         self._hash = [0] * n_seq_max
-        self._samplers: dict = {}
+        self._init_sequences()
 
-    def step(self, plan: Plan) -> StepResult:
-        t0 = time.perf_counter()
-        validate_plan(plan, n_vocab=self.n_vocab, n_seq_max=self.n_seq_max, n_batch=self.n_batch,
-                      n_ctx_seq=self.n_ctx_seq, next_pos=self._next_pos, samplers=self._samplers)
+    def _run(self, plan: Plan) -> StepResult:
         if self.fail_next:
             self.fail_next = False
             raise FatalEngineError("injected fatal engine error")
         self.plans.append(plan)
-        for s in plan.release:
-            self._next_pos[s], self._hash[s] = 0, 0
-            self._samplers.pop(s, None)
         res = StepResult()
         for c in plan.chunks:
-            if c.pos == 0 or c.sampling is not None:
-                self._samplers[c.seq_id] = c.sampling
             h = self._hash[c.seq_id]
             for t in np.asarray(c.tokens).tolist():
                 h = (h * 1_000_003 + int(t) + 1) % (1 << 61)
             self._hash[c.seq_id] = h
-            self._next_pos[c.seq_id] = c.pos + len(c.tokens)
             if c.draw >= 0:
-                seed = getattr(self._samplers.get(c.seq_id), "seed", 0) or 0
+                seed = self._samplers[c.seq_id].seed
                 tok = (h ^ (seed * 7919) ^ c.draw) % (self.n_vocab - 3) + 3  # never a control token
                 if c.seq_id in self.corrupt:
                     tok = 3 + (tok - 3 + 1) % (self.n_vocab - 3)
                 res.tokens[c.seq_id] = tok
         if self.step_s:
             time.sleep(self.step_s)
-        res.kv_cells = sum(self._next_pos)
-        res.step_ms = (time.perf_counter() - t0) * 1e3
         return res
+
+    def release_kv(self, seq_id: int) -> None:
+        self._hash[seq_id] = 0

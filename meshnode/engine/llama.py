@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from meshnode.engine import llamacpp
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
-from meshnode.core.types import (GREEDY, FatalEngineError, InvalidPlan, Plan, StepResult,
-                                  validate_plan)
-from meshnode.engine.sampling import sample
+from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
+from meshnode.engine.base import Engine
 
 
 @dataclass(frozen=True)
@@ -57,19 +55,19 @@ class EngineConfig:
         return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash_attn, self.n_batch)
 
 
-class LlamaEngine:
+class LlamaEngine(Engine):
     def __init__(self, cfg: EngineConfig):
-        import llama_cpp as L
+        import llama_cpp as lc
 
         cfg.validate()
         llamacpp.install_log()
-        self.cfg, self._L = cfg, L
-        mp = L.llama_model_default_params()
+        self.cfg, self._lc = cfg, lc
+        mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
-        self._model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
+        self._model = lc.llama_model_load_from_file(cfg.model_path.encode(), mp)
         if not self._model:
             raise FatalEngineError(f"llama.cpp could not load {cfg.model_path}: {llamacpp.last_errors()}")
-        cp = L.llama_context_default_params()
+        cp = lc.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = cfg.n_ctx, cfg.n_batch, cfg.n_batch
         cp.n_seq_max, cp.kv_unified = cfg.n_seq_max, True
         threads = cfg.n_threads or os.cpu_count() or 1
@@ -77,89 +75,74 @@ class LlamaEngine:
         cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
         cp.no_perf = True
         cp.flash_attn_type = FLASH_ATTN[cfg.flash_attn]
-        self._ctx = L.llama_init_from_model(self._model, cp)
+        self._ctx = lc.llama_init_from_model(self._model, cp)
         if not self._ctx:
-            L.llama_model_free(self._model)
+            lc.llama_model_free(self._model)
             raise FatalEngineError(f"llama.cpp could not create a context: {llamacpp.last_errors() or 'no reason given'}")
-        self._mem = L.llama_get_memory(self._ctx)
-        vocab = L.llama_model_get_vocab(self._model)
-        self.n_vocab = L.llama_vocab_n_tokens(vocab)
-        self.eos = L.llama_vocab_eos(vocab)
+        self._mem = lc.llama_get_memory(self._ctx)
+        vocab = lc.llama_model_get_vocab(self._model)
+        self.n_vocab = lc.llama_vocab_n_tokens(vocab)
+        self.eos = lc.llama_vocab_eos(vocab)
         # every end-of-generation token (EOS, EOT, ...): one pass over the vocab at load
-        self.eog = sorted(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(vocab, t))
-        self.n_seq_max = L.llama_n_seq_max(self._ctx)
-        self.n_batch = L.llama_n_batch(self._ctx)
-        self.n_ctx = L.llama_n_ctx(self._ctx)
-        self.n_ctx_seq = min(L.llama_n_ctx_seq(self._ctx), L.llama_model_n_ctx_train(self._model))
-        self.weight_bytes = int(L.llama_model_size(self._model))
-        n_layer = L.llama_model_n_layer(self._model)
-        head_dim = L.llama_model_n_embd(self._model) // L.llama_model_n_head(self._model)
-        row = L.llama_model_n_head_kv(self._model) * head_dim
+        self.eog = sorted(t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(vocab, t))
+        self.n_seq_max = lc.llama_n_seq_max(self._ctx)
+        self.n_batch = lc.llama_n_batch(self._ctx)
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_ctx_seq = min(lc.llama_n_ctx_seq(self._ctx), lc.llama_model_n_ctx_train(self._model))
+        self.weight_bytes = int(lc.llama_model_size(self._model))
+        n_layer = lc.llama_model_n_layer(self._model)
+        head_dim = lc.llama_model_n_embd(self._model) // lc.llama_model_n_head(self._model)
+        row = lc.llama_model_n_head_kv(self._model) * head_dim
         self.kv_bytes_per_token = n_layer * (llamacpp.row_bytes(row, cp.type_k) + llamacpp.row_bytes(row, cp.type_v))
         self.recipe_fingerprint = cfg.recipe()
-        self._next_pos = [0] * self.n_seq_max
-        self._samplers: dict = {}
+        self._init_sequences()
         self._alloc_batch(self.n_batch)
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers we own and fill with slices."""
-        L = self._L
+        lc = self._lc
         self._tok = np.zeros(n, np.int32)
         self._pos = np.zeros(n, np.int32)
         self._nseq = np.ones(n, np.int32)
         self._seq = np.zeros(n, np.int32)
         self._want = np.zeros(n, np.int8)
         self._seq_ptrs = (self._seq.ctypes.data + 4 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
-        b = L.llama_batch()
-        b.token = self._tok.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        b = lc.llama_batch()
+        b.token = self._tok.ctypes.data_as(ctypes.POINTER(lc.llama_token))
         b.embd = ctypes.POINTER(ctypes.c_float)()
-        b.pos = self._pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+        b.pos = self._pos.ctypes.data_as(ctypes.POINTER(lc.llama_pos))
         b.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
+        b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id)))
         b.logits = self._want.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
 
-    def step(self, plan: Plan) -> StepResult:
-        t0 = time.perf_counter()
-        res = StepResult()
+    def _run(self, plan: Plan) -> StepResult:
         rows = self._decode(plan)
-        if rows is None:  # no KV slot: the state was rolled back and these sequences lost their place
-            res.cache_miss = [c.seq_id for c in plan.chunks]
-        else:
-            for c, row in zip(plan.chunks, rows):
-                if c.draw >= 0:
-                    res.tokens[c.seq_id] = sample(self._logits(row), self._samplers[c.seq_id], c.draw)
-        res.kv_cells = sum(self._next_pos)
-        res.step_ms = (time.perf_counter() - t0) * 1e3
-        return res
+        if rows is None:  # no KV slot: llama.cpp rolled the batch back; its sequences lost their place
+            return StepResult(cache_miss=[c.seq_id for c in plan.chunks])
+        return StepResult({c.seq_id: self.sample(c, self._logits(r)) for c, r in zip(plan.chunks, rows) if c.draw >= 0})
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
         """Run a plan and return copies of each sampled sequence's logits (tests, the oracle check)."""
+        self.begin(plan)
         rows = self._decode(plan)
         if rows is None:
             raise FatalEngineError("no KV slot for the plan")
+        self.end(plan, StepResult())
         return {c.seq_id: self._logits(r).copy() for c, r in zip(plan.chunks, rows) if c.draw >= 0}
 
     def _decode(self, plan: Plan) -> list[int] | None:
-        """Validate, release, and run the plan as ONE llama_decode; each chunk's last row, or None on rc=1."""
-        validate_plan(plan, n_vocab=self.n_vocab, n_seq_max=self.n_seq_max, n_batch=self.n_batch,
-                      n_ctx_seq=self.n_ctx_seq, next_pos=self._next_pos, samplers=self._samplers)
-        for s in plan.release:
-            self.release(int(s))
+        """The plan as ONE llama_decode: each chunk's last batch row, or None when there was no KV slot."""
         if not plan.chunks:
             return []
         rows = self._fill(plan)
-        rc = self._L.llama_decode(self._ctx, self._batch)
+        rc = self._lc.llama_decode(self._ctx, self._batch)
         if rc == 1:
-            for c in plan.chunks:
-                self.release(c.seq_id)
             return None
         if rc == -1:
             raise InvalidPlan("llama_decode rejected the batch as invalid (rc=-1)")
         if rc != 0:
             raise FatalEngineError(f"llama_decode failed with rc={rc}")
-        for c in plan.chunks:
-            self._next_pos[c.seq_id] = c.pos + len(c.tokens)
         return rows
 
     def _fill(self, plan: Plan) -> list[int]:
@@ -168,10 +151,6 @@ class LlamaEngine:
         self._want[: plan.n_tokens] = 0
         for c in plan.chunks:
             n = len(c.tokens)
-            if c.sampling is not None:
-                self._samplers[c.seq_id] = c.sampling
-            elif c.pos == 0:
-                self._samplers[c.seq_id] = GREEDY
             self._tok[i:i + n] = c.tokens
             self._pos[i:i + n] = np.arange(c.pos, c.pos + n, dtype=np.int32)
             self._seq[i:i + n] = c.seq_id
@@ -182,28 +161,26 @@ class LlamaEngine:
         return rows
 
     def _logits(self, row: int) -> np.ndarray:
-        ptr = self._L.llama_get_logits_ith(self._ctx, row)
+        ptr = self._lc.llama_get_logits_ith(self._ctx, row)
         if not ptr:
             raise FatalEngineError(f"llama.cpp returned no logits for batch row {row}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
-    def release(self, seq_id: int) -> None:
-        self._L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-        self._next_pos[seq_id] = 0
-        self._samplers.pop(seq_id, None)
+    def release_kv(self, seq_id: int) -> None:
+        self._lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
 
     def seq_pos_max(self, seq_id: int) -> int:
-        return int(self._L.llama_memory_seq_pos_max(self._mem, seq_id))
+        return int(self._lc.llama_memory_seq_pos_max(self._mem, seq_id))
 
     def state_seq_size(self, seq_id: int) -> int:
-        return int(self._L.llama_state_seq_get_size(self._ctx, seq_id))
+        return int(self._lc.llama_state_seq_get_size(self._ctx, seq_id))
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
-            self._L.llama_free(self._ctx)
+            self._lc.llama_free(self._ctx)
             self._ctx = None
         if getattr(self, "_model", None):
-            self._L.llama_model_free(self._model)
+            self._lc.llama_model_free(self._model)
             self._model = None
 
     def __enter__(self):

@@ -9,15 +9,13 @@ Only unquantized (f32 / f16) tensors are supported: the demo models are.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from meshnode.core.types import GREEDY, Plan, StepResult, validate_plan
-from meshnode.engine.sampling import sample
+from meshnode.core.types import Plan, StepResult
+from meshnode.engine.base import Engine
 
 
-class ReferenceEngine:
+class ReferenceEngine(Engine):
     def __init__(self, model_path: str, n_seq_max: int = 8, n_ctx_seq: int | None = None, n_batch: int = 512):
         from gguf import GGUFReader
 
@@ -37,39 +35,29 @@ class ReferenceEngine:
         self.n_seq_max, self.n_batch = n_seq_max, n_batch
         self.n_ctx_seq = n_ctx_seq or int(meta("llama.context_length"))
         self.eos = int(meta("tokenizer.ggml.eos_token_id"))
-        self._next_pos = [0] * n_seq_max
         self._kv: dict[int, list] = {}
-        self._samplers: dict = {}
+        self._init_sequences()
 
-    def step(self, plan: Plan) -> StepResult:
-        t0 = time.perf_counter()
-        res = StepResult()
-        for sid, logits in self.logits_for(plan).items():
-            c = next(c for c in plan.chunks if c.seq_id == sid)
-            res.tokens[sid] = sample(logits, self._samplers[sid], c.draw)
-        res.kv_cells = sum(self._next_pos)
-        res.step_ms = (time.perf_counter() - t0) * 1e3
-        return res
+    def _run(self, plan: Plan) -> StepResult:
+        return StepResult({sid: self.sample(c, logits) for c, (sid, logits) in self._compute(plan)})
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
-        validate_plan(plan, n_vocab=self.n_vocab, n_seq_max=self.n_seq_max, n_batch=self.n_batch,
-                      n_ctx_seq=self.n_ctx_seq, next_pos=self._next_pos, samplers=self._samplers)
-        for s in plan.release:
-            self.release(s)
-        out = {}
-        for c in plan.chunks:
-            if c.sampling is not None or c.pos == 0:
-                self._samplers[c.seq_id] = c.sampling or GREEDY
-            logits = self._forward(c.seq_id, np.asarray(c.tokens), c.pos)
-            self._next_pos[c.seq_id] = c.pos + len(c.tokens)
-            if c.draw >= 0:
-                out[c.seq_id] = logits
+        self.begin(plan)
+        out = {sid: logits for _, (sid, logits) in self._compute(plan)}
+        self.end(plan, StepResult())
         return out
 
-    def release(self, seq_id: int) -> None:
+    def _compute(self, plan: Plan):
+        """(chunk, (seq, last row's logits)) for each chunk that asks for a sample; every chunk runs."""
+        out = []
+        for c in plan.chunks:
+            logits = self._forward(c.seq_id, np.asarray(c.tokens), c.pos)
+            if c.draw >= 0:
+                out.append((c, (c.seq_id, logits)))
+        return out
+
+    def release_kv(self, seq_id: int) -> None:
         self._kv.pop(seq_id, None)
-        self._samplers.pop(seq_id, None)
-        self._next_pos[seq_id] = 0
 
     def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """llama.cpp's NORM rope: rotate adjacent pairs (x[2i], x[2i+1])."""

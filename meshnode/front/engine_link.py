@@ -1,25 +1,12 @@
-"""The front's handle on the engine process: spawn, tick, detect death, restart.
+"""The front's handle on the engine process: spawn, send ticks, turn answers into typed outcomes.
 
-Up to `depth` ticks are in flight: the front plans the next tick while the
-engine runs the current one, and the engine finds it queued when it replies.
-Replies come back in order. When the engine refuses a tick, the ticks queued
-behind it are refused too (they were planned on top of it): their replies
-are dropped here, and the next tick sent carries `resync`.
-
-Death is any of: the process sentinel fires, the link closes or answers
-with a fatal error, a tick runs past its deadline, or an incarnation does not
-say hello in time (a hang: the process is killed). A hang is judged by the
-engine's own heartbeat in the shared arena (ipc/shm.py), never by how long the
-front took to read a reply: only a tick the engine has not finished can be
-late. A restarted incarnation must say hello within a deadline derived from
-how long the first one took to load the model (with a floor), so a stuck
-restart costs live sessions seconds, not the first start's generous timeout. Each incarnation gets a fresh link socket (ipc/seqpacket.py) that
-accepts only that process, so no message of a dead engine can be mistaken
-for a live one's. Restarts back off exponentially; a crash loop (too
-many deaths in a row without one good tick) marks the engine unhealthy and
-stops respawning, so the node reports it instead of spinning. So does an
-incarnation that loaded a different model (the file was replaced under a
-running node): no session could continue on it.
+Each incarnation gets a fresh link socket (ipc/seqpacket.py) that accepts only
+that process, so no message of a dead engine can be mistaken for a live one's.
+What goes over it is typed (ipc/link.py); what comes back is handed to the
+front as a `Reply`, a `Refusal` or a `Death`, never as a message to pick apart.
+Ticks in flight live in the scheduler's pipeline (meshnode/core/pipeline.py),
+when the engine counts as dead in meshnode/core/health.py; this file only does
+the process and socket work those two decide about.
 """
 from __future__ import annotations
 
@@ -28,111 +15,111 @@ import multiprocessing as mp
 import os
 import select
 import time
-from collections import deque
 from dataclasses import dataclass
-from types import SimpleNamespace
 
-from ipc import link as L
-from ipc import seqpacket
+from ipc import link, seqpacket
 from ipc.shm import TokenArena
-from meshnode.core.types import Plan
+from meshnode.core.health import READY, STARTING, EngineHealth, model_problem
+from meshnode.core.pipeline import Tick, TickPipeline
+from meshnode.core.types import EngineInfo, StepResult
 from meshnode.worker.main import engine_main
 
 log = logging.getLogger("meshnode.front")
 
-STARTING, IDLE, BUSY, DOWN, FAILED = "STARTING", "IDLE", "BUSY", "DOWN", "FAILED"
-BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 5.0
-CRASH_LOOP_DEATHS = 5  # deaths in a row with no good tick between them
-RESTART_FACTOR = 5  # a restart may take this many times the measured first start (page cache, load)
+
+@dataclass(frozen=True)
+class Reply:
+    """A tick the engine ran: its result, and the engine's own figures sent with it."""
+
+    tick: Tick
+    result: StepResult
+    gap_ms: float
+    rss: int
+    mem_available: int
+    mem_total: int
 
 
-@dataclass
-class Flight:
-    """A tick sent and not answered yet."""
-    t: int
-    plan: Plan
-    sent_at: float
-    discard: bool = False  # queued behind a refused tick: the engine refuses it too
+@dataclass(frozen=True)
+class Refusal:
+    """The engine refused a tick (a plan it cannot run); it goes on serving the others."""
+
+    tick: Tick
+    detail: str
+
+
+@dataclass(frozen=True)
+class Death:
+    """The engine cannot go on: restart it (or give up, as EngineHealth decides)."""
+
+    why: str
 
 
 class EngineLink:
-    def __init__(self, run_dir: str, engine_cfg: dict, arena: TokenArena, tick_deadline_s: float,
-                 faults: list | None = None, depth: int = 2, start_timeout_s: float = 300.0,
-                 restart_timeout_min_s: float = 10.0, claim=lambda path: None):
-        self.run_dir, self.engine_cfg, self.arena = run_dir, engine_cfg, arena
-        self.tick_deadline_s = tick_deadline_s
-        self.start_timeout_s, self.restart_timeout_min_s = start_timeout_s, restart_timeout_min_s
-        self.first_start_s: float | None = None  # measured: spawn to hello of the first incarnation
+    def __init__(self, run_dir: str, arena: TokenArena, pipeline: TickPipeline, health: EngineHealth, *,
+                 engine_kind: str, engine_params: dict, n_vocab: int, model_path: str, log_level: str = "WARNING",
+                 faults: list | None = None, claim=lambda path: None):
+        self.run_dir, self.arena, self.pipeline, self.health = run_dir, arena, pipeline, health
+        self.engine_kind, self.engine_params, self.log_level = engine_kind, engine_params, log_level
+        self.n_vocab, self.model_path = n_vocab, model_path
+        self.faults = faults  # tests only: one entry per incarnation, the last one for all after it
         self.claim = claim  # tells the front's reaper of each socket file made here
-        self.faults = faults
-        self.depth = depth
-        self.inflight: deque[Flight] = deque()
-        self.resync = False
-        self.state = DOWN
-        self.info: SimpleNamespace | None = None
+        self.info: EngineInfo | None = None  # the first incarnation's: every later one must match it
         self.proc = None
         self.listener = None  # until the incarnation connects
         self.sock: seqpacket.LinkSocket | None = None
-        self.broken = ""  # why the link failed, for check() to report
         self.generation = 0
-        self.restarts = 0
-        self.deaths_in_row = 0
-        self.next_start_at = 0.0
-        self.started_at = 0.0
-        self.tick_seq = 0
-        self.last_error = ""  # why the engine last died (status reports it)
-        self.words = ""  # what this incarnation said about its own failure (hello_error, abort)
-        self.unrecoverable = ""  # a death no restart can cure
+        self.broken = ""  # why the link failed, for why_dead() to report
+        self.words = ""  # what this incarnation said about its own failure (hello failed, abort)
 
     @property
     def path(self) -> str:
         return f"{self.run_dir}/engine-{os.getpid()}-{self.generation}.sock"
 
     @property
-    def watch(self):
+    def poll_socket(self):
         """What the front's poller watches: the listener until the engine connects, then the link."""
         return self.sock if self.sock is not None else self.listener
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    @property
+    def can_send(self) -> bool:
+        return self.health.state == READY
+
     def start(self) -> None:
-        """Spawn an incarnation; it connects and says hello later, through on_message()."""
+        """Spawn an incarnation; it connects and says hello later, through receive()."""
         self._close_sock()
         self.generation += 1
         self.words = ""
         self.arena.reset_heartbeat()
         self.claim(self.path)
         self.listener = seqpacket.listen(self.path)
-        cfg = dict(self.engine_cfg, link=self.path, parent_pid=os.getpid(),
-                   arena={"name": self.arena.name, "n_input": self.arena.n_input, "n_output": self.arena.n_output})
-        if self.faults:  # tests only: one entry per incarnation, the last one for all after it
-            cfg["faults"] = self.faults[min(self.generation, len(self.faults)) - 1]
+        faults = self.faults[min(self.generation, len(self.faults)) - 1] if self.faults else None
+        cfg = link.EngineProcessConfig(self.path, os.getpid(), self.arena.name, self.arena.n_input,
+                                       self.arena.n_output, self.engine_kind, self.engine_params, self.log_level,
+                                       faults)
         self.proc = mp.get_context("spawn").Process(target=engine_main, args=(cfg,), daemon=True,
                                                    name=f"meshnode-engine-{self.generation}")
         self.proc.start()
-        self.state, self.started_at = STARTING, time.monotonic()
+        self.health.starting(time.monotonic())
 
-    @property
-    def hello_deadline_s(self) -> float:
-        """How long an incarnation may take to say hello: the configured start timeout the first
-        time, then a multiple of what the first start measured (never below the floor)."""
-        if self.first_start_s is None:
-            return self.start_timeout_s
-        return min(self.start_timeout_s, max(self.restart_timeout_min_s, RESTART_FACTOR * self.first_start_s))
-
-    def wait_ready(self, stop=lambda: False) -> SimpleNamespace | None:
+    def wait_ready(self, stop=lambda: False) -> EngineInfo | None:
         """Block until the first incarnation says hello (node start-up only); None if `stop()`."""
-        while self.state == STARTING:
+        while self.health.state == STARTING:
             if stop():
                 return None
-            if select.select([self.watch], [], [], 0.1)[0]:
-                self.on_message()
-            why = self.check(time.monotonic())
+            if select.select([self.poll_socket], [], [], 0.1)[0]:
+                self.receive()
+            why = self.why_dead(time.monotonic())
             if why:
                 raise RuntimeError(f"engine did not start: {why}")
         return self.info
 
-    def on_message(self) -> tuple[dict, Plan] | None:
-        """Read one message: a tick's reply and the plan it answers, or None (a connection, hello,
-        stale or dropped reply, or a closed link, which check() then reports)."""
+    def receive(self) -> Reply | Refusal | Death | None:
+        """Read one message: the outcome of a tick, or None (a connection, a hello, an answer to a
+        tick no longer in flight, or a closed link, which why_dead() then reports)."""
         if self.sock is None:
             self.sock = seqpacket.accept(self.listener, self.pid)
             if self.sock is not None:  # connected: the path is not needed any more
@@ -143,64 +130,52 @@ class EngineLink:
             self.broken = self.broken or "engine closed the link"
             return None
         try:
-            msg = L.unpack_message(data)
-        except ValueError as e:  # the engine is broken: check() reports it, then the restart
+            msg = link.decode(data)
+        except ValueError as e:  # the engine is broken: why_dead() reports it, then the restart
             self.broken = self.broken or f"engine sent a malformed message: {e}"
             return None
-        if "hello" in msg:
-            info = SimpleNamespace(**msg["hello"])
-            if self.info is not None and (info.recipe, info.n_vocab) != (self.info.recipe, self.info.n_vocab):
-                # the file changed under a running node: sessions cannot continue on another model,
-                # and the front's tokenizer, budgets and recipe all describe the old one
-                self.unrecoverable = self.broken = (
-                    f"the restarted engine loaded a different model (recipe {info.recipe}, this node serves "
-                    f"{self.info.recipe}): {self.engine_cfg.get('engine', {}).get('model_path')} changed; "
-                    "restart the node")
-                return None
-            self.info = info
-            self.state = IDLE
-            if self.first_start_s is None:
-                self.first_start_s = time.monotonic() - self.started_at
+        if isinstance(msg, link.Hello):
+            return self._hello(msg)
+        if isinstance(msg, (link.HelloFailed, link.Aborted)):
+            self.words = msg.detail if isinstance(msg, link.HelloFailed) else f"llama.cpp aborted: {msg.detail}"
+            self.broken = self.broken or (self.words if isinstance(msg, link.Aborted) else "")
             return None
-        if "hello_error" in msg:
-            self.words = msg["hello_error"]
+        if not isinstance(msg, (link.TickDone, link.TickRefused)):
+            self.broken = self.broken or f"engine sent {type(msg).__name__}, which only the front sends"
             return None
-        if "abort" in msg:  # its last words: the process is going down
-            self.broken = self.words = f"llama.cpp aborted: {msg['abort']}"
-            return None
-        if not self.inflight or msg.get("t") != self.inflight[0].t:
-            return None  # a stale reply from before a restart
-        flight = self.inflight.popleft()
-        if not self.inflight:
-            self.state = IDLE
-        if flight.discard:
-            return None
-        if msg.get("ok"):
-            self.deaths_in_row = 0
-        elif not msg.get("fatal"):
-            for f in self.inflight:
-                f.discard = True
-            self.resync = True
-        return msg, flight.plan
-
-    @property
-    def can_send(self) -> bool:
-        return self.state in (IDLE, BUSY) and len(self.inflight) < self.depth
-
-    def send_tick(self, plan: Plan, fresh: bool = False) -> None:
-        self.tick_seq += 1
+        tick = self.pipeline.answer(msg.tick)
+        if tick is None:
+            return None  # from before a restart, or behind a refused tick
+        if isinstance(msg, link.TickRefused):
+            return Death(f"engine reported a fatal error: {msg.detail}") if msg.fatal else Refusal(tick, msg.detail)
         try:
-            self.sock.send(L.encode_tick(self.tick_seq, plan, self.arena, self.resync, fresh))
-        except OSError as e:  # it stopped reading or is gone: check() reports it, then the restart
-            self.broken = self.broken or f"engine link send failed: {e}"
-        self.resync = False
-        self.inflight.append(Flight(self.tick_seq, plan, time.monotonic()))
-        self.state = BUSY
+            tokens = link.read_samples(self.arena, tick.t, tick.plan, self.n_vocab)
+        except ValueError as e:  # garbage from the engine: restart it, re-prefill
+            return Death(f"engine sent a bad reply: {e}")
+        self.health.good_tick()
+        return Reply(tick, StepResult(tokens, list(msg.cache_miss), msg.step_ms, msg.kv_cells), msg.gap_ms,
+                     msg.rss, msg.mem_available, msg.mem_total)
 
-    def check(self, now: float) -> str | None:
-        """Why the engine is dead now, or None: exited, broken, hung in a tick, or silent at start."""
-        if self.state not in (STARTING, IDLE, BUSY):
+    def _hello(self, msg: link.Hello) -> None:
+        problem = model_problem(msg.info, self.info, self.n_vocab, self.model_path)
+        if problem:  # no session can continue on another model: the node must say so and stop serving
+            self.health.unrecoverable = self.broken = problem
             return None
+        self.info = self.info or msg.info
+        self.health.ready(time.monotonic())
+        return None
+
+    def send(self, tick: Tick, fresh: bool = False) -> None:
+        tick.sent_at = time.monotonic()
+        try:
+            self.sock.send(link.encode(link.TickRequest(tick.t, tick.plan, tick.resync, fresh), self.arena))
+        except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
+            self.broken = self.broken or f"engine link send failed: {e}"
+
+    def why_dead(self, now: float) -> str:
+        """Why the engine is dead now, or "": exited, broken, silent at start, or hung in a tick."""
+        if self.health.state not in (STARTING, READY):
+            return ""
         if self.broken and self.proc is not None:
             self.proc.join(0.5)  # a broken link is a process going down: let it finish, to say how
         if self.proc is not None and not self.proc.is_alive():
@@ -208,53 +183,27 @@ class EngineLink:
             return f"engine process exited (code {self.proc.exitcode})" + (f": {self.words}" if self.words else "")
         if self.broken:
             return self.words or self.broken
-        if self.state == STARTING and now - self.started_at > self.hello_deadline_s:
-            return f"engine did not say hello within {self.hello_deadline_s:.1f} s"
-        return self._hung(now)
+        return self.health.late_hello(now) or self.health.hung(now, self.pipeline.ticks, self.arena.heartbeat())
 
     def _read_last_words(self) -> None:
-        """A dead engine may have said why (hello_error, abort) in messages still unread."""
+        """A dead engine may have said why (hello failed, abort) in messages still unread."""
         for _ in range(8):
-            watch = self.watch
-            if watch is None or not select.select([watch], [], [], 0)[0]:
+            sock = self.poll_socket
+            if sock is None or not select.select([sock], [], [], 0)[0]:
                 return
-            self.on_message()
-
-    def _hung(self, now: float) -> str | None:
-        """A tick the engine has not finished, late by the engine's own heartbeat. A finished tick
-        whose reply the front has not read yet is never late, however long the front was busy."""
-        started, finished, changed = self.arena.heartbeat()
-        late = next((f for f in self.inflight if f.t > finished), None)
-        if late is None:
-            return None
-        since = max(changed, late.sent_at)  # it could not start before it got the tick
-        if now - since <= self.tick_deadline_s:
-            return None
-        where = "in its step" if started == late.t else "without taking it"
-        return f"tick {late.t} ran past its {self.tick_deadline_s:.1f} s deadline ({now - since:.1f} s {where})"
+            self.receive()
 
     def died(self, why: str) -> None:
-        """Kill what is left and schedule a restart with backoff (or give up in a crash loop)."""
+        """Kill what is left and let the health policy decide: restart with backoff, or give up."""
         log.error("engine died: %s", why)
-        self.last_error = why
         self.kill()
-        self.inflight.clear()
-        self.resync = False
-        self.deaths_in_row += 1
-        if self.unrecoverable or self.deaths_in_row >= CRASH_LOOP_DEATHS:
-            self.state = FAILED
-            log.error("not restarting the engine: %s", self.unrecoverable or
-                      f"crash loop, {self.deaths_in_row} deaths in a row")
-            return
-        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self.deaths_in_row - 1))
-        self.state, self.next_start_at = DOWN, time.monotonic() + delay
+        self.health.died(time.monotonic(), why)
+        if not self.health.healthy:
+            log.error("not restarting the engine: %s", self.health.why_failed())
 
-    def maybe_restart(self, now: float) -> bool:
-        if self.state == DOWN and now >= self.next_start_at:
-            self.restarts += 1
+    def maybe_restart(self, now: float) -> None:
+        if self.health.restart_due(now):
             self.start()
-            return True
-        return False
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -265,15 +214,14 @@ class EngineLink:
         self._close_sock()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Ask the engine to exit cleanly, then make sure it has."""
+        """Ask the engine to exit cleanly, then make sure it has (at once if it never connected)."""
         if self.proc is not None and self.proc.is_alive() and self.sock is not None:
             try:
-                self.sock.send(L.STOP)
+                self.sock.send(link.encode(link.Stop()))
             except OSError:
                 pass
             self.proc.join(timeout)
         self.kill()
-        self.state = DOWN
 
     def _close_sock(self) -> None:
         if self.sock is not None:
@@ -290,7 +238,3 @@ class EngineLink:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0

@@ -1,47 +1,33 @@
 """The engine process's end of the link, worked beside the decode instead of between decodes.
 
 Every microsecond between two llama_decode calls is time the model does not
-run. Measured on the bench model (2 cores), the link work that used to sit
-there cost about 330 us a tick: with caches cold after a 65 ms decode, even
-msgpack and a few Python calls are slow. So the main thread only takes the
-next plan from a queue and hands its result back; the rest runs on two
-threads while the next decode runs (llama_decode releases the GIL):
+run, so the main thread only takes the next tick from a queue and hands its
+answer back; the rest runs on two threads while the next decode runs
+(llama_decode releases the GIL), figures in docs/architecture.md:
 
-- the reader receives, unpacks and decodes each tick descriptor (its tokens
-  copied out of the shared arena) as soon as it arrives;
+- the reader receives and decodes each tick request (its tokens copied out of
+  the shared arena) as soon as it arrives;
 - the writer writes each tick's sampled tokens to the arena, adds the latest
-  memory figures to its reply, packs and sends it, and only then re-reads
-  psutil (about 0.7 ms) when the figures are older than MEMORY_EVERY_S.
+  memory figures to its answer, sends it, and only then re-reads psutil when
+  the figures are older than MEMORY_EVERY_S.
 
-Order is kept: ticks reach the main thread in arrival order and replies leave
+Order is kept: ticks reach the main thread in arrival order and answers leave
 in hand-over order, so the front sees exactly the lockstep conversation.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
-from ipc import link as L
-from ipc.protocol import pack
+from ipc import link
 from ipc.seqpacket import LinkSocket
-from meshnode.core.types import Plan
 from meshnode.ops.memory import host_memory, rss
 
 MEMORY_EVERY_S = 0.25
-STOP, CLOSED = "stop", "closed"  # what next() returns besides ticks: asked to stop, link gone
-
-
-@dataclass
-class Tick:
-    t: object
-    plan: Plan | None
-    out: int = 0
-    resync: bool = False
-    fresh: bool = False  # the engine was idle: new work, not the answer to its last reply
-    error: str = ""  # a tick whose fields do not decode; the main thread refuses it, in order
+CLOSED = "link closed"  # what next() returns when the front is gone
 
 
 class LinkIO:
@@ -49,7 +35,7 @@ class LinkIO:
         self.sock, self.arena = sock, arena
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._mem: dict = {}
+        self._mem = {"rss": 0, "mem_available": 0, "mem_total": 0}
         self._mem_at = -MEMORY_EVERY_S
         self._threads = [threading.Thread(target=self._guard, args=(self._read,), name="link-reader", daemon=True),
                          threading.Thread(target=self._guard, args=(self._write,), name="link-writer", daemon=True)]
@@ -59,9 +45,10 @@ class LinkIO:
         for th in self._threads:
             th.start()
 
-    def next(self, timeout_s: float) -> Tick | str | None:
-        """The next tick, STOP, CLOSED, or None after `timeout_s` with nothing. A link thread's
-        failure (a message that is not msgpack at all: the front has a bug) is raised here."""
+    def next(self, timeout_s: float):
+        """The next TickRequest, a MalformedTick (refuse it, in its place), Stop, CLOSED, or None after
+        `timeout_s` with nothing. A link thread's failure (a message that is not msgpack at all: the
+        front has a bug) is raised here."""
         try:
             item = self._inbox.get_nowait()  # usually there already: read while the last step ran
         except queue.Empty:
@@ -69,14 +56,14 @@ class LinkIO:
                 item = self._inbox.get(timeout=timeout_s)
             except queue.Empty:
                 return None
-        if isinstance(item, Exception):
+        if isinstance(item, Exception) and not isinstance(item, link.MalformedTick):
             raise item
         return item
 
-    def reply(self, msg: dict, samples: tuple | None = None) -> None:
-        """Hand a reply over; it is sent in order, with the latest memory figures added, after
-        `samples` (write_samples' arguments after the arena) are written to the arena."""
-        self._outbox.put((msg, samples))
+    def reply(self, answer: link.TickDone | link.TickRefused, plan=None, tokens: dict | None = None) -> None:
+        """Hand an answer over; it is sent in order, with the latest memory figures added, after
+        `tokens` (the plan's samples) are written to the arena."""
+        self._outbox.put((answer, plan, tokens))
 
     def close(self) -> None:
         """Send what was handed over, then end both threads (shutting the socket wakes the reader)."""
@@ -95,13 +82,12 @@ class LinkIO:
                 self._inbox.put(CLOSED)
                 return
             try:
-                msg = L.unpack_message(data)
-            except ValueError as e:
-                raise ValueError(f"malformed engine-link message: {e}") from None
-            if msg.get("stop"):
-                self._inbox.put(STOP)
+                msg = link.decode(data, self.arena)
+            except link.MalformedTick as e:
+                msg = e
+            self._inbox.put(msg)
+            if isinstance(msg, link.Stop):
                 return
-            self._inbox.put(self._decode(msg))
 
     def _guard(self, loop) -> None:
         """A link thread that fails hands its exception to the main thread, which raises it: the
@@ -111,20 +97,14 @@ class LinkIO:
         except Exception as e:
             self._inbox.put(e)
 
-    def _decode(self, msg: dict) -> Tick:
-        try:
-            plan, out, resync = L.decode_tick(msg, self.arena)
-        except ValueError as e:
-            return Tick(msg.get("t"), None, error=str(e))
-        return Tick(msg.get("t"), plan, out, resync, bool(msg.get("fresh")))
-
     def _write(self) -> None:
         while (item := self._outbox.get()) is not None:
-            msg, samples = item
-            if samples is not None:
-                L.write_samples(self.arena, *samples)
+            answer, plan, tokens = item
+            if isinstance(answer, link.TickDone):
+                link.write_samples(self.arena, answer.tick, plan, tokens)
+                answer = dataclasses.replace(answer, **self._mem)
             try:
-                self.sock.send(pack({**msg, **self._mem}))
+                self.sock.send(link.encode(answer))
             except OSError:  # the front is gone
                 self._inbox.put(CLOSED)
                 return
@@ -133,4 +113,4 @@ class LinkIO:
 
     def _refresh_memory(self) -> None:
         avail, total = host_memory()
-        self._mem, self._mem_at = {"rss": rss(), "mem": [avail, total]}, time.monotonic()
+        self._mem, self._mem_at = {"rss": rss(), "mem_available": avail, "mem_total": total}, time.monotonic()

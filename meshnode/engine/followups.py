@@ -1,17 +1,17 @@
-"""Ties pipelined ticks together on the engine side.
+"""Pipelined ticks on the engine's side: each follow-up token filled in from the tick before.
 
-The front plans tick N+1 while the engine still runs tick N, so the engine
-never waits for the front (vLLM's async scheduling, SGLang's overlap
-scheduler). A sequence that samples in tick N then decodes in tick N+1 with a
-token the front has not seen: its chunk is marked `follow`, and the Chain
-fills it in from tick N's result. Two things can break that link, and both
-are handled here so that one bad tick never takes good sequences with it:
+The front plans tick N+1 while the engine still runs tick N
+(meshnode/core/pipeline.py). A sequence that samples in tick N then decodes in
+tick N+1 with a token the front has not seen: its chunk is marked `follow`,
+and Followups fills it in from tick N's result. Two things can break that
+link, and both are handled here so that one bad tick never takes good
+sequences with it:
 
 - tick N lost a sequence's KV (llama_decode rc=1, a cache miss): its chunks in
   tick N+1 are dropped and reported as misses again, unless N+1 released the
   sequence and starts a new session on it;
 - tick N was refused (a bad plan): every later tick that was already queued
-  was planned on top of it, so the Chain refuses them all until the front,
+  was planned on top of it, so Followups refuses them all until the front,
   having rolled its own state back, sends a tick marked `resync`.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from meshnode.core.types import InvalidPlan, Plan, StepResult
 AWAITING_RESYNC = "refused: an earlier tick failed and the front has not resynchronised yet"
 
 
-class Chain:
+class Followups:
     def __init__(self):
         self.sampled: dict[int, int] = {}  # seq_id -> token sampled in the last tick
         self.lost: set[int] = set()  # sequences whose KV the last tick lost
@@ -50,11 +50,11 @@ class Chain:
             plan = Plan([c for c in plan.chunks if c.seq_id not in dropped], plan.release)
         return plan, dropped
 
-    def step(self, engine, plan: Plan, resync: bool = False) -> StepResult:
+    def run(self, engine, plan: Plan, resync: bool = False) -> StepResult:
         """Run `plan` on `engine` right after the tick before it; dropped sequences come back as misses.
 
         A refusal (InvalidPlan, or any error the caller does not treat as fatal) must be followed
-        by `failed()`.
+        by `refused()`.
         """
         runnable, dropped = self.resolve(plan, resync)
         res = engine.step(runnable)
@@ -62,6 +62,6 @@ class Chain:
         self.sampled, self.lost = dict(res.tokens), set(res.cache_miss)
         return res
 
-    def failed(self) -> None:
+    def refused(self) -> None:
         """This tick was refused: refuse the queued ticks planned on top of it until a resync."""
         self.refusing, self.sampled, self.lost = True, {}, set()

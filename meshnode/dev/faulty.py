@@ -1,0 +1,53 @@
+"""An engine that fails on purpose, the way a test asked: chosen when the engine is built, never in production.
+
+The engine process wraps its engine in `Faulty` only when its configuration
+carries faults (only the test and drill entry, meshnode/dev/serve.py, can put
+them there). Start-up faults happen while it is built, before the engine
+says hello; a tick fault happens inside the `at_tick`-th step.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from meshnode.core.types import FatalEngineError, InvalidPlan
+
+
+class Faulty:
+    def __init__(self, engine, faults: dict):
+        self.engine, self.faults, self.steps = engine, faults, 0
+        time.sleep(faults.get("sleep_at_start", 0))  # a slow model load
+        if faults.get("die_at_start"):
+            os._exit(3)
+        if faults.get("abort_at_start"):  # as if a GGML_ASSERT failed while loading
+            from meshnode.engine import llamacpp
+
+            llamacpp.abort("GGML_ASSERT(injected) failed")
+        if faults.get("stop_at_hello"):  # as if SIGSTOPped by an operator before it could answer
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def __getattr__(self, name):  # the engine's shape, close(), ...
+        return getattr(self.engine, name)
+
+    def step(self, plan):
+        self.steps += 1
+        kind = self.faults.get("kind") if self.steps == self.faults.get("at_tick") else None
+        if kind == "fatal":
+            raise FatalEngineError("injected: llama_decode returned -3")
+        if kind == "raise":
+            raise RuntimeError("injected exception in step")
+        if kind == "refuse":
+            raise InvalidPlan("injected: a plan the engine refuses")
+        if kind == "hang":
+            time.sleep(3600)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "abort":
+            from meshnode.engine import llamacpp
+
+            llamacpp.abort("GGML_ASSERT(injected) failed")
+        res = self.engine.step(plan)
+        if kind == "bad_sample":
+            res.tokens = dict.fromkeys(res.tokens, self.engine.n_vocab)  # ids the vocabulary lacks
+        return res

@@ -1,0 +1,116 @@
+"""The front's client side: its sockets, what it owes stalled clients, and the CPU their requests may take.
+
+One object owns everything clients can reach: the ROUTER for requests, the
+telemetry PUB, /metrics, the connection caps on each listener (gate.py), the
+answers kept for clients that stopped reading (outbox.py), and the share of
+the front's CPU their requests get (meshnode/core/cpushare.py). The loop asks
+it what to poll and hands it what was ready; it yields requests to handle,
+within the share, and sends answers.
+"""
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from ipc import protocol as P
+from ipc.transport import Curve, client_router, telemetry_pub
+from meshnode.core.cpushare import RECEIVE_S_PER_BYTE, CpuShare
+from meshnode.front.gate import Gate
+from meshnode.front.metrics import MetricsServer
+from meshnode.front.outbox import Outbox
+
+CLIENT_SLICE_S = 0.004  # client work per loop turn, at most: then the engine link's turn
+TELEMETRY_SUBSCRIBERS = 64  # connections the telemetry PUB accepts
+
+
+class Clients:
+    def __init__(self, zctx: zmq.Context, listen: str, telemetry: str, *, curve: Curve | None, insecure: bool,
+                 max_clients: int, metrics_listen: str | None = None):
+        self._auth: list = []
+        self.router = client_router(zctx, listen, curve, insecure, self._auth)
+        self.pub = telemetry_pub(zctx, telemetry, curve, insecure, self._auth)
+        self.outbox = Outbox(self.router)
+        self.gates = [Gate(self.router, listen, max_clients), Gate(self.pub, telemetry, TELEMETRY_SUBSCRIBERS)]
+        self.metrics = MetricsServer(metrics_listen) if metrics_listen else None
+        self.share = CpuShare(time.perf_counter())
+        self._watching, self._metrics_fds = True, set()
+
+    def register(self, poller: zmq.Poller) -> None:
+        poller.register(self.router, zmq.POLLIN)
+        for gate in self.gates:
+            poller.register(gate.monitor, zmq.POLLIN)
+
+    def watch(self, poller: zmq.Poller) -> float:
+        """Point the poller at the client sockets while requests are within their CPU share; return how
+        long until they are again (0 now): meanwhile requests wait in the clients' own queues."""
+        wait = self.share.wait_s(time.perf_counter())
+        allowed = wait == 0
+        if allowed != self._watching:
+            self._watching = allowed
+            poller.modify(self.router, zmq.POLLIN if allowed else 0)
+        want = set(self.metrics.fds()) if self.metrics is not None and allowed else set()
+        for fd in self._metrics_fds - want:
+            poller.unregister(fd)
+        for fd in want - self._metrics_fds:
+            poller.register(fd, zmq.POLLIN)
+        self._metrics_fds = want
+        return wait
+
+    def requests(self, ready: dict):
+        """Yield (identity, frames) of requests waiting, within one slice of the CPU share (scrapes are
+        answered on the way); what is left waits for the next turn."""
+        for gate in self.gates:
+            if ready.get(gate.monitor):
+                gate.on_events()
+        if self.metrics is not None:
+            self.metrics.expire(time.monotonic())
+        if not ready.get(self.router) and not any(ready.get(fd) for fd in self._metrics_fds):
+            return
+        # a time slice, not a count: a flood of valid but costly requests (maximal token lists,
+        # status, scrapes) must leave the engine link its turn, and the decode its CPU
+        start = time.perf_counter()
+        until = start + min(CLIENT_SLICE_S, self.share.available(start))
+        received = 0
+        try:
+            for fd in self._metrics_fds:
+                if ready.get(fd):
+                    self.metrics.on_ready(fd)
+            while time.perf_counter() < until:
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                received += sum(map(len, frames))
+                yield frames[0], frames[1:]
+        finally:
+            self.share.spend(time.perf_counter() - start + received * RECEIVE_S_PER_BYTE)
+
+    def send(self, ident: bytes, frames: list[bytes], final: bool = True) -> str:
+        return self.outbox.send(ident, frames, final)
+
+    def flush(self) -> None:
+        if self.outbox.pending:
+            self.outbox.flush()
+
+    def publish(self, snapshot: dict) -> None:
+        self.pub.send_multipart(P.telemetry(snapshot))
+        if self.metrics is not None:
+            self.metrics.publish(snapshot)
+
+    def stats(self) -> dict:
+        """The snapshot's client figures."""
+        router, pub = self.gates
+        return {"clients_stalled": len(self.outbox.pending), "undeliverable_total": self.outbox.dropped_total,
+                "clients_connected": router.connected, "subscribers_connected": pub.connected,
+                "clients_refused_total": router.refused_total}
+
+    def close(self) -> None:
+        for gate in self.gates:
+            gate.close()
+        for obj in (self.router, self.pub):
+            obj.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        for auth in self._auth:
+            auth.stop()

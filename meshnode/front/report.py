@@ -1,0 +1,66 @@
+"""What the node tells the world, and when: the full snapshot, status, sd_notify, on a timer.
+
+The snapshot is the telemetry's counters plus what other parts own: the
+engine's pid and restarts and the node's health (meshnode/core/health.py),
+the client sockets' figures, the front's own memory and descriptors. It is
+published at least once a second on the PUB and to /metrics; systemd gets a
+STATUS line every few seconds and WATCHDOG only while the engine is healthy.
+"""
+from __future__ import annotations
+
+import os
+
+from ipc import protocol as P
+from meshnode import __version__
+from meshnode.front.gate import open_descriptors
+from meshnode.ops.memory import rss
+
+PUBLISH_EVERY_S = 1.0
+STATUS_EVERY_S = 5.0
+
+
+class Report:
+    def __init__(self, node):
+        """`node`: the front, read for its telemetry, link, health, clients, budget and endpoints."""
+        self.node = node
+        self.front_rss, self.fds_open = rss(), 0
+        self.next_publish = self.next_status = 0.0
+
+    def snapshot(self) -> dict:
+        n = self.node
+        snap = n.telemetry.snapshot()
+        snap["engine"].update(pid=n.link.pid, restarts=n.health.restarts, healthy=n.health.healthy)
+        snap.update(n.clients.stats())
+        snap["front_rss_bytes"], snap["fds_open"], snap["fds_limit"] = self.front_rss, self.fds_open, n.fd_limit
+        snap["healthy"] = n.health.healthy
+        snap["model"], snap["recipe"] = os.path.basename(n.cfg.model), n.recipe
+        return snap
+
+    def status(self) -> list[bytes]:
+        """The `status` event: node info and the snapshot."""
+        n, h = self.node, self.node.health
+        info = {"version": __version__, "recipe": n.recipe, "model": n.cfg.model, "budgets": n.budget.as_dict(),
+                "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.healthy,
+                "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
+                "engine_hello_deadline_s": h.hello_deadline_s}
+        return P.status(info, self.snapshot())
+
+    def status_line(self) -> str:
+        t = self.snapshot()
+        return (f"active={t['active_sessions']} queued={t['queue_depth']} kv={t['kv_pressure']:.0%} "
+                f"decode={t['decode_tokens_per_s']:.0f} tok/s restarts={t['engine']['restarts']}"
+                f"{'' if t['healthy'] else ' UNHEALTHY'}")
+
+    def due(self, now: float) -> float:
+        """Publish and notify what is due; return seconds until the next publication."""
+        n = self.node
+        if now >= self.next_publish:
+            self.front_rss, self.fds_open = rss(), open_descriptors()  # psutil and /proc: not per request
+            n.clients.publish(self.snapshot())
+            self.next_publish = now + PUBLISH_EVERY_S
+            if n.health.healthy and n.notifier.watchdog_s:
+                n.notifier.notify("WATCHDOG=1")
+        if now >= self.next_status:
+            n.notifier.notify(f"STATUS={self.status_line()}")
+            self.next_status = now + STATUS_EVERY_S
+        return self.next_publish - now

@@ -1,0 +1,102 @@
+"""What each client request does: ping, status, cancel, submit (text tokenized off the loop).
+
+Requests of one client are answered in order: while its text is being
+tokenized on the worker thread (meshnode/text/jobs.py), the requests it sends
+after it wait (a cancel must find the session it follows), at most MAX_HELD.
+A text that cannot fit the context is refused before it is tokenized: the
+lower bound on its token count costs nothing.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from ipc import protocol as P
+from meshnode.core import reasons as R
+from meshnode.core.scheduler import Scheduler
+from meshnode.core.session import Ask, Session
+from meshnode.core.telemetry import Telemetry
+from meshnode.text.jobs import TextJob, TextJobs
+from meshnode.text.tokenizer import Tokenizer
+
+MAX_HELD = 256  # a client's requests waiting behind its text being tokenized
+
+
+class Requests:
+    def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, reply,
+                 send_events, status, opened):
+        """`reply(ident, frames)`, `send_events(events)`, `status() -> frames`, `opened(key)` (a session
+        was admitted): the front's, so this class never touches a socket."""
+        self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
+        self.reply, self.send_events, self.status, self.opened = reply, send_events, status, opened
+        self.held: dict[bytes, deque] = {}
+
+    def on_frames(self, ident: bytes, frames: list[bytes]) -> None:
+        held = self.held.get(ident)
+        if held is None:
+            self._handle(ident, frames)
+        elif len(held) < MAX_HELD:
+            held.append(frames)
+        else:
+            self.telemetry.count_bad_frame()
+            self.reply(ident, P.error(R.TOO_LARGE, f"{MAX_HELD} requests already wait behind a text of this "
+                                      "client that is being tokenized; read the answers before sending more"))
+
+    def _handle(self, ident: bytes, frames: list[bytes]) -> None:
+        try:
+            req = P.decode_request(frames, self.tok.n_vocab)
+        except P.ProtocolError as e:
+            self.telemetry.count_bad_frame()
+            self.reply(ident, P.error(e.code, e.detail, e.id))
+            return
+        if isinstance(req, P.Ping):
+            self.reply(ident, P.pong())
+        elif isinstance(req, P.Status):
+            self.reply(ident, self.status())
+        elif isinstance(req, P.Cancel):
+            ev = self.sched.cancel((ident, req.id))
+            if ev is None:
+                self.reply(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))
+            else:
+                self.send_events([ev])
+        else:
+            self._submit(ident, req)
+
+    def _submit(self, ident: bytes, req: P.Submit) -> None:
+        if req.tokens is not None:
+            return self._admit(ident, req, req.tokens)
+        d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(req.text)), req.max_tokens, req.recipe))
+        if not d.accepted:
+            return self._refuse(ident, req.id, d.reason, d.detail)
+        if not self.texts.submit((ident, req), req.text):
+            return self._refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
+                                f"the tokenizer's backlog is full ({self.texts.max_backlog_bytes} bytes of text "
+                                "wait); retry later or send tokens")
+        self.held[ident] = deque()
+
+    def on_text(self, job: TextJob) -> None:
+        """A text is tokenized: admit it, then handle what its client sent behind it."""
+        ident, req = job.key
+        if job.error:
+            self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, job.error)
+        else:
+            self._admit(ident, req, job.tokens)
+        held = self.held.pop(ident, deque())
+        while held:
+            self._handle(ident, held.popleft())
+            if ident in self.held:  # waiting behind another text now
+                self.held[ident].extend(held)
+                return
+
+    def _refuse(self, ident: bytes, id: str, reason: str, detail: str) -> None:
+        self.telemetry.count_reject(reason)
+        self.reply(ident, P.rejected(id, reason, detail))
+
+    def _admit(self, ident: bytes, req: P.Submit, prompt: list[int]) -> None:
+        s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
+                    req.ignore_eos, req.recipe)
+        d = self.sched.submit(s)
+        if d.accepted:
+            self.opened(s.key)
+            self.reply(ident, P.admitted(req.id, d.reason))
+        else:
+            self._refuse(ident, req.id, d.reason, d.detail)

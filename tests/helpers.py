@@ -1,0 +1,204 @@
+"""What the tests share: prompts, a clock, one way to build a scheduler, engine drivers, node helpers."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+
+from ipc.shm import leftover_segments
+from meshnode.core.budget import NodeBudget
+from meshnode.core.pipeline import TickPipeline
+from meshnode.core.scheduler import Scheduler
+from meshnode.core.session import Session
+from meshnode.core.types import GREEDY, InvalidPlan, Plan, SeqChunk, StepResult
+from meshnode.dev.drive import run_tick, run_to_completion  # noqa: F401  (re-exported for the tests)
+from meshnode.engine.fake import FakeEngine
+from meshnode.engine.followups import AWAITING_RESYNC, Followups
+
+
+def prompt(n, salt=0):
+    """A deterministic prompt of n token ids, none of them a control token."""
+    return [3 + (i * 29 + salt * 7) % 500 for i in range(n)]
+
+
+def session(key, n_prompt=4, max_tokens=5, salt=0, **kw):
+    return Session(key, prompt(n_prompt, salt), max_tokens, **kw)
+
+
+class Clock:
+    """An injectable monotonic clock the test moves by hand."""
+
+    def __init__(self, t=100.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def scheduler(engine=None, clock=None, depth=1, **budget):
+    """(engine, scheduler) over a fake engine unless one is given; `budget` overrides NodeBudget fields."""
+    e = engine or FakeEngine(n_seq_max=8, n_ctx=4096)
+    kw = {"clock": clock} if clock else {}
+    s = Scheduler(NodeBudget.from_engine(e, **budget), e.eog, recipe=e.recipe_fingerprint,
+                  pipeline=TickPipeline(depth), **kw)
+    return e, s
+
+
+def step(sched, engine, tick):
+    """Run one planned tick on the engine and apply its answer (lockstep)."""
+    return sched.apply(sched.pipeline.answer(tick.t), engine.step(tick.plan))
+
+
+def done_reasons(events):
+    return {e.session.key: e.reason for e in events if e.kind == "done"}
+
+
+def outputs(events):
+    return {e.session.key: e.tokens for e in events if e.kind == "done"}
+
+
+# -- engines, driven directly ------------------------------------------------------------------------
+def generate(engine, prompts: dict, n_new: int, chunk: int | None = None, sampling=None, together=True,
+             logits_out: dict | None = None):
+    """Greedy/seeded generation of `n_new` tokens for {seq_id: prompt}; returns {seq_id: tokens}.
+
+    together=True puts every sequence in the same ticks (one llama_decode each); False runs them one
+    after another, each alone. `chunk` splits prompts.
+    """
+    if not together:
+        out = {}
+        for sid, p in prompts.items():
+            out.update(generate(engine, {sid: p}, n_new, chunk, sampling, True, logits_out))
+        return out
+    sampling = sampling or {}
+    state = {sid: {"toks": list(p), "cached": 0, "gen": []} for sid, p in prompts.items()}
+    engine.step(Plan([], list(prompts)))  # start clean
+    while any(len(s["gen"]) < n_new for s in state.values()):
+        chunks = []
+        for sid, s in state.items():
+            if len(s["gen"]) >= n_new:
+                continue
+            pending = len(s["toks"]) - s["cached"]
+            n = pending if chunk is None else min(pending, chunk)
+            end = s["cached"] + n == len(s["toks"])
+            chunks.append(SeqChunk(sid, s["cached"], np.array(s["toks"][s["cached"]:s["cached"] + n], np.int32),
+                                   draw=len(s["gen"]) if end else -1,
+                                   sampling=sampling.get(sid, GREEDY) if s["cached"] == 0 else None))
+        plan = Plan(chunks)
+        if logits_out is not None:
+            got = engine.logits_for(plan)
+            res = {sid: int(np.argmax(row)) for sid, row in got.items()}
+            for sid, row in got.items():
+                logits_out.setdefault(sid, []).append(row)
+        else:
+            res = engine.step(plan).tokens
+        for c in chunks:
+            s = state[c.seq_id]
+            s["cached"] = c.pos + len(c.tokens)
+            if c.draw >= 0:
+                s["toks"].append(res[c.seq_id])
+                s["gen"].append(res[c.seq_id])
+    return {sid: s["gen"] for sid, s in state.items()}
+
+
+class Pipelined:
+    """The node's tick pipeline in one process: the scheduler planning up to its pipeline's depth ahead
+    (the front's side) and Followups in front of the engine (the engine process's side).
+
+    `refuse` holds tick numbers the engine refuses as bad plans, `miss` tick numbers whose
+    llama_decode finds no KV slot (every sequence of the tick is lost, as with rc=1).
+    """
+
+    def __init__(self, sched, engine, refuse=(), miss=()):
+        self.sched, self.engine, self.followups = sched, engine, Followups()
+        self.refuse, self.miss = set(refuse), set(miss)
+        self.sent: list = []  # ticks sent to the engine, not run yet
+        self.follows = 0
+        self.refused: list = []  # plans refused for themselves, not for awaiting a resync
+
+    def fill(self):
+        while (tick := self.sched.plan()) is not None:
+            self.follows += sum(c.follow for c in tick.plan.chunks)
+            self.sent.append(tick)
+
+    def run_one(self):
+        """The engine runs the oldest tick sent; the front handles its answer."""
+        tick = self.sent.pop(0)
+        try:
+            if tick.t in self.refuse:
+                self.followups.resolve(tick.plan, tick.resync)  # a refusal while awaiting resync stays one
+                raise InvalidPlan(f"tick {tick.t} refused on purpose")
+            engine = _NoSlot(self.engine) if tick.t in self.miss else self.engine
+            res = self.followups.run(engine, tick.plan, tick.resync)
+        except InvalidPlan as e:
+            # only the refusals a test asked for, and the ones queued behind them, are expected
+            if not (tick.t in self.refuse or (tick.discard and str(e) == AWAITING_RESYNC)):
+                raise
+            self.followups.refused()
+            answered = self.sched.pipeline.answer(tick.t)
+            if answered is None:
+                return []
+            self.refused.append(tick.plan)
+            return self.sched.refused(answered, "ENGINE_ERROR")
+        answered = self.sched.pipeline.answer(tick.t)
+        return [] if answered is None else self.sched.apply(answered, res)
+
+    def run_to_completion(self, max_ticks=10_000):
+        events = []
+        for _ in range(max_ticks):
+            self.fill()
+            if not self.sent:
+                return events
+            events += self.run_one()
+        raise RuntimeError("pipeline did not drain")
+
+
+class _NoSlot:
+    """llama_decode rc=1: no KV slot for the tick; the engine drops every sequence in it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def step(self, plan):
+        seqs = [c.seq_id for c in plan.chunks]
+        self.engine.step(Plan([], list(plan.release) + seqs))
+        return StepResult(cache_miss=seqs)
+
+
+# -- nodes ----------------------------------------------------------------------------------------
+def children_of(pid):
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def wait_until(pred, timeout_s=10.0, every_s=0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every_s)
+    return pred()
+
+
+def assert_clean(node, before_segments):
+    """After a node stops: exit 0, no child left, no new shm segment, no socket file."""
+    assert node.proc.returncode == 0, node.log()
+    new = set(leftover_segments()) - set(before_segments)
+    assert not new, f"shared memory left behind: {new}"
+    left = [f for f in os.listdir(node.run_dir) if f.endswith(".sock") or f.endswith(".lock")]
+    assert not left, f"files left in the run dir: {left}"
+
+
+def serve(model, *args, internal=None, timeout=60, env=None):
+    """Run `meshnode serve` to its end (a node that must refuse to start); internal settings go
+    through the test entry, as NodeProcess does."""
+    import json
+
+    entry = ["meshnode.dev.serve", json.dumps(internal)] if internal else ["meshnode", "serve"]
+    return subprocess.run([sys.executable, "-m", *entry, "--model", model, *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, **(env or {})))

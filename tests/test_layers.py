@@ -1,0 +1,102 @@
+"""The package layout is the architecture: this test fails when a layer imports what it must not.
+
+Pure policy (meshnode.core) imports nothing of the node and no I/O; engines run one model in-process
+with no I/O; the wire (ipc) knows the shared types and nothing above them; the two process shells sit
+on top. Every import is checked, function-level ones included.
+"""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# what each layer may import from the project (prefixes); anything else of the project is a violation
+ALLOWED = {
+    "meshnode.core": ["meshnode.core"],
+    "meshnode.engine": ["meshnode.core", "meshnode.engine"],
+    "meshnode.text": ["meshnode.core", "meshnode.engine.llamacpp", "meshnode.text"],
+    "ipc": ["meshnode.core", "ipc"],
+    "meshnode.worker": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops.memory", "meshnode.worker",
+                        "meshnode.dev.faulty"],
+    "meshnode.front": ["meshnode.core", "meshnode.text", "ipc", "meshnode.ops", "meshnode.front",
+                       "meshnode.worker.main", "meshnode.__version__", "meshnode.engine.llamacpp"],
+    "meshnode.ops": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops"],
+    "meshnode.client": ["meshnode.core", "ipc"],
+}
+# third-party and stdlib modules a layer must not touch: policy has no sockets, threads or llama.cpp
+BANNED = {
+    "meshnode.core": {"zmq", "llama_cpp", "threading", "socket", "select", "msgpack", "psutil", "multiprocessing",
+                      "subprocess", "signal", "ctypes", "gguf", "queue"},
+    "meshnode.engine": {"zmq", "socket", "select", "msgpack", "threading", "multiprocessing", "psutil", "queue",
+                        "subprocess"},
+    "ipc": {"llama_cpp", "gguf"},
+}
+
+
+def layer_of(module: str) -> str | None:
+    for layer in sorted(ALLOWED, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return None
+
+
+def modules():
+    for path in sorted((ROOT / "meshnode").rglob("*.py")) + sorted((ROOT / "ipc").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        yield name, path
+
+
+def imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            pkg = ROOT.joinpath(*node.module.split("."))
+            if pkg.is_dir():  # `from meshnode.engine import llamacpp` imports meshnode.engine.llamacpp
+                yield from (f"{node.module}.{a.name}" for a in node.names)
+            else:
+                yield node.module
+
+
+CASES = [(name, path) for name, path in modules() if layer_of(name)]
+
+
+@pytest.mark.parametrize("name, path", CASES, ids=[c[0] for c in CASES])
+def test_each_module_imports_only_what_its_layer_may(name, path):
+    layer = layer_of(name)
+    bad = []
+    for mod in imports(path):
+        top = mod.split(".")[0]
+        if top in BANNED.get(layer, ()):
+            bad.append(f"{mod} (no {top} in {layer})")
+        if top in ("meshnode", "ipc") and not any(mod == ok or mod.startswith(ok + ".") for ok in ALLOWED[layer]):
+            bad.append(mod)
+    assert not bad, f"{name} ({layer}) imports {bad}"
+
+
+def test_no_layer_imports_another_in_a_circle():
+    """Between layers, the imports form no cycle (a layer importing itself is fine)."""
+    edges: dict[str, set[str]] = {}
+    for name, path in modules():
+        src = layer_of(name) or name
+        for mod in imports(path):
+            dst = layer_of(mod)
+            if dst and dst != src:
+                edges.setdefault(src, set()).add(dst)
+    seen, stack = set(), []
+
+    def visit(n):
+        if n in stack:
+            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(n):] + [n])}")
+        if n in seen:
+            return
+        stack.append(n)
+        for m in sorted(edges.get(n, ())):
+            visit(m)
+        stack.pop()
+        seen.add(n)
+
+    for n in sorted(edges):
+        visit(n)
