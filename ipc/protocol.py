@@ -90,7 +90,7 @@ def _check(ok: bool, detail: str, id=None) -> None:
 
 
 def _token_list(v, name: str, n_vocab: int, id, limit: int = MAX_LIST) -> list[int]:
-    """Checked in C-speed passes (a maximal list costs about 2 ms, not 17: it runs in the tick loop)."""
+    """Checked in C-speed passes, not a Python loop per token: this runs in the tick loop."""
     _check(isinstance(v, list), f"{name} must be a list of int", id)
     _check(len(v) <= limit, f"{name} has {len(v)} entries, at most {limit} allowed", id)
     _check(set(map(type, v)) <= {int}, f"{name} must hold only ints", id)  # bool is not int here

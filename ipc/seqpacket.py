@@ -1,11 +1,11 @@
 """The engine link's transport: one SOCK_SEQPACKET Unix socket in the private run dir.
 
 Not ZeroMQ, on purpose. A zmq send wakes the sender's I/O thread, which wakes
-the receiver's I/O thread, which wakes the receiver: on this 2-core machine,
-with llama.cpp's threads busy, that chain cost about 1 ms on every tick,
-most of it in the engine's own send (evidence/overhead-bench.txt, and
-`meshnode bench ipc` for the bare round trip). A SEQPACKET socket keeps
-message boundaries, and a send wakes the receiving thread directly.
+the receiver's I/O thread, which wakes the receiver: with llama.cpp's threads
+busy, that chain cost more than the whole rest of a tick's hand-over
+(docs/architecture.md has the figures; `meshnode bench ipc` measures the bare
+round trip). A SEQPACKET socket keeps message boundaries, and a send wakes the
+receiving thread directly.
 
 The front listens at a path in its 0700 run dir, one path per engine
 incarnation, and accepts only the process it spawned (SO_PEERCRED). Both ends

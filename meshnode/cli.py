@@ -64,8 +64,8 @@ def serve_node(a, internal: dict | None = None) -> int:
 
 
 def cmd_make_model(a) -> int:
-    from meshnode.ops.models import make_model
     from meshnode.engine.llamacpp import file_digest
+    from meshnode.ops.models import make_model
 
     path = make_model(a.out, a.preset, a.seed)
     print(f"wrote {path} ({path.stat().st_size} bytes, sha256 {file_digest(path)[:16]})")

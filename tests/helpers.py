@@ -13,7 +13,8 @@ from meshnode.core.pipeline import TickPipeline
 from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
 from meshnode.core.types import GREEDY, InvalidPlan, Plan, SeqChunk, StepResult
-from meshnode.dev.drive import run_tick, run_to_completion  # noqa: F401  (re-exported for the tests)
+from meshnode.dev.clients import deaf_client  # noqa: F401  (re-exported for the tests)
+from meshnode.dev.drive import run_tick, run_to_completion  # noqa: F401
 from meshnode.engine.fake import FakeEngine
 from meshnode.engine.followups import AWAITING_RESYNC, Followups
 
@@ -192,6 +193,23 @@ def assert_clean(node, before_segments):
     assert not new, f"shared memory left behind: {new}"
     left = [f for f in os.listdir(node.run_dir) if f.endswith(".sock") or f.endswith(".lock")]
     assert not left, f"files left in the run dir: {left}"
+
+
+def curve_keys(tmp_path, *names):
+    """A server certificate and client certificates in zmq.auth format; the clients' public keys are allowed.
+    Returns (allow dir, server public file, server secret file, {name: secret file})."""
+    import zmq.auth
+
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    secrets = {}
+    for name in names:
+        public, secrets[name] = zmq.auth.create_certificates(str(keys), name)
+        if not name.startswith("stranger"):
+            os.rename(public, allowed / f"{name}.key")
+    return allowed, server_public, server_secret, secrets
 
 
 def serve(model, *args, internal=None, timeout=60, env=None):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from helpers import generate, prompt
-from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.core.types import InvalidPlan, Plan, Sampling, SeqChunk
+from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.engine.reference import ReferenceEngine
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 50, 64]

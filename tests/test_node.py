@@ -7,13 +7,13 @@ import msgpack
 import pytest
 import zmq
 
-from ipc import protocol as P
-from meshnode.core import reasons as R
-from ipc.shm import leftover_segments
-from meshnode.core.types import Sampling
-from meshnode.ops.models import cached_model
-from meshnode.dev.nodeproc import NodeProcess
 from helpers import assert_clean, children_of, prompt, wait_until
+from ipc import protocol as P
+from ipc.shm import leftover_segments
+from meshnode.core import reasons as R
+from meshnode.core.types import Sampling
+from meshnode.dev.nodeproc import NodeProcess
+from meshnode.ops.models import cached_model
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +223,7 @@ def test_shutdown_leaves_no_process_segment_or_socket(tiny_model):
     assert_clean(n, before)
 
 
+@pytest.mark.slow
 def test_serve_without_a_model_generates_and_serves_the_tiny_demo(tmp_path):
     with NodeProcess(None, env={"MESHNODE_CACHE": str(tmp_path)}) as n, n.client() as c:
         info = c.status()["node"]

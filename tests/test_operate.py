@@ -12,13 +12,13 @@ import urllib.request
 import psutil
 import pytest
 
-from meshnode.core import reasons as R
+from helpers import assert_clean, wait_until
 from ipc.shm import leftover_segments
 from ipc.transport import free_tcp_port
-from meshnode.ops import config
+from meshnode.core import reasons as R
 from meshnode.core.budget import ConfigError
 from meshnode.dev.nodeproc import NodeProcess
-from helpers import assert_clean, wait_until
+from meshnode.ops import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +59,7 @@ def test_example_file_documents_every_key_and_only_real_ones():
     assert keys - set(config.public_keys()) == set()
 
 
+@pytest.mark.slow
 def test_serve_reports_a_config_error_and_exits_2(tmp_path):
     path = write(tmp_path, "max_queue = -4\n")
     out = subprocess.run([sys.executable, "-m", "meshnode", "serve", "--config", path], capture_output=True,
@@ -136,6 +137,7 @@ def test_top_once_prints_a_snapshot(tiny_model):
         assert word in out.stdout
 
 
+@pytest.mark.slow
 def test_top_once_without_a_node_says_so(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "top"), "--connect",
                           f"ipc://{tmp_path}/none.sock", "--once", "--timeout", "1"],

@@ -8,7 +8,8 @@ shows up as a different output.
 import numpy as np
 import pytest
 
-from helpers import Pipelined, run_to_completion, scheduler as build
+from helpers import Pipelined, run_to_completion
+from helpers import scheduler as build
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
 from meshnode.core.types import InvalidPlan, Plan, Sampling, SeqChunk, StepResult

@@ -1,5 +1,6 @@
 """Hypothesis drives submit / tick / cancel / engine failure against the invariants."""
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from helpers import Pipelined, run_to_completion, scheduler, step

@@ -42,6 +42,18 @@ def model_path(a) -> str:
     return str(cached_model(a.preset))
 
 
+def token_gaps(times: dict, lo: float, hi: float) -> list[float]:
+    """Gaps in ms between consecutive tokens of the same session, for tokens that arrived in (lo, hi]."""
+    import numpy as np
+
+    out = []
+    for ts in times.values():
+        t = np.array(ts)
+        idx = np.nonzero((t[1:] > lo) & (t[1:] <= hi))[0] + 1
+        out += list((t[idx] - t[idx - 1]) * 1e3)
+    return out
+
+
 def llama_build() -> str:
     """Which llama.cpp build ran: OpenMP or not changes how much CPU its idle threads take."""
     import llama_cpp

@@ -27,7 +27,8 @@ import zmq
 
 from ipc import protocol as P
 from ipc.transport import free_tcp_port
-from meshnode.bench import model_path
+from meshnode.bench import model_path, token_gaps
+from meshnode.dev.clients import deaf_client
 from meshnode.dev.nodeproc import NodeProcess
 
 STREAMS = 4
@@ -110,12 +111,7 @@ def _slow_reader(endpoint: str, n: int, counts: dict) -> None:
     more than the socket buffers hold), reads nothing for a second, then reads everything: the node
     gives up on its sessions when its queue to the client is full, and each session must still end
     with exactly one done."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVHWM, 1)
-    s.setsockopt(zmq.RCVBUF, 4096)
-    s.connect(endpoint)
+    ctx, s = deaf_client(endpoint)
     ids = [f"slow{n}-{k}" for k in range(2)]
     for k, sid in enumerate(ids):
         s.send_multipart(P.encode_request(P.Submit(sid, 300, [3 + k, 4, 5], ignore_eos=True)))
@@ -157,15 +153,6 @@ def _abuse_process(endpoint: str, metrics_url: str, n_ctx_seq: int, on, stop_ev,
     for t in threads:
         t.join(60)
     out.put(counts)
-
-
-def _gaps(times: dict[str, list[float]], lo: float, hi: float) -> list[float]:
-    out = []
-    for ts in times.values():
-        t = np.array(ts)
-        idx = np.nonzero((t[1:] > lo) & (t[1:] <= hi))[0] + 1
-        out += list((t[idx] - t[idx - 1]) * 1e3)
-    return out
 
 
 def main(a) -> int:
@@ -228,8 +215,8 @@ def main(a) -> int:
         counts = q.get(timeout=180)
         p.join(10)
         for r in range(rounds):
-            steady = [g for k, rr, lo, hi in phases if k == "steady" and rr == r for g in _gaps(times, lo, hi)]
-            abused = [g for k, rr, lo, hi in phases if k == "abuse" and rr == r for g in _gaps(times, lo, hi)]
+            steady = [g for k, rr, lo, hi in phases if k == "steady" and rr == r for g in token_gaps(times, lo, hi)]
+            abused = [g for k, rr, lo, hi in phases if k == "abuse" and rr == r for g in token_gaps(times, lo, hi)]
             rows.append({"round": r + 1, "steady_p50_ms": float(np.percentile(steady, 50)),
                          "steady_p99_ms": float(np.percentile(steady, 99)), "steady_max_ms": float(max(steady)),
                          "abuse_p50_ms": float(np.percentile(abused, 50)),

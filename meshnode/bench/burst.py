@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from meshnode.bench import model_path
+from meshnode.bench import model_path, token_gaps
 from meshnode.dev.nodeproc import NodeProcess
 
 CHUNKS = [16, 32, 64, 128, 512]
@@ -54,16 +54,8 @@ def one(path: str, threads: int, chunk: int) -> dict:
         t_end = time.monotonic()
         for sid in steady + burst:
             c.cancel(sid)
-    def gaps(lo, hi):
-        out = []
-        for t in times.values():
-            t = np.array(t)
-            idx = np.nonzero((t[1:] > lo) & (t[1:] <= hi))[0] + 1
-            out += list((t[idx] - t[idx - 1]) * 1e3)
-        return out
-
-    steady_gaps = gaps(0, t_burst)
-    burst_gaps = gaps(t_burst, t_end)
+    steady_gaps = token_gaps(times, 0, t_burst)
+    burst_gaps = token_gaps(times, t_burst, t_end)
     ttft = [(first[s] - t_burst) * 1e3 for s in first]
     return {"chunk": chunk, "steady_itl_ms_p99": float(np.percentile(steady_gaps, 99)),
             "steady_itl_ms_max": float(max(steady_gaps)),

@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 from meshnode.bench import model_path
-from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.core.types import Plan, SeqChunk
+from meshnode.engine.llama import EngineConfig, LlamaEngine
 
 PROMPT = 8
 

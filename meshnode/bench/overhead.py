@@ -25,11 +25,11 @@ import time
 
 from meshnode.bench import llama_build, model_path
 from meshnode.core.budget import NodeBudget
-from meshnode.dev.drive import run_to_completion
-from meshnode.engine.llama import EngineConfig, LlamaEngine
-from meshnode.dev.nodeproc import NodeProcess
 from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
+from meshnode.dev.drive import run_to_completion
+from meshnode.dev.nodeproc import NodeProcess
+from meshnode.engine.llama import EngineConfig, LlamaEngine
 
 CONCURRENCY, N_JOBS = 8, 16
 # One round per order of the three sides (six), since single runs swing by 10-30% on a shared 2-core

@@ -2,8 +2,8 @@
 
 llama.cpp's threads wait for each other at every graph node by spinning, not
 sleeping: when the front takes a core answering a flood of valid requests, one
-decode thread is descheduled and every barrier waits for it (measured here on
-2 cores: steps of 4 ms taking 250-560 ms). So client work is metered like a
+decode thread is descheduled and every barrier waits for it (a step can take
+a hundred times its length; docs/architecture.md). So client work is metered like a
 token bucket of CPU seconds: it refills at `share` seconds per second up to
 `burst`, and while it is empty the front leaves the client socket alone and
 the requests wait in the clients' own queues (ZeroMQ's backpressure), while
@@ -16,7 +16,7 @@ from __future__ import annotations
 SHARE = 0.25  # of one core, for client requests under a flood
 BURST_S = 0.025  # a quiet node answers a burst of this much work at once
 # what receiving a request's bytes costs besides the front's own thread (ZeroMQ's I/O thread and the
-# kernel): measured 30 % of a core for 133 MB/s of 256 KiB texts on the 2-core machine, about 2 ms a MiB
+# kernel), per byte: docs/architecture.md says how it was measured
 RECEIVE_S_PER_BYTE = 2e-3 / (1 << 20)
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshnode.engine import llamacpp
-from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
 from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
+from meshnode.engine import llamacpp
 from meshnode.engine.base import Engine
+from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
 
 
 @dataclass(frozen=True)

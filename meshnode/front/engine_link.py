@@ -29,14 +29,11 @@ log = logging.getLogger("meshnode.front")
 
 @dataclass(frozen=True)
 class Reply:
-    """A tick the engine ran: its result, and the engine's own figures sent with it."""
+    """A tick the engine ran: its result, and the answer with the engine's own figures (memory, gap)."""
 
     tick: Tick
     result: StepResult
-    gap_ms: float
-    rss: int
-    mem_available: int
-    mem_total: int
+    done: link.TickDone
 
 
 @dataclass(frozen=True)
@@ -153,8 +150,7 @@ class EngineLink:
         except ValueError as e:  # garbage from the engine: restart it, re-prefill
             return Death(f"engine sent a bad reply: {e}")
         self.health.good_tick()
-        return Reply(tick, StepResult(tokens, list(msg.cache_miss), msg.step_ms, msg.kv_cells), msg.gap_ms,
-                     msg.rss, msg.mem_available, msg.mem_total)
+        return Reply(tick, StepResult(tokens, list(msg.cache_miss), msg.step_ms, msg.kv_cells), msg)
 
     def _hello(self, msg: link.Hello) -> None:
         problem = model_problem(msg.info, self.info, self.n_vocab, self.model_path)
@@ -214,8 +210,9 @@ class EngineLink:
         self._close_sock()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Ask the engine to exit cleanly, then make sure it has (at once if it never connected)."""
-        if self.proc is not None and self.proc.is_alive() and self.sock is not None:
+        """Ask the engine to exit cleanly, then make sure it has; one that has not said hello yet has
+        nothing to finish, and may not be reading the link at all (still loading): killed at once."""
+        if self.proc is not None and self.proc.is_alive() and self.sock is not None and self.health.state == READY:
             try:
                 self.sock.send(link.encode(link.Stop()))
             except OSError:

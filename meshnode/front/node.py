@@ -19,8 +19,7 @@ import zmq
 
 from ipc import link as wire
 from ipc.shm import TokenArena, clean_stale
-from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, \
-    run_dir
+from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
 from meshnode.core.health import EngineHealth
@@ -234,9 +233,10 @@ class Front:
     def _on_engine(self, outcome: Reply | Refusal | Death | None) -> list[Event]:
         """A tick's outcome -> the sessions' events (sent by the caller, after the next dispatch)."""
         if isinstance(outcome, Reply):
-            self.telemetry.record_tick(outcome.rss, outcome.result.step_ms, outcome.result.kv_cells, outcome.gap_ms)
-            self.telemetry.set_memory(outcome.mem_available, outcome.mem_total)
-            self.sched.mem_available = outcome.mem_available
+            done = outcome.done
+            self.telemetry.record_tick(done.rss, done.step_ms, done.kv_cells, done.gap_ms)
+            self.telemetry.set_memory(done.mem_available, done.mem_total)
+            self.sched.mem_available = done.mem_available
             return self.sched.apply(outcome.tick, outcome.result)
         if isinstance(outcome, Refusal):
             log.error("engine refused a plan: %s", outcome.detail)

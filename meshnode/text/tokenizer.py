@@ -30,28 +30,28 @@ SLICE_BYTES = 1024  # cut a text at most this often (at a character that never m
 
 class Tokenizer:
     def __init__(self, model_path: str):
-        import llama_cpp as L
+        import llama_cpp as lc
 
         llamacpp.install_log()
-        self._L = L
-        mp = L.llama_model_default_params()
+        self._lc = lc
+        mp = lc.llama_model_default_params()
         mp.vocab_only = True
-        self._model = L.llama_model_load_from_file(model_path.encode(), mp)
+        self._model = lc.llama_model_load_from_file(model_path.encode(), mp)
         if not self._model:
             raise RuntimeError(f"cannot load the vocab of {model_path}")
-        self._vocab = L.llama_model_get_vocab(self._model)
-        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self._vocab = lc.llama_model_get_vocab(self._model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self._buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}  # the vocab is fixed: each piece is looked up once
-        texts = [L.llama_vocab_get_text(self._vocab, t) or b"" for t in range(self.n_vocab)]
+        texts = [lc.llama_vocab_get_text(self._vocab, t) or b"" for t in range(self.n_vocab)]
         # no token covers more input bytes than its own text has (SPM's U+2581 stands for one space)
         self.max_token_bytes = max(1, max(len(t) for t in texts))
         self._never_merges = self._spm_foreign(texts)
 
     def _spm_foreign(self, texts: list[bytes]) -> re.Pattern | None:
         """A pattern matching any character no token's text contains, when the linear SPM path applies."""
-        L, v = self._L, self._vocab
-        if L.llama_vocab_type(v) != SPM or L.llama_vocab_get_add_eos(v):
+        lc, v = self._lc, self._vocab
+        if lc.llama_vocab_type(v) != SPM or lc.llama_vocab_get_add_eos(v):
             return None
         have = set(texts)
         if any(f"<0x{b:02X}>".encode() not in have for b in range(256)):
@@ -92,8 +92,8 @@ class Tokenizer:
     def _tokenize(self, text: str, add_bos: bool) -> list[int]:
         data = text.encode("utf-8")
         n_max = len(data) + 8
-        out = (self._L.llama_token * n_max)()
-        n = self._L.llama_tokenize(self._vocab, data, len(data), out, n_max, add_bos, False)
+        out = (self._lc.llama_token * n_max)()
+        n = self._lc.llama_tokenize(self._vocab, data, len(data), out, n_max, add_bos, False)
         if n < 0:
             raise ValueError("text did not tokenize")
         return list(out[:n])
@@ -101,7 +101,7 @@ class Tokenizer:
     def piece(self, token: int) -> bytes:
         p = self._pieces.get(token)
         if p is None:
-            n = self._L.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
+            n = self._lc.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, False)
             p = self._pieces[token] = self._buf.raw[:max(n, 0)]
         return p
 
@@ -110,7 +110,7 @@ class Tokenizer:
 
     def close(self) -> None:
         if self._model:
-            self._L.llama_model_free(self._model)
+            self._lc.llama_model_free(self._model)
             self._model = None
 
 

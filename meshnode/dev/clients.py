@@ -1,0 +1,16 @@
+"""Clients that misbehave on purpose, for tests and the abuse bench."""
+from __future__ import annotations
+
+import zmq
+
+
+def deaf_client(endpoint: str) -> tuple[zmq.Context, zmq.Socket]:
+    """(context, DEALER) with the smallest receive buffers: a client that reads nothing fills the node's
+    queue to it quickly."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.connect(endpoint)
+    return ctx, s

@@ -1,0 +1,169 @@
+"""Engine faults: deaths, hangs, refusals, crash loops, failed starts; the node keeps its promises."""
+import os
+import time
+
+import psutil
+import pytest
+
+from helpers import serve, wait_until
+from ipc.shm import leftover_segments
+from meshnode.core import reasons as R
+from meshnode.core.types import Sampling
+from meshnode.dev.nodeproc import NodeProcess
+from meshnode.engine.followups import AWAITING_RESYNC
+
+# -- engine faults ------------------------------------------------------------------------------
+JOBS = {f"f{i}": dict(tokens=[3 + (i * 17 + k) % 500 for k in range(3 + 4 * i)], max_tokens=60, ignore_eos=True,
+                      sampling=Sampling(0.8, 40, 0.95, 7 + i) if i % 2 else None) for i in range(3)}
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_model):
+    with NodeProcess(tiny_model) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        return {sid: r.tokens for sid, r in c.collect(list(JOBS)).items()}
+
+
+@pytest.mark.parametrize("kind", ["fatal", "raise", "hang", "kill", "bad_sample"])
+def test_engine_fault_reprefills_with_identical_tokens(tiny_model, reference_tokens, kind):
+    internal = {"faults": [{"kind": kind, "at_tick": 20}, {}]}
+    with NodeProcess(tiny_model, "--tick-deadline-s", "1", internal=internal) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        got = c.collect(list(JOBS))
+        t = c.status()["telemetry"]
+    assert {sid: r.tokens for sid, r in got.items()} == reference_tokens
+    assert all(r.done["reason"] == R.LENGTH for r in got.values())
+    assert t["engine"]["restarts"] == 1 and t["healthy"]
+
+
+def test_a_refused_tick_ends_its_sessions_and_the_node_goes_on(tiny_model, reference_tokens):
+    """A non-fatal refusal with a second tick already queued behind it: that tick is refused
+    too and planned again after a resync; no restart, and the next session is served exactly."""
+    internal = {"faults": [{"kind": "refuse", "at_tick": 20}]}
+    with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        got = c.collect(list(JOBS))
+        c.submit("again", **JOBS["f1"])
+        again = c.collect(["again"])["again"]
+        t = c.status()["telemetry"]
+        log = n.log()
+    assert AWAITING_RESYNC in log  # the tick queued behind the refused one was there, and refused
+    reasons = {sid: r.done["reason"] for sid, r in got.items()}
+    assert R.ENGINE_ERROR in reasons.values() and set(reasons.values()) <= {R.ENGINE_ERROR, R.LENGTH}
+    for sid, r in got.items():
+        want = reference_tokens[sid]
+        assert r.tokens == (want[:len(r.tokens)] if reasons[sid] == R.ENGINE_ERROR else want)
+    assert again.tokens == reference_tokens["f1"] and again.done["reason"] == R.LENGTH
+    assert t["engine"]["restarts"] == 0 and t["healthy"]
+
+
+def test_crash_loop_makes_the_node_unhealthy_instead_of_spinning(tiny_model):
+    internal = {"faults": [{"kind": "kill", "at_tick": 5}, {"die_at_start": True}]}
+    with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
+        c.submit("s", tokens=[3, 4, 5], max_tokens=500, ignore_eos=True)
+        done = c.wait_for(lambda e: e["event"] == "done", timeout_s=30)
+        assert done["reason"] == R.ENGINE_ERROR
+        st_ = c.status()
+        assert st_["node"]["healthy"] is False and st_["telemetry"]["engine"]["healthy"] is False
+        c.submit("t", tokens=[3], max_tokens=2)
+        rej = c.wait_for(lambda e: e["event"] == "rejected")
+        assert rej["reason"] == R.REJECTED_ENGINE_UNAVAILABLE and "engine" in rej["detail"]
+        restarts = st_["telemetry"]["engine"]["restarts"]
+        time.sleep(1.0)
+        assert c.status()["telemetry"]["engine"]["restarts"] == restarts  # not spinning
+
+
+def test_a_model_file_replaced_under_the_node_fails_clearly_at_the_restart(tiny_model, tmp_path):
+    """A restart that finds another model cannot re-prefill anyone: the node ends the live session,
+    says why, and refuses new work instead of serving a model its tokenizer does not describe."""
+    from meshnode.ops.models import make_model
+
+    model = tmp_path / "served.gguf"
+    model.write_bytes(open(tiny_model, "rb").read())
+    other = make_model(tmp_path / "other.gguf", "tiny", 1)
+    with NodeProcess(str(model)) as n, n.client() as c:
+        c.submit("live", tokens=[3, 4, 5], max_tokens=4000, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "tokens")
+        os.replace(other, model)
+        os.kill(c.status()["node"]["engine_pid"], 9)
+        done = c.wait_for(lambda e: e["event"] == "done" and e["id"] == "live", timeout_s=60)
+        assert done["reason"] == R.ENGINE_ERROR
+        node = c.status()["node"]
+        assert node["healthy"] is False and "different model" in node["engine_error"]
+        c.submit("new", tokens=[3], max_tokens=2)
+        rej = c.wait_for(lambda e: e["event"] == "rejected")
+        assert rej["reason"] == R.REJECTED_ENGINE_UNAVAILABLE and "restart the node" in rej["detail"]
+        assert c.ping()  # the front itself is fine
+
+
+def test_an_engine_whose_vocabulary_is_not_the_tokenizers_stops_the_start(tiny_model, tmp_path, monkeypatch):
+    """The file changed between the front's vocab-only load and the engine's: say so, serve nothing."""
+    monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
+    out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock",
+                internal={"engine_kind": "fake", "fake": {"n_vocab": 4096}})
+    assert out.returncode == 1 and "the engine's model has 4096 tokens, the front's tokenizer 512" in out.stderr
+
+
+def test_front_death_takes_the_engine_and_leaves_nothing(tiny_model):
+    before = leftover_segments()
+    n = NodeProcess(tiny_model).start()
+    engine_pid = n.client().status()["node"]["engine_pid"]
+    n.proc.kill()
+    n.proc.wait()
+    t0 = time.monotonic()
+    gone = wait_until(lambda: not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == "zombie", 5)
+    took = time.monotonic() - t0
+    print(f"engine exited {took:.2f} s after the front was killed")
+    assert gone and took < 2.0
+    assert wait_until(lambda: set(leftover_segments()) <= set(before), 3)
+    def left():
+        return [f for f in os.listdir(n.run_dir) if f.endswith((".sock", ".lock"))]
+
+    assert wait_until(lambda: not left(), 2), (left(), n.log())
+
+
+# -- failed starts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", [["--ctx", "1"], ["--n-batch", "1"], ["--tick-deadline-s", "0"],
+                                     ["--tick-deadline-s", "nan"], ["--threads", "-1"]])
+def test_a_value_llama_cpp_would_refuse_stops_the_start_with_exit_2(tiny_model, tmp_path, setting):
+    t0 = time.monotonic()
+    out = serve(tiny_model, *setting, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock")
+    key = setting[0][2:].replace("-", "_")
+    assert out.returncode == 2 and key.replace("ctx", "ctx") in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_quantized_v_cache_without_flash_attention_stops_the_start_with_exit_2(tiny_model, tmp_path):
+    cfg = tmp_path / "n.toml"
+    cfg.write_text('type_v = "q4_0"\nflash_attn = "off"\n')
+    out = serve(tiny_model, "--config", str(cfg), "--listen", f"ipc://{tmp_path}/n.sock",
+                "--telemetry", f"ipc://{tmp_path}/t.sock")
+    assert out.returncode == 2 and "type_v" in out.stderr and "flash attention" in out.stderr
+
+
+def test_an_engine_that_dies_before_hello_ends_the_start_at_once_with_its_words(tiny_model, tmp_path, monkeypatch):
+    """A GGML_ASSERT while loading: the start ends in seconds, with the exit status and llama.cpp's
+    message, instead of the front spinning on a closed link until its start timeout."""
+    monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
+    t0 = time.monotonic()
+    out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock",
+                internal={"faults": [{"abort_at_start": True}]})
+    assert out.returncode == 1 and time.monotonic() - t0 < 20
+    line = next(ln for ln in out.stderr.splitlines() if "cannot serve" in ln)
+    assert "exited (code -6)" in line and "llama.cpp aborted" in line and "GGML_ASSERT(injected) failed" in line
+    assert "#0 " not in out.stderr  # no gdb backtrace dumped into the log
+
+
+def test_an_abort_mid_generation_is_reported_and_the_engine_restarts(tiny_model, reference_tokens):
+    internal = {"faults": [{"kind": "abort", "at_tick": 20}, {}]}
+    with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        got = c.collect(list(JOBS))
+        t = c.status()["telemetry"]
+        log = n.log()
+    assert {sid: r.tokens for sid, r in got.items()} == reference_tokens
+    assert t["engine"]["restarts"] == 1 and "llama.cpp aborted: injected:0: GGML_ASSERT(injected) failed" in log
