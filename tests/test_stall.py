@@ -88,14 +88,14 @@ def test_an_answer_waiting_unread_is_never_a_hang_but_an_unfinished_tick_is():
 
     health = EngineHealth(tick_deadline_s=1.0)
     sent = [Tick(1, Plan(), sent_at=100.0), Tick(2, Plan(), sent_at=100.0)]
-    assert health.hung(101.5, sent, (2, 2, 100.2)) == ""  # both ticks done at 100.2; the front was away
-    assert health.hung(3700.0, sent, (2, 2, 100.2)) == ""  # however long the front was busy
-    assert health.hung(100.9, sent, (1, 0, 100.1)) == ""  # tick 1 started and running: not late yet
-    why = health.hung(101.5, sent, (1, 0, 100.1))
+    assert health.hung(101.5, sent, lambda: (2, 2, 100.2)) == ""  # both ticks done at 100.2; the front was away
+    assert health.hung(3700.0, sent, lambda: (2, 2, 100.2)) == ""  # however long the front was busy
+    assert health.hung(100.9, sent, lambda: (1, 0, 100.1)) == ""  # tick 1 started and running: not late yet
+    why = health.hung(101.5, sent, lambda: (1, 0, 100.1))
     assert "tick 1" in why and "in its step" in why
-    why = health.hung(101.5, sent, (1, 1, 100.2))  # tick 1 done, tick 2 sent and never taken
+    why = health.hung(101.5, sent, lambda: (1, 1, 100.2))  # tick 1 done, tick 2 sent and never taken
     assert "tick 2" in why and "without taking it" in why
-    assert health.hung(101.5, [Tick(3, Plan(), sent_at=101.0)], (2, 2, 100.2)) == ""  # sent just now
+    assert health.hung(101.5, [Tick(3, Plan(), sent_at=101.0)], lambda: (2, 2, 100.2)) == ""  # sent just now
 
 
 # -- through a node -------------------------------------------------------------------------------

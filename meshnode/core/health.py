@@ -73,11 +73,13 @@ class EngineHealth:
             return f"engine did not say hello within {self.hello_deadline_s:.1f} s"
         return ""
 
-    def hung(self, now: float, in_flight, heartbeat: tuple[int, int, float]) -> str:
-        """A tick the engine has not finished, late by the engine's own heartbeat (started, finished,
-        when either changed). A finished tick whose answer waits unread is never late, however long
-        the front was busy. `in_flight`: the pipeline's ticks, oldest first."""
-        started, finished, changed = heartbeat
+    def hung(self, now: float, in_flight, heartbeat) -> str:
+        """A tick the engine has not finished, late by the engine's own heartbeat (`heartbeat()`:
+        started, finished, when either changed). A finished tick whose answer waits unread is never
+        late, however long the front was busy. `in_flight`: the pipeline's ticks, oldest first."""
+        if not in_flight or now - in_flight[0].sent_at <= self.tick_deadline_s:
+            return ""  # nothing can be late yet: no need to read the heartbeat (it runs every loop turn)
+        started, finished, changed = heartbeat()
         late = next((tk for tk in in_flight if tk.t > finished), None)
         if late is None:
             return ""

@@ -59,12 +59,11 @@ class Clients:
 
     def requests(self, ready: dict):
         """Yield (identity, frames) of requests waiting, within one slice of the CPU share (scrapes are
-        answered on the way); what is left waits for the next turn."""
+        answered on the way); what is left waits for the next turn. `ready`: the client sockets the
+        poll found readable."""
         for gate in self.gates:
             if ready.get(gate.monitor):
                 gate.on_events()
-        if self.metrics is not None:
-            self.metrics.expire(time.monotonic())
         if not ready.get(self.router) and not any(ready.get(fd) for fd in self._metrics_fds):
             return
         # a time slice, not a count: a flood of valid but costly requests (maximal token lists,
@@ -94,9 +93,11 @@ class Clients:
             self.outbox.flush()
 
     def publish(self, snapshot: dict) -> None:
+        """Once a second: the snapshot out, and /metrics connections past their time closed."""
         self.pub.send_multipart(P.telemetry(snapshot))
         if self.metrics is not None:
             self.metrics.publish(snapshot)
+            self.metrics.expire(time.monotonic())
 
     def stats(self) -> dict:
         """The snapshot's client figures."""

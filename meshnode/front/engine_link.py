@@ -25,6 +25,7 @@ from meshnode.core.types import EngineInfo, StepResult
 from meshnode.worker.main import engine_main
 
 log = logging.getLogger("meshnode.front")
+LIVENESS_EVERY_S = 0.02  # how often the process itself is checked, besides its link closing
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class EngineLink:
         self.sock: seqpacket.LinkSocket | None = None
         self.generation = 0
         self.broken = ""  # why the link failed, for why_dead() to report
+        self._next_liveness = 0.0
         self.words = ""  # what this incarnation said about its own failure (hello failed, abort)
 
     @property
@@ -174,12 +176,14 @@ class EngineLink:
             return ""
         if self.broken and self.proc is not None:
             self.proc.join(0.5)  # a broken link is a process going down: let it finish, to say how
-        if self.proc is not None and not self.proc.is_alive():
-            self._read_last_words()
-            return f"engine process exited (code {self.proc.exitcode})" + (f": {self.words}" if self.words else "")
+        if self.broken or now >= self._next_liveness:  # a dying engine closes its link: no waitpid every turn
+            self._next_liveness = now + LIVENESS_EVERY_S
+            if self.proc is not None and not self.proc.is_alive():
+                self._read_last_words()
+                return f"engine process exited (code {self.proc.exitcode})" + (f": {self.words}" if self.words else "")
         if self.broken:
             return self.words or self.broken
-        return self.health.late_hello(now) or self.health.hung(now, self.pipeline.ticks, self.arena.heartbeat())
+        return self.health.late_hello(now) or self.health.hung(now, self.pipeline.ticks, self.arena.heartbeat)
 
     def _read_last_words(self) -> None:
         """A dead engine may have said why (hello failed, abort) in messages still unread."""

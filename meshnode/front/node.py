@@ -172,15 +172,16 @@ class Front:
         if wait:  # out of CPU share: requests wait in the clients' queues; ticks go on
             timeout_ms = min(timeout_ms, max(1, int(wait * 1e3)))
         ready = dict(self.poller.poll(timeout_ms))
-        if self._link_fd is not None and ready.get(self._link_fd):
+        if ready.pop(self._link_fd, None):
             events = self._on_engine(self.link.receive())
             self._dispatch(after_reply=True)  # refill the pipeline before talking to clients
             self._send(events)
-        if ready.get(self.texts.fileno()):
+        if ready.pop(self.texts.fileno(), None):
             for job in self.texts.finished():
                 self.requests.on_text(job)
-        for ident, frames in self.clients.requests(ready):
-            self.requests.on_frames(ident, frames)
+        if ready:  # what is left is the clients'
+            for ident, frames in self.clients.requests(ready):
+                self.requests.on_frames(ident, frames)
 
     def _watch_link(self) -> None:
         """Poll the engine's current socket (the listener until it connects, then the link)."""
