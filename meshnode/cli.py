@@ -30,6 +30,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve-allow-dir", help="directory of allowed client public keys")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="allow binding a non-loopback TCP address without CURVE")
+    p.add_argument("--kv-layout", choices=["unified", "streams"], help="one KV pool, or a stream per sequence")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="a session's tokens the same whatever shares its ticks (refused where it cannot hold)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
 
 
@@ -67,7 +70,7 @@ def cmd_make_model(a) -> int:
     from meshnode.engine.llamacpp import file_digest
     from meshnode.ops.models import make_model
 
-    path = make_model(a.out, a.preset, a.seed)
+    path = make_model(a.out, a.preset, a.seed, a.quant)
     print(f"wrote {path} ({path.stat().st_size} bytes, sha256 {file_digest(path)[:16]})")
     return 0
 
@@ -119,13 +122,16 @@ def cmd_sweep(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from meshnode.ops.models import PRESETS, QUANTS
+
     ap = argparse.ArgumentParser(prog="meshnode", description="node-local continuous-batching LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("make-model", help="write a deterministic demo Llama GGUF")
     p.add_argument("out")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quant", choices=sorted(QUANTS), help="quantize with llama.cpp's own quantizer")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("serve", help="run a node (front + engine process)")

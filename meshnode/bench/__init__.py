@@ -17,20 +17,22 @@ BENCHES = {
     "restart": "SIGKILL of the engine to the first token from the restarted engine",
     "ipc": "round trip of the engine link (SEQPACKET) vs a zmq PAIR on ipc:// (diagnostic)",
     "abuse": "4 streams' worst token gap while the largest valid requests of every kind arrive vs steady",
+    "layout": "unified KV vs per-sequence streams vs deterministic mode on a mix, pure decode and a burst",
 }
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
-    p.add_argument("--preset", default="bench", choices=["tiny", "bench"])
+    p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench"])
     p.add_argument("--model", help="a GGUF instead of the preset")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
     p.add_argument("--minutes", type=float, default=1.0, help="soak: how long")
     p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
-    p.add_argument("--rounds", type=int, default=3, help="abuse: rounds of 5 steady + abuse phase pairs")
+    p.add_argument("--rounds", type=int, default=3, help="abuse, layout: rounds")
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
+    p.add_argument("--deterministic-python", help="layout: an interpreter whose llama.cpp has no llamafile")
     p.add_argument("--json", help="also write the figures as JSON here")
 
 

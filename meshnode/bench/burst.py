@@ -21,11 +21,11 @@ BURST_PROMPT = 1000
 UNCHUNKED = BURST_PROMPT  # a whole prompt per tick
 
 
-def one(path: str, threads: int, chunk: int) -> dict:
+def one(path: str, threads: int, chunk: int, extra: tuple = (), python: str | None = None) -> dict:
     n_batch = max(512, chunk + 8)
     args = ["--max-active", "8", "--prefill-chunk", str(chunk), "--n-batch", str(n_batch), "--ctx", "8192",
-            "--threads", str(threads), "--log-level", "WARNING"]
-    with NodeProcess(path, *args) as node, node.client(timeout_s=600) as c:
+            "--threads", str(threads), "--log-level", "WARNING", *extra]
+    with NodeProcess(path, *args, python=python) as node, node.client(timeout_s=600) as c:
         steady = [f"s{i}" for i in range(4)]
         for i, sid in enumerate(steady):  # 4 x (8 + 1000) + 4 x (1000 + 4) KV cells fit --ctx 8192
             c.submit(sid, tokens=[3 + (i * 7 + k) % 500 for k in range(8)], max_tokens=1000, ignore_eos=True)

@@ -71,10 +71,10 @@ def in_process(path: str, threads: int, work) -> dict:
             "gen_tok_s": sum(map(len, out.values())) / wall}
 
 
-def through_node(path: str, threads: int, work, depth: int = 2) -> dict:
-    args = ["--max-active", str(CONCURRENCY), "--max-queue", str(N_JOBS), "--threads", str(threads),
-            "--ctx", "4096", "--log-level", "WARNING", "--pipeline-depth", str(depth)]
-    with NodeProcess(path, *args) as node, node.client(timeout_s=600) as c:
+def through_node(path: str, threads: int, work, depth: int = 2, extra: tuple = (), python: str | None = None) -> dict:
+    args = ["--max-active", str(CONCURRENCY), "--max-queue", str(len(work)), "--threads", str(threads),
+            "--ctx", "4096", "--log-level", "WARNING", "--pipeline-depth", str(depth), *extra]
+    with NodeProcess(path, *args, python=python) as node, node.client(timeout_s=600) as c:
         c.generate("warm", tokens=[3, 4, 5], max_tokens=2)  # page weights in, like the in-process engine
         t = c.status()["telemetry"]
         ticks0, step0 = t["ticks_total"], t["engine"]["step_ms_total"]

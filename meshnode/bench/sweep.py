@@ -24,7 +24,9 @@ SATURATION_TOLERANCE = 0.05
 
 def add_args(p) -> None:
     p.add_argument("--model", help="a GGUF (default: the preset's demo model)")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-f16", "bench"])
+    p.add_argument("--deterministic", action="store_true",
+                   help="nodes in deterministic mode (refused where this llama.cpp build cannot hold it)")
     p.add_argument("--levels", default="1,2,4,8", help="comma-separated concurrency levels")
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--prompt-len", default="4,16,32,64", help="prompt lengths, cycled over the jobs")
@@ -48,8 +50,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run_level(model: str, level: int, jobs: list[dict], threads: int = 0, internal: dict | None = None,
-              progress=None) -> tuple[dict, dict[str, list[int]]]:
+              progress=None, deterministic: bool = False) -> tuple[dict, dict[str, list[int]]]:
     args = ["--max-active", str(level), "--max-queue", str(len(jobs)), "--threads", str(threads),
+            *(["--deterministic"] if deterministic else []),
             "--log-level", "WARNING"]
     with NodeProcess(model, *args, internal=internal) as node, node.client(timeout_s=600) as c:
         t0 = time.monotonic()
@@ -95,10 +98,12 @@ def saturation(levels: list[dict], key: str = "gen_tokens_per_s") -> int | None:
 
 
 def sweep(model: str, levels: list[int], jobs: list[dict], threads: int = 0, internal_by_level: dict | None = None,
+          deterministic: bool = False,
           progress=None) -> dict:
     rows, outputs = [], {}
     for level in levels:
-        row, out = run_level(model, level, jobs, threads, (internal_by_level or {}).get(level), progress)
+        row, out = run_level(model, level, jobs, threads, (internal_by_level or {}).get(level), progress,
+                             deterministic)
         rows.append(row)
         outputs[level] = out
     ref_level = min(levels)
@@ -107,7 +112,9 @@ def sweep(model: str, levels: list[int], jobs: list[dict], threads: int = 0, int
 
     return {
         "model": os.path.basename(model),
-        "recipe": EngineConfig(model).recipe(),
+        "recipe": EngineConfig(model, kv_layout="streams" if deterministic else "unified",
+                               deterministic=deterministic).recipe(),
+        "deterministic": deterministic,
         "levels": rows,
         "corruption_free": not mismatches,
         "mismatches": mismatches,
@@ -153,7 +160,14 @@ def main(a) -> int:
         model = str(cached_model(a.preset))
     levels = [int(x) for x in a.levels.split(",")]
     jobs = make_jobs(a.jobs, [int(x) for x in a.prompt_len.split(",")], a.new_tokens)
-    res = sweep(model, levels, jobs, a.threads, progress=_progress)
+    if a.deterministic:
+        from meshnode.engine.llamacpp import deterministic_problem
+
+        problem = deterministic_problem(model)
+        if problem:
+            print(f"meshnode sweep: {problem}", file=sys.stderr)
+            return 2
+    res = sweep(model, levels, jobs, a.threads, deterministic=a.deterministic, progress=_progress)
     print_table(res)
     if a.json:
         with open(a.json, "w") as f:

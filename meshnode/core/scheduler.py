@@ -21,6 +21,7 @@ and the same chunked prefill rebuilds prompt + generated tokens.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class Scheduler:
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
         self.live: dict = {}
-        self.free_seqs = list(range(budget.n_seq_max))
+        self.free_seqs = list(range(budget.n_seq_max))  # sorted: the lowest free id goes first
         self.to_release: list[int] = []
         self.counters = Counters()
         self.draining = False
@@ -220,7 +221,7 @@ class Scheduler:
             self.admission.release(s.ask)
             self.running.remove(s)
             self.to_release.append(s.seq_id)
-            self.free_seqs.append(s.seq_id)
+            bisect.insort(self.free_seqs, s.seq_id)
         elif s.state == QUEUED:
             self.waiting.remove(s)
         s.state, s.reason, s.t_done = DONE, reason, self.clock()

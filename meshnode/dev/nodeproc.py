@@ -20,14 +20,16 @@ from meshnode.client import Client
 class NodeProcess:
     def __init__(self, model: str | None, *args: str, internal: dict | None = None, log_path: str | None = None,
                  run_dir: str | None = None, env: dict | None = None, listen: str | None = None,
-                 connect: str | None = None, client_kw: dict | None = None, nofile: int | None = None):
+                 connect: str | None = None, client_kw: dict | None = None, nofile: int | None = None,
+                 python: str | None = None):
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="meshnode-node-")
         listen = listen or f"ipc://{self.run_dir}/node.sock"
         self.listen = connect or listen  # where clients connect (a wildcard bind is not an address)
         self.telemetry = f"ipc://{self.run_dir}/telemetry.sock"
         # test and drill settings (a fake engine, faults) go through the dev entry, never `meshnode serve`
         entry = ["meshnode.dev.serve", json.dumps(internal)] if internal else ["meshnode", "serve"]
-        self.args = [sys.executable, "-m", *entry, *(["--model", model] if model else []),
+        # `python`: another interpreter, e.g. one whose llama.cpp was built differently (benchmarks)
+        self.args = [python or sys.executable, "-m", *entry, *(["--model", model] if model else []),
                      "--listen", listen, "--telemetry", self.telemetry, *args]
         self.env = dict(os.environ, MESHNODE_RUN_DIR=self.run_dir, **(env or {}))
         self.log_path = log_path or os.path.join(self.run_dir, "node.log")

@@ -30,6 +30,14 @@ class EngineConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: str = "auto"  # llama.cpp's flash attention computes in f16 on CPU: "off" for f32 numerics
+    kv_layout: str = "unified"  # one pool for all sequences, or "streams": n_ctx / n_seq_max cells each
+    deterministic: bool = False  # a sequence's numbers independent of its neighbours (docs/determinism.md)
+
+    @property
+    def flash(self) -> str:
+        """What llama.cpp is asked for: deterministic mode needs flash attention off (its CPU kernel
+        is chosen by the shape of the whole batch)."""
+        return "off" if self.deterministic else self.flash_attn
 
     def validate(self, need_file: bool = True) -> None:
         """Every value llama.cpp would refuse or assert on, in the words of the config keys."""
@@ -47,12 +55,25 @@ class EngineConfig:
         if min(self.n_ctx, self.n_batch) < self.n_seq_max:  # GGML_ASSERT in llama.cpp's first decode
             raise ValueError(f"ctx and n_batch: must both be at least n_seq_max ({self.n_seq_max}), "
                              f"got {self.n_ctx} and {self.n_batch}")
-        if self.type_v in QUANTIZED_KV and self.flash_attn == "off":
-            raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on)")
+        if self.type_v in QUANTIZED_KV and self.flash == "off":
+            raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on), "
+                             "which deterministic mode turns off")
+        if self.kv_layout not in ("unified", "streams"):
+            raise ValueError(f"kv_layout: must be unified or streams, got {self.kv_layout!r}")
+        if self.deterministic and self.kv_layout != "streams":
+            raise ValueError("deterministic: needs kv_layout = \"streams\" (in one unified pool a sequence's "
+                             "cells land where its neighbours leave room, and attention depends on where)")
+        if self.deterministic and self.flash_attn == "on":
+            raise ValueError("deterministic: needs flash_attn off or auto (its CPU kernel depends on the batch)")
+        if self.deterministic and os.path.isfile(self.model_path):
+            problem = llamacpp.deterministic_problem(self.model_path)
+            if problem:
+                raise ValueError(problem)
 
     def recipe(self) -> str:
         """The fingerprint of what this configuration computes, without loading anything."""
-        return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash_attn, self.n_batch)
+        return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash, self.n_batch, self.kv_layout,
+                               self.deterministic)
 
 
 class LlamaEngine(Engine):
@@ -64,17 +85,20 @@ class LlamaEngine(Engine):
         self.cfg, self._lc = cfg, lc
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
+        # repacked weights run one kernel for a single row and another for several: off when the rows
+        # a sequence shares a step with must not change its numbers
+        mp.use_extra_bufts = not cfg.deterministic
         self._model = lc.llama_model_load_from_file(cfg.model_path.encode(), mp)
         if not self._model:
             raise FatalEngineError(f"llama.cpp could not load {cfg.model_path}: {llamacpp.last_errors()}")
         cp = lc.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = cfg.n_ctx, cfg.n_batch, cfg.n_batch
-        cp.n_seq_max, cp.kv_unified = cfg.n_seq_max, True
+        cp.n_seq_max, cp.kv_unified = cfg.n_seq_max, cfg.kv_layout == "unified"
         threads = cfg.n_threads or os.cpu_count() or 1
         cp.n_threads = cp.n_threads_batch = threads
         cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
         cp.no_perf = True
-        cp.flash_attn_type = FLASH_ATTN[cfg.flash_attn]
+        cp.flash_attn_type = FLASH_ATTN[cfg.flash]
         self._ctx = lc.llama_init_from_model(self._model, cp)
         if not self._ctx:
             lc.llama_model_free(self._model)
@@ -116,26 +140,45 @@ class LlamaEngine(Engine):
         b.logits = self._want.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
 
+    def _groups(self, plan: Plan) -> list[list]:
+        """The llama_decode calls a tick takes. Unified: one. Streams: llama.cpp splits a batch into
+        ubatches of consecutive sequence ids with equal token counts (llama-batch.cpp, split_equal),
+        so every single-token row goes in one call, ordered by id, and each longer prefill chunk in a
+        call of its own, instead of being cut into a 1-token piece beside the decode rows."""
+        if self.cfg.kv_layout == "unified" or len(plan.chunks) < 2:
+            return [plan.chunks] if plan.chunks else []
+        rows = sorted((c for c in plan.chunks if len(c.tokens) == 1), key=lambda c: c.seq_id)
+        return ([rows] if rows else []) + [[c] for c in plan.chunks if len(c.tokens) > 1]
+
     def _run(self, plan: Plan) -> StepResult:
-        rows = self._decode(plan)
-        if rows is None:  # no KV slot: llama.cpp rolled the batch back; its sequences lost their place
-            return StepResult(cache_miss=[c.seq_id for c in plan.chunks])
-        return StepResult({c.seq_id: self.sample(c, self._logits(r)) for c, r in zip(plan.chunks, rows) if c.draw >= 0})
+        res = StepResult()
+        for chunks in self._groups(plan):
+            rows = self._decode(chunks)
+            if rows is None:  # no KV slot: llama.cpp rolled this call back; its sequences lost their place
+                res.cache_miss += [c.seq_id for c in chunks]
+                continue
+            for c, r in zip(chunks, rows):  # read before the next call overwrites the logits
+                if c.draw >= 0:
+                    res.tokens[c.seq_id] = self.sample(c, self._logits(r))
+        return res
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
         """Run a plan and return copies of each sampled sequence's logits (tests, the oracle check)."""
         self.begin(plan)
-        rows = self._decode(plan)
-        if rows is None:
-            raise FatalEngineError("no KV slot for the plan")
+        out = {}
+        for chunks in self._groups(plan):
+            rows = self._decode(chunks)
+            if rows is None:
+                raise FatalEngineError("no KV slot for the plan")
+            out.update({c.seq_id: self._logits(r).copy() for c, r in zip(chunks, rows) if c.draw >= 0})
         self.end(plan, StepResult())
-        return {c.seq_id: self._logits(r).copy() for c, r in zip(plan.chunks, rows) if c.draw >= 0}
+        return out
 
-    def _decode(self, plan: Plan) -> list[int] | None:
-        """The plan as ONE llama_decode: each chunk's last batch row, or None when there was no KV slot."""
-        if not plan.chunks:
+    def _decode(self, chunks: list) -> list[int] | None:
+        """The chunks as ONE llama_decode: each chunk's last batch row, or None when there was no KV slot."""
+        if not chunks:
             return []
-        rows = self._fill(plan)
+        rows = self._fill(chunks)
         rc = self._lc.llama_decode(self._ctx, self._batch)
         if rc == 1:
             return None
@@ -145,11 +188,11 @@ class LlamaEngine(Engine):
             raise FatalEngineError(f"llama_decode failed with rc={rc}")
         return rows
 
-    def _fill(self, plan: Plan) -> list[int]:
+    def _fill(self, chunks: list) -> list[int]:
         """Copy every chunk into the batch; return each chunk's last row."""
         i, rows = 0, []
-        self._want[: plan.n_tokens] = 0
-        for c in plan.chunks:
+        self._want[: sum(len(c.tokens) for c in chunks)] = 0
+        for c in chunks:
             n = len(c.tokens)
             self._tok[i:i + n] = c.tokens
             self._pos[i:i + n] = np.arange(c.pos, c.pos + n, dtype=np.int32)

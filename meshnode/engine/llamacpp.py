@@ -115,7 +115,40 @@ def system_info() -> str:
     return llama_cpp.llama_print_system_info().decode(errors="replace")
 
 
-def recipe(model_path: str, type_k: str, type_v: str, flash_attn: str, n_batch: int, layout: str = "unified") -> str:
+# weight formats whose matmuls measured bitwise the same for one row and for many, on a llama.cpp built
+# without llamafile (docs/determinism.md); q4_0, q4_K, q6_K did not, and with llamafile none did
+INVARIANT_WEIGHTS = frozenset({"F32", "F16", "Q8_0"})
+REINSTALL = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) pip install --no-cache-dir '
+             '--force-reinstall --no-deps llama-cpp-python==0.3.36')
+
+
+def matmul_weight_types(model_path: str) -> set[str]:
+    """The formats of the weights the model multiplies by (the token embeddings are only looked up,
+    unless the model ties them to the output)."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(model_path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return {t.tensor_type.name for t in tensors
+            if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied)}
+
+
+def deterministic_problem(model_path: str) -> str:
+    """Why deterministic mode cannot hold for this model on this build ("" if it can), with the fix."""
+    if "LLAMAFILE = 1" in system_info():
+        return ("deterministic: not on this llama.cpp build, whose llamafile kernels round a matmul of one row "
+                "differently from one of several; reinstall it without them: " + REINSTALL)
+    bad = matmul_weight_types(model_path) - INVARIANT_WEIGHTS
+    if bad:
+        return (f"deterministic: not for {', '.join(sorted(bad))} weights, whose kernels round differently as the "
+                "batch grows; serve f32, f16 or q8_0 weights (meshnode make-model --quant q8_0, or llama-quantize)")
+    return ""
+
+
+def recipe(model_path: str, type_k: str, type_v: str, flash_attn: str, n_batch: int, layout: str = "unified",
+           deterministic: bool = False) -> str:
     """Model identity plus every setting that changes numerics, never batch shape or threads."""
     parts = [file_digest(model_path), version(), type_k, type_v, flash_attn, str(n_batch), layout]
+    if deterministic:  # the old fingerprints stay what they were
+        parts.append("deterministic")
     return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

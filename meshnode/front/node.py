@@ -102,10 +102,12 @@ class Front:
         b = self.budget
         log.info("meshnode ready: listen=%s telemetry=%s model=%s recipe=%s engine_pid=%d "
                  "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token) "
-                 "ctx_per_seq=%d weights=%d B max_clients=%d%s", self.listen, self.telemetry_ep, cfg.model,
-                 self.recipe, self.link.pid, b.effective_active_cap, b.max_queue, b.max_batch_size,
+                 "ctx_per_seq=%d weights=%d B max_clients=%d kv_layout=%s deterministic=%s%s", self.listen,
+                 self.telemetry_ep, cfg.model, self.recipe, self.link.pid, b.effective_active_cap, b.max_queue,
+                 b.max_batch_size,
                  b.max_prefill_tokens_per_tick, b.kv_budget_bytes, b.kv_bytes_per_token, b.n_ctx_seq, b.weight_bytes,
-                 max_clients, f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
+                 max_clients, cfg.layout, cfg.deterministic,
+                 f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
 

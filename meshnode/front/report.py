@@ -34,6 +34,7 @@ class Report:
         snap["front_rss_bytes"], snap["fds_open"], snap["fds_limit"] = self.front_rss, self.fds_open, n.fd_limit
         snap["healthy"] = n.health.healthy
         snap["model"], snap["recipe"] = os.path.basename(n.cfg.model), n.recipe
+        snap["deterministic"], snap["kv_layout"] = n.cfg.deterministic, n.cfg.layout
         return snap
 
     def status(self) -> list[bytes]:
@@ -42,7 +43,8 @@ class Report:
         info = {"version": __version__, "recipe": n.recipe, "model": n.cfg.model, "budgets": n.budget.as_dict(),
                 "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.healthy,
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
-                "engine_hello_deadline_s": h.hello_deadline_s}
+                "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.cfg.deterministic,
+                "kv_layout": n.cfg.layout}
         return P.status(info, self.snapshot())
 
     def status_line(self) -> str:

@@ -24,6 +24,7 @@ def _in(lo: float, hi: float, default=None, internal: bool = False):
 
 
 DAY = 86400.0
+DEFAULT_LAYOUT = "unified"  # chosen by `meshnode bench layout` (README, "KV layout")
 
 
 @dataclass
@@ -45,6 +46,8 @@ class NodeConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: str = "auto"  # auto, on, off (off = f32 attention numerics)
+    kv_layout: str | None = None  # unified: one KV pool; streams: ctx / n_seq_max cells per sequence (default below)
+    deterministic: bool = False  # a session's tokens the same whatever shares its ticks (docs/determinism.md)
     tick_deadline_s: float = _in(0.5, DAY, 30.0)  # an engine tick longer than this is a hung engine
     start_timeout_s: float = _in(1.0, DAY, 300.0)  # the first engine start (model load) may take this long
     restart_timeout_min_s: float = _in(0.5, DAY, 10.0)  # a restart may take max(this, 5 x the first start)
@@ -94,17 +97,22 @@ class NodeConfig:
         if self.engine_kind not in ("llama", "fake"):
             raise ConfigError(f"engine_kind: unknown {self.engine_kind!r}")
         if self.engine_kind == "llama":
-            try:  # what llama.cpp would refuse or assert on, refused here first (one set of rules)
+            try:  # what llama.cpp would refuse or assert on, or cannot promise, refused here first
                 self.engine_config(self.model or "").validate(need_file=False)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+
+    @property
+    def layout(self) -> str:
+        """The KV layout in effect: as set, else streams for deterministic mode (it needs them), else unified."""
+        return self.kv_layout or ("streams" if self.deterministic else DEFAULT_LAYOUT)
 
     def engine_config(self, model_path: str):
         from meshnode.engine.llama import EngineConfig
 
         return EngineConfig(model_path, n_seq_max=self.n_seq_max, n_ctx=self.ctx, n_batch=self.n_batch,
                             n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
-                            flash_attn=self.flash_attn)
+                            flash_attn=self.flash_attn, kv_layout=self.layout, deterministic=self.deterministic)
 
 
 def _type_of(f) -> type:

@@ -35,6 +35,9 @@ PRESETS = {
     # a few MB, f32 so the numpy reference engine can match llama.cpp to 1e-3; trained context
     # 64K so a test node can take a prompt the size of the protocol's largest text
     "tiny": Preset(4, 256, 4, 2, 512, 512, 65536, np.float32),
+    # the same shape in f16 (and, through --quant, in the formats users run): llama.cpp takes other
+    # kernels for each, which matters for what deterministic mode can promise
+    "tiny-f16": Preset(4, 256, 4, 2, 512, 512, 65536, np.float16),
     # ~270 MB f16: decode is bound by reading weights, as with real models
     "bench": Preset(12, 1024, 16, 4, 2816, 512, 4096, np.float16),
 }
@@ -112,8 +115,14 @@ def _weights(p: Preset, rng: np.random.Generator) -> list[tuple[str, np.ndarray]
     return out
 
 
-def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> Path:
-    """Write the preset's GGUF to `path` atomically (a half-written model never loads)."""
+QUANTS = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
+
+
+def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, quant: str | None = None) -> Path:
+    """Write the preset's GGUF to `path` atomically (a half-written model never loads); `quant` runs it
+    through llama.cpp's own quantizer, as users' models are made."""
+    if quant is not None:
+        return _quantized(Path(path), preset, seed, quant)
     import gguf
 
     if preset not in PRESETS:
@@ -156,12 +165,34 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> 
     return path
 
 
-def cached_model(preset: str = "tiny", seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
+def _quantized(path: Path, preset: str, seed: int, quant: str) -> Path:
+    import llama_cpp as lc
+
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quantization {quant!r}; choose one of {sorted(QUANTS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    src, tmp = path.with_name(path.name + f".src{os.getpid()}"), path.with_name(path.name + f".tmp{os.getpid()}")
+    make_model(src, preset, seed)
+    try:
+        params = lc.llama_model_quantize_default_params()
+        params.ftype, params.nthread = QUANTS[quant], os.cpu_count() or 1
+        if lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {preset} to {quant}")
+        os.replace(tmp, path)
+    finally:
+        for p in (src, tmp):
+            if p.exists():
+                p.unlink()
+    return path
+
+
+def cached_model(preset: str = "tiny", seed: int = 0, cache_dir: str | os.PathLike | None = None,
+                 quant: str | None = None) -> Path:
     """The demo model in a cache dir, written once; used when no --model is given."""
     base = Path(cache_dir or os.environ.get("MESHNODE_CACHE") or Path.home() / ".cache" / "meshnode")
     # the preset's shape is in the name: a cache written by an older definition is never reused
     shape = hashlib.sha256(repr(PRESETS[preset]).encode()).hexdigest()[:8]
-    path = base / f"demo-{preset}-seed{seed}-{shape}.gguf"
+    path = base / f"demo-{preset}-seed{seed}-{shape}{'-' + quant if quant else ''}.gguf"
     if not path.exists():
-        make_model(path, preset, seed)
+        make_model(path, preset, seed, quant)
     return path
