@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from ipc.protocol import MAX_MESSAGE_BYTES, pack, unpack
-from meshnode.core.types import EngineInfo, Plan, Sampling, SeqChunk
+from meshnode.core.types import EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share
 
 HALVES = 2
 _SAMPLING = [f.name for f in fields(Sampling)]
 _INFO = [f.name for f in fields(EngineInfo)]
+_KV_OPS = {0: Release, 1: Keep, 2: Share}  # a tick's KV operations travel as [code, *fields]
+_KV_CODES = {v: k for k, v in _KV_OPS.items()}
 
 
 # -- front -> engine ------------------------------------------------------------------------------
@@ -165,7 +167,8 @@ def _tick_map(msg: TickRequest, arena) -> dict:
         if c.follow:
             follow.append(c.seq_id)
         off += n
-    return {"kind": "tick", "tick": msg.tick, "release": [int(s) for s in msg.plan.release], **cols,
+    return {"kind": "tick", "tick": msg.tick, "release": [int(s) for s in msg.plan.release],
+            "kv": [[_KV_CODES[type(op)], *map(int, op)] for op in msg.plan.kv], **cols,
             "sampling": sampling, "follow": follow, "resync": msg.resync, "fresh": msg.fresh}
 
 
@@ -228,5 +231,12 @@ def _tick_request(m: dict, arena) -> TickRequest:
         if off < 0 or n < 0 or off + n > arena.n_input:
             raise ValueError(f"chunk of sequence {seq} points outside the arena")
         chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling.get(seq), seq in follow))
-    return TickRequest(tick, Plan(chunks, _ints(m.get("release", []), "release")), bool(m.get("resync")),
+    kv = []
+    for op in m.get("kv", []):
+        op = _ints(op, "kv")
+        kind = _KV_OPS.get(op[0]) if op else None
+        if kind is None or len(op) != len(kind._fields) + 1:
+            raise ValueError(f"malformed KV operation {op!r}")
+        kv.append(kind(*op[1:]))
+    return TickRequest(tick, Plan(chunks, _ints(m.get("release", []), "release"), kv), bool(m.get("resync")),
                        bool(m.get("fresh")))

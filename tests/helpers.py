@@ -38,12 +38,12 @@ class Clock:
         return self.t
 
 
-def scheduler(engine=None, clock=None, depth=1, **budget):
+def scheduler(engine=None, clock=None, depth=1, prefix_cache="off", pool_cells=0, **budget):
     """(engine, scheduler) over a fake engine unless one is given; `budget` overrides NodeBudget fields."""
     e = engine or FakeEngine(n_seq_max=8, n_ctx=4096)
     kw = {"clock": clock} if clock else {}
     s = Scheduler(NodeBudget.from_engine(e, **budget), e.eog, recipe=e.recipe_fingerprint,
-                  pipeline=TickPipeline(depth), **kw)
+                  pipeline=TickPipeline(depth), prefix_cache=prefix_cache, pool_cells=pool_cells, **kw)
     return e, s
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import serve
 from meshnode.core import reasons as R
-from meshnode.core.types import GREEDY, Plan, SeqChunk
+from meshnode.core.types import GREEDY, Keep, Plan, SeqChunk, Share
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine import llamacpp
 from meshnode.engine.llama import EngineConfig, LlamaEngine
@@ -98,6 +98,35 @@ def test_without_deterministic_mode_the_same_harness_sees_the_difference(models)
         alone = logits_of_seq0(e)
         crowd = logits_of_seq0(e, 0)
     assert not all(np.array_equal(a, b) for a, b in zip(alone, crowd))
+
+
+@pytest.mark.slow
+def test_reused_kv_is_bitwise_a_cold_prefill(models):
+    """The prefix cache keeps the promise: a continuation after Share or Keep has a cold run's logits."""
+    path = deterministic_model(models)
+    if path is None:
+        with pytest.raises(ValueError, match="deterministic: not"):
+            engine(models["f32"])
+        return
+    base = [3 + (k * 13) % 500 for k in range(70)]
+    turn = base[:50] + [3 + (k * 7) % 500 for k in range(12)]
+
+    def run(e, seq, pos, kv=()):
+        out, toks = [], turn[pos:]
+        for k in range(8):
+            got = e.logits_for(Plan([SeqChunk(seq, pos, np.array(toks, np.int32), draw=k, sampling=GREEDY)],
+                                    kv=list(kv) if k == 0 else []))[seq]
+            out.append(got)
+            pos, toks, kv = pos + len(toks), [int(np.argmax(got))], ()
+        return out
+
+    with engine(path) as e:
+        cold = run(e, 3, 0)
+        e.logits_for(Plan([SeqChunk(0, 0, np.array(base, np.int32), draw=0, sampling=GREEDY)]))
+        shared = run(e, 1, 50, [Share(0, 1, 50)])
+        kept = run(e, 0, 50, [Keep(0, 50)])
+    for got in (shared, kept):
+        assert all(np.array_equal(a, b) for a, b in zip(got, cold))
 
 
 JOB = dict(tokens=[3 + (k * 11) % 500 for k in range(23)], max_tokens=1500, ignore_eos=True)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import generate, prompt
-from meshnode.core.types import InvalidPlan, Plan, Sampling, SeqChunk
+from meshnode.core.types import GREEDY, InvalidPlan, Keep, Plan, Sampling, SeqChunk, Share
 from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.engine.reference import ReferenceEngine
 
@@ -146,3 +146,73 @@ def test_logits_are_spread_enough(engine):
     median = float(np.median(margins))
     print(f"median top-1 margin: {median:.3f}")
     assert median > 0.05
+
+
+def test_seqmap_packs_streams_down_when_sequences_end():
+    from meshnode.engine.seqmap import SeqMap
+
+    m = SeqMap(8)
+    assert [m[s] for s in (5, 1, 7, 0)] == [0, 1, 2, 3]  # first use: lowest free stream
+    assert m.drop(1) == 1 and m.drop(1) is None
+    assert m.compaction() == [(3, 1)] and m.phys == {5: 0, 0: 1, 7: 2}
+    m.drop(5)
+    m.drop(0)
+    assert m.compaction() == [(2, 0)] and m.phys == {7: 0} and m.free == list(range(1, 8))
+    assert m.compaction() == []
+
+
+def test_streams_packed_after_sessions_end_keep_their_kv(tiny_model):
+    """Four of eight sequences end; the others move down to streams 0-3 (stream copies) and go on
+    decoding as if nothing moved: compared with the same run where nothing is moved."""
+    prompts = {s: np.array(prompt(40 + 7 * s, s), np.int32) for s in range(8)}
+
+    def run(pack):
+        cfg = EngineConfig(tiny_model, n_seq_max=8, n_ctx=8 * 256, n_threads=2, kv_layout="streams")
+        with LlamaEngine(cfg) as e:
+            if not pack:
+                e._ids.compaction = list
+            for s, p in prompts.items():
+                e.step(Plan([SeqChunk(s, 0, p, draw=0)]))
+            out, release = [], [0, 2, 3, 5]
+            for k in range(6):
+                got = e.logits_for(Plan([SeqChunk(s, len(prompts[s]) + k, np.array([9 + k], np.int32), draw=k + 1)
+                                         for s in (1, 4, 6, 7)], release))
+                out.append(got)
+                release = []
+            return out, dict(e._ids.phys), {s: e.seq_pos_max(s) for s in (1, 4, 6, 7)}
+
+    (packed, phys, pos), (control, phys0, pos0) = run(True), run(False)
+    assert sorted(phys.values()) == [0, 1, 2, 3] and sorted(phys0.values()) == [1, 4, 6, 7]
+    assert pos == pos0 == {s: len(prompts[s]) + 5 for s in (1, 4, 6, 7)}
+    for a, b in zip(packed, control):
+        for s in a:
+            np.testing.assert_allclose(a[s], b[s], atol=1e-2)  # batch-shape noise only
+
+
+@pytest.mark.parametrize("layout", ["unified", "streams"])
+def test_reused_kv_continues_like_a_cold_prefill(tiny_model, layout):
+    """Keep (trim a sequence to its first n cells) and Share (copy them to another) leave the KV a
+    cold prefill of those tokens would have: the continuation's logits agree, greedy tokens match."""
+    base = np.array(prompt(60, 1), np.int32)
+    turn = np.concatenate([base[:50], np.array(prompt(12, 2), np.int32)])
+
+    def greedy(e, seq, pos, tokens, kv=(), n=8):
+        out, step = [], Plan([SeqChunk(seq, pos, tokens, draw=0, sampling=GREEDY)], kv=list(kv))
+        for k in range(n):
+            logits = e.logits_for(step)[seq]
+            out.append(logits)
+            tok = np.array([int(np.argmax(logits))], np.int32)
+            step = Plan([SeqChunk(seq, pos + len(tokens) + k, tok, draw=k + 1)])
+        return out
+
+    cfg = EngineConfig(tiny_model, n_seq_max=4, n_ctx=4 * 256, n_threads=2, kv_layout=layout)
+    with LlamaEngine(cfg) as e:
+        cold = greedy(e, 3, 0, turn)
+        greedy(e, 0, 0, base)
+        shared = greedy(e, 1, 50, turn[50:], kv=[Share(0, 1, 50)])
+        kept = greedy(e, 0, 50, turn[50:], kv=[Keep(0, 50)])
+        assert e.seq_pos_max(0) == e.seq_pos_max(1) == e.seq_pos_max(3) == len(turn) + 6
+    for got in (shared, kept):
+        assert [int(np.argmax(x)) for x in got] == [int(np.argmax(x)) for x in cold]
+        for a, b in zip(got, cold):
+            np.testing.assert_allclose(a, b, atol=1e-2)

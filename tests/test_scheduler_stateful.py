@@ -11,27 +11,32 @@ from meshnode.engine.fake import FakeEngine
 
 class SchedulerMachine(RuleBasedStateMachine):
     depth = 1
+    cache, pool_cells = "off", 0
 
     def __init__(self):
         super().__init__()
         self.engine, self.sched = scheduler(FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256), depth=self.depth,
                                             max_active=3, max_queue=3, max_batch_size=3,
-                                            max_prefill_tokens_per_tick=7, kv_budget_bytes=1024 * 300)
+                                            max_prefill_tokens_per_tick=7, kv_budget_bytes=1024 * 300,
+                                            prefix_cache=self.cache, pool_cells=self.pool_cells)
         self.budget = self.sched.budget
         self.n = 0
         self.submitted = self.accepted = self.rejected = 0
         self.ends: dict = {}  # key -> number of done events
+        self.finished: list[list[int]] = []  # every ended session's tokens, for follow-up turns
 
     def _record(self, events):
         for ev in events:
             if ev.kind == "done":
-                self.ends[ev.session.key] = self.ends.get(ev.session.key, 0) + 1
+                s = ev.session
+                self.ends[s.key] = self.ends.get(s.key, 0) + 1
+                # whatever was reused, restarted or refused on the way, the tokens are a cold run's
+                assert self.engine.expected(s.tokens, len(s.prompt)), f"session {s.key} got wrong tokens"
+                self.finished.append(list(s.tokens))
 
-    @rule(n_prompt=st.integers(0, 120), max_tokens=st.integers(0, 60), stop=st.sets(st.integers(3, 511), max_size=3))
-    def submit(self, n_prompt, max_tokens, stop):
+    def _submit(self, prompt, max_tokens, stop=frozenset(), owner=0):
         self.n += 1
-        s = Session(self.n, [3 + (self.n * 7 + i) % 500 for i in range(n_prompt)], max_tokens,
-                    stop_tokens=frozenset(stop))
+        s = Session(self.n, prompt, max_tokens, stop_tokens=frozenset(stop), owner=owner)
         d = self.sched.submit(s)
         self.submitted += 1
         if d.accepted:
@@ -40,6 +45,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             self.rejected += 1
             assert d.reason in R.REJECTIONS
+
+    @rule(n_prompt=st.integers(0, 120), max_tokens=st.integers(0, 60), stop=st.sets(st.integers(3, 511), max_size=3),
+          topic=st.integers(0, 2), owner=st.integers(0, 1))
+    def submit(self, n_prompt, max_tokens, stop, topic, owner):
+        """Prompts of one topic share their opening tokens: the prefix cache's food."""
+        self._submit([3 + (topic * 7 + i) % 500 for i in range(n_prompt)], max_tokens, stop, owner)
+
+    @rule(pick=st.integers(0, 1000), extra=st.integers(0, 20), max_tokens=st.integers(1, 30), owner=st.integers(0, 1))
+    def next_turn(self, pick, extra, max_tokens, owner):
+        """A conversation goes on: an ended session's tokens plus a few new ones."""
+        if self.finished:
+            base = self.finished[pick % len(self.finished)]
+            self._submit(base + [5 + i for i in range(extra)], max_tokens, owner=owner)
 
     @rule()
     def tick(self):
@@ -80,6 +98,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert 0 <= s.admission.scratch_reserved_bytes <= b.scratch_envelope_bytes
         assert self.accepted + self.rejected == self.submitted
         assert all(n <= 1 for n in self.ends.values())  # never two dones
+        held = [x.seq_id for x in s.running] + list(s.cache.entries)
+        assert len(held) == len(set(held)) and not set(held) & set(s.free_seqs)  # each id has one owner
+        assert len(held) + len(s.free_seqs) == b.n_seq_max
+        if s.pool_cells:
+            reserved = s.admission.kv_reserved_bytes // b.kv_bytes_per_token
+            assert reserved + s.cache.cells <= s.pool_cells or not s.cache.entries
 
     def finish(self):
         return run_to_completion(self.sched, self.engine, 5000)
@@ -130,11 +154,24 @@ class PipelinedMachine(SchedulerMachine):
 
     def finish(self):
         events = self.driver.run_to_completion(5000)
-        assert self.engine._next_pos == [0] * self.engine.n_seq_max
+        cached = set(self.sched.cache.entries)
+        assert all(p == 0 for i, p in enumerate(self.engine._next_pos) if i not in cached)
         return events
 
 
+class CachedMachine(SchedulerMachine):
+    """With the prefix cache on (any client's KV, one pool of cells as a unified KV has)."""
+
+    cache, pool_cells = "node", 320
+
+
+class PipelinedCachedMachine(PipelinedMachine):
+    cache, pool_cells = "client", 0
+
+
 TestScheduler = SchedulerMachine.TestCase
-TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPipelined = PipelinedMachine.TestCase
-TestPipelined.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestCached = CachedMachine.TestCase
+TestPipelinedCached = PipelinedCachedMachine.TestCase
+for case in (TestScheduler, TestPipelined, TestCached, TestPipelinedCached):
+    case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -33,6 +33,41 @@ def decode_work(n_tokens: int = 128):
     return [(f"d{i}", [3 + i, 4, 5, 6], n_tokens) for i in range(8)]
 
 
+def id_gaps(path: str, threads: int, ticks: int = 30) -> dict:
+    """Whether packing streams down when a session ends (meshnode/engine/seqmap.py) pays for itself: eight
+    sequences with 300-token prompts, then the odd ones end; decode ticks of the four left, packed onto
+    streams 0-3 vs left on 0, 2, 4, 6, and the cost of the tick that carries the four stream copies."""
+    import time
+
+    import numpy as np
+
+    from meshnode.core.types import GREEDY, Plan, SeqChunk
+    from meshnode.engine.llama import EngineConfig, LlamaEngine
+
+    def run(pack: bool) -> tuple[float, float]:
+        cfg = EngineConfig(path, n_seq_max=8, n_ctx=8 * 512, n_threads=threads, kv_layout="streams")
+        with LlamaEngine(cfg) as e:
+            if not pack:
+                e._ids.compaction = list  # the measurement's control: streams stay where they were
+            for s in range(8):
+                e.step(Plan([SeqChunk(s, 0, np.arange(3, 303, dtype=np.int32), draw=0, sampling=GREEDY)]))
+            left, pos = [0, 2, 4, 6], 300
+            t0 = time.perf_counter()
+            e.step(Plan([SeqChunk(s, pos, np.array([7], np.int32), draw=1) for s in left], release=[1, 3, 5, 7]))
+            first = (time.perf_counter() - t0) * 1e3
+            times = []
+            for k in range(ticks):
+                t0 = time.perf_counter()
+                e.step(Plan([SeqChunk(s, pos + 1 + k, np.array([7], np.int32), draw=k + 2) for s in left]))
+                times.append(time.perf_counter() - t0)
+            return first, float(np.median(times) * 1e3)
+
+    first_packed, packed = run(True)
+    first_gapped, gapped = run(False)
+    return {"tick_ms_packed": packed, "tick_ms_gapped": gapped, "first_tick_ms_packed": first_packed,
+            "first_tick_ms_gapped": first_gapped}
+
+
 def main(a) -> int:
     path = model_path(a)
     threads = a.threads or os.cpu_count()
@@ -64,6 +99,13 @@ def main(a) -> int:
         cost = 1 - mean(rows["deterministic"]["mix"]) / mean(rows[best]["mix"])
         verdict["deterministic_cost_on_mix"] = cost
         print(f"deterministic costs {cost:.1%} of the best layout ({best}) on the mix (goal <= 10%)")
+    gaps = id_gaps(path, threads)
+    saved = gaps["tick_ms_gapped"] - gaps["tick_ms_packed"]
+    cost = gaps["first_tick_ms_packed"] - gaps["first_tick_ms_gapped"]
+    print(f"streams, 4 sequences decoding: packed on 0-3 {gaps['tick_ms_packed']:.1f} ms a tick, left on 0,2,4,6 "
+          f"{gaps['tick_ms_gapped']:.1f} ms; the tick carrying the moves costs {cost:.1f} ms more"
+          + (f", repaid after {max(cost, 0) / saved:.2f} ticks" if saved > 0 else ": packing does not pay here"))
+    verdict["id_gaps"] = gaps
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": path, "threads": threads, "rounds": rows, "refused": refused, "verdict": verdict,

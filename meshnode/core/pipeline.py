@@ -24,6 +24,7 @@ class Tick:
     t: int
     plan: Plan
     chunks: list[tuple[object, SeqChunk]] = field(default_factory=list)  # (session, chunk)
+    reused: list = field(default_factory=list)  # sessions that start on cached KV in this tick
     sent_at: float = 0.0
     resync: bool = False  # the first tick after a refusal: the engine starts over from it
     discard: bool = False  # planned on top of a refused tick: refused too, its answer dropped
@@ -43,9 +44,9 @@ class TickPipeline:
     def full(self) -> bool:
         return len(self.ticks) >= self.depth
 
-    def push(self, plan: Plan, chunks: list) -> Tick:
+    def push(self, plan: Plan, chunks: list, reused: list | None = None) -> Tick:
         self._last_t += 1
-        tick = Tick(self._last_t, plan, chunks, resync=self._resync)
+        tick = Tick(self._last_t, plan, chunks, reused or [], resync=self._resync)
         self._resync = False
         self.ticks.append(tick)
         return tick

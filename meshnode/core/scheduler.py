@@ -18,6 +18,10 @@ a session whose sample is still in flight decodes it as a `follow` chunk the
 engine fills in, so the engine never idles while the front works. After an
 engine restart, `engine_restarted()` marks every running session's KV as gone,
 and the same chunked prefill rebuilds prompt + generated tokens.
+
+A session that starts where cached KV agrees with its tokens prefills only the
+rest (meshnode/core/prefix.py); the cache gives way the moment a new session
+needs a sequence id or cells, so it never changes an admission decision.
 """
 from __future__ import annotations
 
@@ -32,8 +36,9 @@ from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget
 from meshnode.core.pipeline import Tick, TickPipeline
+from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
-from meshnode.core.types import Plan, SeqChunk, StepResult
+from meshnode.core.types import Keep, Plan, Release, SeqChunk, Share, StepResult
 
 
 @dataclass
@@ -57,10 +62,12 @@ class Counters:
 
 class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
-                 pipeline: TickPipeline | None = None):
+                 pipeline: TickPipeline | None = None, prefix_cache: str = "off", pool_cells: int = 0):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
         tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `pipeline`: the ticks
-        in flight, shared with whatever sends them (default: one at a time)."""
+        in flight, shared with whatever sends them (default: one at a time). `prefix_cache`: its
+        scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
+        cached KV must fit together; 0 when each sequence has its own stream."""
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe)
@@ -70,6 +77,9 @@ class Scheduler:
         self.live: dict = {}
         self.free_seqs = list(range(budget.n_seq_max))  # sorted: the lowest free id goes first
         self.to_release: list[int] = []
+        self.cache, self.pool_cells = PrefixCache(prefix_cache), pool_cells
+        self.kv_ops: list = []  # evictions and reuses decided for the next plan, in order
+        self._reused: list[Session] = []
         self.counters = Counters()
         self.draining = False
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
@@ -124,7 +134,8 @@ class Scheduler:
                 room, slots = room - n, slots - 1
                 self.counters.prefill_tokens += n
         release, self.to_release = self.to_release, []
-        if not chunks and not release:
+        kv, self.kv_ops, reused, self._reused = self.kv_ops, [], self._reused, []
+        if not chunks and not release and not kv:
             return None
         if chunks:  # a release-only tick is housekeeping, not a tick of work
             c = self.counters
@@ -132,7 +143,7 @@ class Scheduler:
             c.occupancy_last = len(chunks)
             c.occupancy_max = max(c.occupancy_max, len(chunks))
             c.occupancy_sum += len(chunks)
-        return self.pipeline.push(Plan([ch for _, ch in chunks], release), chunks)
+        return self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), chunks, reused)
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
@@ -141,7 +152,7 @@ class Scheduler:
         end = start + n == len(s.tokens) + s.draws_in_flight
         chunk = SeqChunk(s.seq_id, start, np.asarray(known + [-1] * (n - len(known)), dtype=np.int32),
                          draw=s.n_generated + s.draws_in_flight if end else -1,
-                         sampling=s.sampling if start == 0 else None, follow=follow)
+                         sampling=s.sampling if start == s.n_reused else None, follow=follow)
         s.n_cached += n
         s.draws_in_flight += end
         return s, chunk
@@ -150,6 +161,9 @@ class Scheduler:
         """Turn the engine's result for `tick` (answered, off the pipeline) into per-session events."""
         events: list[Event] = []
         missed = set(result.cache_miss)
+        for seq_id in missed:
+            if self.cache.forget(seq_id):  # a finished session's last tick lost its KV: nothing to keep
+                bisect.insort(self.free_seqs, seq_id)
         for s, c in tick.chunks:
             if s.state != RUNNING or s.seq_id != c.seq_id:
                 continue  # cancelled or ended while the tick ran: its result is stale
@@ -188,40 +202,84 @@ class Scheduler:
         empty sequence is harmless; a lost release would poison its id).
         """
         events = [self._end(s, reason) for s, c in tick.chunks if s.state == RUNNING and s.seq_id == c.seq_id]
-        release = list(tick.plan.release)
-        for behind in self.pipeline.refused():
-            release += behind.plan.release
-            for s, c in behind.chunks:
+        behind = self.pipeline.refused()
+        release = []
+        for tk in [tick, *behind]:
+            release += tk.plan.release + [op.seq_id for op in tk.plan.kv if isinstance(op, Release)]
+            for s, c in tk.chunks if tk is not tick else ():
                 if s.state == RUNNING and s.seq_id == c.seq_id:
                     s.n_cached = min(s.n_cached, c.pos)
                     s.draws_in_flight -= c.draw >= 0
-        self.to_release = release + self.to_release
+            for s in tk.reused:  # its Keep or Share did not run: start it over from position 0
+                if s.state == RUNNING:
+                    s.n_cached = s.n_reused = 0
+                    release.append(s.seq_id)
+        cached = self.cache.clear()  # what the refused ticks did to cached sequences is unknown
+        for seq_id in cached:
+            bisect.insort(self.free_seqs, seq_id)
+        self.to_release = release + cached + self.to_release
         return events
 
     def engine_restarted(self) -> None:
         """The engine's KV is gone: rebuild every running session by re-prefilling it."""
         self.pipeline.clear()
-        self.to_release = []
+        self.to_release, self.kv_ops, self._reused = [], [], []
+        for seq_id in self.cache.clear():
+            bisect.insort(self.free_seqs, seq_id)
         for s in self.running:
-            s.n_cached = s.draws_in_flight = 0
+            s.n_cached = s.draws_in_flight = s.n_reused = 0
 
     # -- internals ----------------------------------------------------------------------
     def _start(self, s: Session) -> None:
         self.admission.reserve(s.ask)
-        s.seq_id = self.free_seqs.pop(0)
+        hit = self.cache.find(s.prompt, s.owner, self._live_prefixes()) if self.cache.on else None
+        seq_id = None if hit and hit.takeover else self._free_seq(keep=hit.seq_id if hit and hit.entry else None)
+        if seq_id is None and hit:  # the hit's own sequence is the only room: take it over
+            hit = Hit(hit.seq_id, hit.n, True, True)
+        if hit:
+            self.cache.take(hit)
+            if hit.takeover:
+                seq_id = hit.seq_id
+                self.kv_ops.append(Keep(seq_id, hit.n))
+            else:
+                self.kv_ops.append(Share(hit.seq_id, seq_id, hit.n))
+            s.n_cached = s.n_reused = hit.n
+            self._reused.append(s)
+        s.seq_id = seq_id
         s.state, s.t_start = RUNNING, self.clock()
         self.running.append(s)
+        if self.pool_cells:  # reserved and cached KV share one pool of cells
+            reserved = self.admission.kv_reserved_bytes // self.budget.kv_bytes_per_token
+            while reserved + self.cache.cells > self.pool_cells and self.cache.entries:
+                self.kv_ops.append(Release(self.cache.evict()))
+                bisect.insort(self.free_seqs, self.kv_ops[-1].seq_id)
+
+    def _free_seq(self, keep: int | None = None) -> int | None:
+        """The lowest free sequence id, evicting the least recently used cached one (but `keep`) if none is."""
+        if not self.free_seqs:
+            seq_id = self.cache.evict(but=keep)
+            if seq_id is None:
+                return None
+            self.kv_ops.append(Release(seq_id))
+            return seq_id
+        return self.free_seqs.pop(0)
+
+    def _live_prefixes(self):
+        return [(s.seq_id, s.tokens[:min(s.n_cached, len(s.tokens))], s.owner)
+                for s in self.running if s.n_cached >= MIN_SHARE]
 
     def _promote(self) -> None:
-        while self.waiting and self.admission.can_start(self.waiting[0].ask) and self.free_seqs:
+        while (self.waiting and self.admission.can_start(self.waiting[0].ask)
+               and (self.free_seqs or self.cache.entries)):
             self._start(self.waiting.popleft())
 
     def _end(self, s: Session, reason: str) -> Event:
         if s.state == RUNNING:
             self.admission.release(s.ask)
             self.running.remove(s)
-            self.to_release.append(s.seq_id)
-            bisect.insort(self.free_seqs, s.seq_id)
+            if reason in R.KV_UNTRUSTED or not self.cache.store(s.seq_id, s.tokens, s.n_cached, s.owner):
+                self.to_release.append(s.seq_id)
+                bisect.insort(self.free_seqs, s.seq_id)
         elif s.state == QUEUED:
             self.waiting.remove(s)
         s.state, s.reason, s.t_done = DONE, reason, self.clock()
@@ -230,4 +288,4 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.live and not self.to_release
+        return not self.live and not self.to_release and not self.kv_ops

@@ -32,10 +32,12 @@ class Session:
     stop_tokens: frozenset = frozenset()
     ignore_eos: bool = False
     recipe: str | None = None
+    owner: Hashable = None  # whose cached KV it may reuse (the client identity; meshnode/core/prefix.py)
     # progress: `tokens` is prompt + generated. tokens[:n_cached] are in the KV or in a tick on
     # its way there; `draws_in_flight` samples are asked for and not back yet (pipelined ticks)
     tokens: list[int] = field(default_factory=list)
     n_cached: int = 0
+    n_reused: int = 0  # prompt tokens whose KV came from the prefix cache
     draws_in_flight: int = 0
     seq_id: int = -1
     state: str = NEW
@@ -77,5 +79,6 @@ class Session:
     def usage(self) -> dict:
         ms = lambda a, b: round(max(0.0, (a - b) * 1e3), 3) if a else 0.0  # noqa: E731
         return {"prompt_tokens": len(self.prompt), "completion_tokens": self.n_generated,
+                "cached_tokens": self.n_reused,
                 "queue_ms": ms(self.t_start, self.t_submit), "ttft_ms": ms(self.t_first, self.t_submit),
                 "total_ms": ms(self.t_done, self.t_submit)}

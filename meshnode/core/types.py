@@ -6,6 +6,7 @@ these, so none of them has to import another to agree on what a tick is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple, Union
 
 import numpy as np
 
@@ -47,8 +48,9 @@ class SeqChunk:
 
     `draw` >= 0 asks for a token to be sampled from the chunk's last row, using the session's
     `draw`-th random number (the index of the token generated); -1 means no sample (a middle
-    prompt chunk). `sampling` rides on the sequence's first chunk (pos 0; None there means
-    greedy); the engine remembers it until the sequence is released.
+    prompt chunk). `sampling` rides on the sequence's first chunk (pos 0, or the first
+    position after reused KV; None there means greedy); the engine remembers it until the
+    sequence is released or trimmed.
 
     `follow` marks a one-token chunk whose token is the one this sequence sampled in the tick
     before, which the front has not seen yet when it plans one tick ahead (its token here is
@@ -63,14 +65,46 @@ class SeqChunk:
     follow: bool = False
 
 
+class Release(NamedTuple):
+    """Drop the sequence's KV; its id is free."""
+    seq_id: int
+
+
+class Keep(NamedTuple):
+    """The sequence keeps its first `n` positions and drops the rest: a new session takes over a
+    cached one's KV where their tokens agree (the prefix cache)."""
+    seq_id: int
+    n: int
+
+
+class Share(NamedTuple):
+    """The empty sequence `dst` starts with the first `n` positions of `src` (llama_memory_seq_cp:
+    cells shared in a unified pool, the stream copied across streams)."""
+    src: int
+    dst: int
+    n: int
+
+
+KvOp = Union[Release, Keep, Share]
+
+
 @dataclass
 class Plan:
+    """One tick: `release` runs first, then `kv` in order (each op sees the ones before it), then the
+    chunks, which start where those left each sequence."""
     chunks: list[SeqChunk] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
+    kv: list[KvOp] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
         return sum(len(c.tokens) for c in self.chunks)
+
+    @property
+    def restarted(self) -> set[int]:
+        """Sequences whose KV this plan drops or rewrites before its chunks run."""
+        return {*self.release, *(op.seq_id for op in self.kv if not isinstance(op, Share)),
+                *(op.dst for op in self.kv if isinstance(op, Share))}
 
 
 @dataclass

@@ -5,7 +5,8 @@ through the same rule, so a bad plan is refused identically everywhere and never
 reaches llama.cpp, where it could crash the process or silently decode garbage;
 and each keeps the same per-sequence state (next position, sampling parameters),
 released the same way. An engine supplies `_run` (compute the chunks, return
-the sampled tokens or the sequences that lost their place) and `release_kv`.
+the sampled tokens or the sequences that lost their place) and `release_kv`,
+`trim_kv` and `share_kv` (the prefix cache's operations on its KV).
 """
 from __future__ import annotations
 
@@ -13,18 +14,44 @@ import time
 
 import numpy as np
 
-from meshnode.core.types import GREEDY, InvalidPlan, Plan, Sampling, SeqChunk, StepResult
+from meshnode.core.types import GREEDY, InvalidPlan, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
 from meshnode.engine.sampling import sample
 
 
 def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_ctx_seq: int,
                   next_pos: list[int], samplers: dict) -> None:
-    """Raise InvalidPlan unless `plan` can run; `next_pos` is after the plan's releases."""
+    """Raise InvalidPlan unless `plan` can run; `next_pos` and `samplers` are before the plan."""
     if plan.n_tokens > n_batch:
         raise InvalidPlan(f"plan has {plan.n_tokens} tokens, more than n_batch={n_batch}")
-    for s in plan.release:
+    after: dict[int, int] = {}  # where the release and kv ops leave a sequence
+
+    def seq(s, what: str) -> int:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < n_seq_max:
-            raise InvalidPlan(f"release of sequence id {s!r} outside [0, {n_seq_max})")
+            raise InvalidPlan(f"{what} of sequence id {s!r} outside [0, {n_seq_max})")
+        return int(s)
+
+    def pos(s: int) -> int:
+        return after.get(s, next_pos[s])
+
+    for s in plan.release:
+        after[seq(s, "release")] = 0
+    for op in plan.kv:
+        if isinstance(op, Release):
+            after[seq(op.seq_id, "release")] = 0
+        elif isinstance(op, Keep):
+            s = seq(op.seq_id, "keep")
+            if not 0 <= op.n <= pos(s):
+                raise InvalidPlan(f"keep of {op.n} positions of sequence {s}, which holds {pos(s)}")
+            after[s] = op.n
+        elif isinstance(op, Share):
+            src, dst = seq(op.src, "share"), seq(op.dst, "share")
+            if src == dst or pos(dst) != 0 or not 0 < op.n <= pos(src):
+                raise InvalidPlan(f"share of {op.n} positions from sequence {src} ({pos(src)} held) into "
+                                  f"{dst} ({pos(dst)} held): the source must hold them and the target be empty")
+            after[dst] = op.n
+        else:
+            raise InvalidPlan(f"unknown KV operation {op!r}")
+    fresh = set(after)  # their sampling parameters were dropped with their old KV
     seen = set()
     for c in plan.chunks:
         if not 0 <= c.seq_id < n_seq_max:
@@ -35,7 +62,7 @@ def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_c
         n = len(c.tokens)
         if n == 0:
             raise InvalidPlan(f"empty chunk for sequence {c.seq_id}")
-        expect = 0 if c.seq_id in plan.release else next_pos[c.seq_id]
+        expect = pos(c.seq_id)
         if c.pos != expect:
             raise InvalidPlan(f"sequence {c.seq_id} chunk starts at pos {c.pos}, expected {expect}")
         if c.pos + n > n_ctx_seq:
@@ -45,7 +72,8 @@ def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_c
             raise InvalidPlan(f"sequence {c.seq_id} tokens are not a 1-d integer array")
         if toks.min() < 0 or toks.max() >= n_vocab:
             raise InvalidPlan(f"sequence {c.seq_id} has a token id outside [0, {n_vocab})")
-        if c.draw >= 0 and c.sampling is None and c.pos > 0 and c.seq_id not in samplers:
+        if (c.draw >= 0 and c.sampling is None and c.pos > 0
+                and (c.seq_id not in samplers or c.seq_id in fresh)):
             raise InvalidPlan(f"sequence {c.seq_id} asks for a sample but has no sampling parameters")
         if c.sampling is not None and c.sampling.temperature < 0:
             raise InvalidPlan(f"sequence {c.seq_id} has a negative temperature")
@@ -79,6 +107,16 @@ class Engine:
                       n_ctx_seq=self.n_ctx_seq, next_pos=self._next_pos, samplers=self._samplers)
         for s in plan.release:
             self.release(int(s))
+        for op in plan.kv:
+            if isinstance(op, Release):
+                self.release(op.seq_id)
+            elif isinstance(op, Keep):
+                self.trim_kv(op.seq_id, op.n)
+                self._next_pos[op.seq_id] = op.n
+                self._samplers.pop(op.seq_id, None)
+            else:
+                self.share_kv(op.src, op.dst, op.n)
+                self._next_pos[op.dst] = op.n
         for c in plan.chunks:
             if c.sampling is not None or c.pos == 0:
                 self._samplers[c.seq_id] = c.sampling or GREEDY
@@ -104,6 +142,14 @@ class Engine:
 
     def release_kv(self, seq_id: int) -> None:
         """Drop the sequence's cached state (the subclass's KV)."""
+
+    def trim_kv(self, seq_id: int, n: int) -> None:
+        """Keep the sequence's first `n` positions and drop the rest."""
+        raise NotImplementedError
+
+    def share_kv(self, src: int, dst: int, n: int) -> None:
+        """Give the empty sequence `dst` the first `n` positions of `src`."""
+        raise NotImplementedError
 
     def _run(self, plan: Plan) -> StepResult:
         raise NotImplementedError

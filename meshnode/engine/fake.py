@@ -16,6 +16,11 @@ from meshnode.core.types import FatalEngineError, Plan, StepResult
 from meshnode.engine.base import Engine
 
 
+def extend(h: int, token: int) -> int:
+    """The fake's whole model: a rolling hash of the sequence's tokens."""
+    return (h * 1_000_003 + int(token) + 1) % (1 << 61)
+
+
 class FakeEngine(Engine):
     def __init__(self, n_vocab: int = 512, n_seq_max: int = 8, n_ctx: int = 4096, n_batch: int = 512,
                  n_ctx_seq: int | None = None, eos: int = 2, kv_bytes_per_token: int = 1024,
@@ -29,7 +34,7 @@ class FakeEngine(Engine):
         self.fail_next = False  # the next step raises a fatal error, as llama_decode rc < -1 would
         self.corrupt: set[int] = set(corrupt)  # sequence ids whose samples are deliberately wrong
         self.plans: list[Plan] = []
-        self._hash = [0] * n_seq_max
+        self._hashes: list[list[int]] = [[] for _ in range(n_seq_max)]  # after each position
         self._init_sequences()
 
     def _run(self, plan: Plan) -> StepResult:
@@ -39,13 +44,13 @@ class FakeEngine(Engine):
         self.plans.append(plan)
         res = StepResult()
         for c in plan.chunks:
-            h = self._hash[c.seq_id]
+            hs = self._hashes[c.seq_id]
+            h = hs[-1] if hs else 0
             for t in np.asarray(c.tokens).tolist():
-                h = (h * 1_000_003 + int(t) + 1) % (1 << 61)
-            self._hash[c.seq_id] = h
+                h = extend(h, t)
+                hs.append(h)
             if c.draw >= 0:
-                seed = self._samplers[c.seq_id].seed
-                tok = (h ^ (seed * 7919) ^ c.draw) % (self.n_vocab - 3) + 3  # never a control token
+                tok = self.token(h, self._samplers[c.seq_id].seed, c.draw)
                 if c.seq_id in self.corrupt:
                     tok = 3 + (tok - 3 + 1) % (self.n_vocab - 3)
                 res.tokens[c.seq_id] = tok
@@ -53,5 +58,24 @@ class FakeEngine(Engine):
             time.sleep(self.step_s)
         return res
 
+    def token(self, h: int, seed: int, draw: int) -> int:
+        return (h ^ (seed * 7919) ^ draw) % (self.n_vocab - 3) + 3  # never a control token
+
+    def expected(self, tokens: list[int], n_prompt: int, seed: int = 0) -> bool:
+        """Whether tokens[n_prompt:] are what this engine gives a cold run of tokens[:n_prompt]: the
+        check that reused, restarted or moved KV changed nothing."""
+        h = 0
+        for i, t in enumerate(tokens):
+            if i >= n_prompt and t != self.token(h, seed, i - n_prompt):
+                return False
+            h = extend(h, t)
+        return True
+
     def release_kv(self, seq_id: int) -> None:
-        self._hash[seq_id] = 0
+        self._hashes[seq_id] = []
+
+    def trim_kv(self, seq_id: int, n: int) -> None:
+        del self._hashes[seq_id][n:]
+
+    def share_kv(self, src: int, dst: int, n: int) -> None:
+        self._hashes[dst] = self._hashes[src][:n]

@@ -38,16 +38,16 @@ class Followups:
             self.refusing, self.sampled, self.lost = False, {}, set()
         if self.refusing:
             raise InvalidPlan(AWAITING_RESYNC)
-        lost = self.lost
-        dropped = [c.seq_id for c in plan.chunks if c.seq_id in lost and c.seq_id not in plan.release] if lost else []
+        lost, restarted = self.lost, plan.restarted
+        dropped = [c.seq_id for c in plan.chunks if c.seq_id in lost and c.seq_id not in restarted] if lost else []
         for c in plan.chunks:
             if c.follow and c.seq_id not in dropped:
                 tok = self.sampled.get(c.seq_id)
-                if tok is None or len(c.tokens) != 1 or c.seq_id in plan.release:
+                if tok is None or len(c.tokens) != 1 or c.seq_id in restarted:
                     raise InvalidPlan(f"sequence {c.seq_id} follows a sample the last tick did not draw")
                 c.tokens[0], c.follow = tok, False
         if dropped:
-            plan = Plan([c for c in plan.chunks if c.seq_id not in dropped], plan.release)
+            plan = Plan([c for c in plan.chunks if c.seq_id not in dropped], plan.release, plan.kv)
         return plan, dropped
 
     def run(self, engine, plan: Plan, resync: bool = False) -> StepResult:

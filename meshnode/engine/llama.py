@@ -18,6 +18,7 @@ from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
 from meshnode.engine import llamacpp
 from meshnode.engine.base import Engine
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
+from meshnode.engine.seqmap import SeqMap
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class LlamaEngine(Engine):
         self.kv_bytes_per_token = n_layer * (llamacpp.row_bytes(row, cp.type_k) + llamacpp.row_bytes(row, cp.type_v))
         self.recipe_fingerprint = cfg.recipe()
         self._init_sequences()
+        self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
         self._alloc_batch(self.n_batch)
 
     def _alloc_batch(self, n: int) -> None:
@@ -147,7 +149,7 @@ class LlamaEngine(Engine):
         call of its own, instead of being cut into a 1-token piece beside the decode rows."""
         if self.cfg.kv_layout == "unified" or len(plan.chunks) < 2:
             return [plan.chunks] if plan.chunks else []
-        rows = sorted((c for c in plan.chunks if len(c.tokens) == 1), key=lambda c: c.seq_id)
+        rows = sorted((c for c in plan.chunks if len(c.tokens) == 1), key=lambda c: self._ids[c.seq_id])
         return ([rows] if rows else []) + [[c] for c in plan.chunks if len(c.tokens) > 1]
 
     def _run(self, plan: Plan) -> StepResult:
@@ -196,7 +198,7 @@ class LlamaEngine(Engine):
             n = len(c.tokens)
             self._tok[i:i + n] = c.tokens
             self._pos[i:i + n] = np.arange(c.pos, c.pos + n, dtype=np.int32)
-            self._seq[i:i + n] = c.seq_id
+            self._seq[i:i + n] = self._phys(c.seq_id)
             i += n
             self._want[i - 1] = 1 if c.draw >= 0 else 0
             rows.append(i - 1)
@@ -209,14 +211,44 @@ class LlamaEngine(Engine):
             raise FatalEngineError(f"llama.cpp returned no logits for batch row {row}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
+    def _phys(self, seq_id: int) -> int:
+        return seq_id if self._ids is None else self._ids[seq_id]
+
+    def begin(self, plan: Plan) -> None:
+        """Releases first, then the streams left in use are packed down (meshnode/engine/seqmap.py)."""
+        super().begin(plan)
+        if self._ids is not None:
+            for src, dst in self._ids.compaction():
+                self._lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # copied at the next decode
+                self._lc.llama_memory_seq_rm(self._mem, src, -1, -1)
+
     def release_kv(self, seq_id: int) -> None:
-        self._lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        p = seq_id if self._ids is None else self._ids.drop(seq_id)
+        if p is not None:
+            self._lc.llama_memory_seq_rm(self._mem, p, -1, -1)
+
+    def trim_kv(self, seq_id: int, n: int) -> None:
+        p = seq_id if self._ids is None else self._ids.get(seq_id)
+        if p is not None:
+            self._lc.llama_memory_seq_rm(self._mem, p, n, -1)
+
+    def share_kv(self, src: int, dst: int, n: int) -> None:
+        """Unified: `dst` joins the cells of `src`'s first n positions (no data moves). Streams: llama.cpp
+        copies only whole streams (at the next decode), so the copy is trimmed after."""
+        if self._ids is None:
+            self._lc.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+            return
+        ps, pd = self._ids.get(src), self._ids[dst]
+        self._lc.llama_memory_seq_cp(self._mem, ps, pd, -1, -1)
+        self._lc.llama_memory_seq_rm(self._mem, pd, n, -1)
 
     def seq_pos_max(self, seq_id: int) -> int:
-        return int(self._lc.llama_memory_seq_pos_max(self._mem, seq_id))
+        p = seq_id if self._ids is None else self._ids.get(seq_id)
+        return -1 if p is None else int(self._lc.llama_memory_seq_pos_max(self._mem, p))
 
     def state_seq_size(self, seq_id: int) -> int:
-        return int(self._lc.llama_state_seq_get_size(self._ctx, seq_id))
+        p = seq_id if self._ids is None else self._ids.get(seq_id)
+        return 0 if p is None else int(self._lc.llama_state_seq_get_size(self._ctx, p))
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):

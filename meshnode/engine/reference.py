@@ -59,6 +59,13 @@ class ReferenceEngine(Engine):
     def release_kv(self, seq_id: int) -> None:
         self._kv.pop(seq_id, None)
 
+    def trim_kv(self, seq_id: int, n: int) -> None:
+        for layer in self._kv.get(seq_id, []):
+            layer[0], layer[1] = layer[0][:n], layer[1][:n]
+
+    def share_kv(self, src: int, dst: int, n: int) -> None:
+        self._kv[dst] = [[k[:n].copy(), v[:n].copy()] for k, v in self._kv[src]]
+
     def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """llama.cpp's NORM rope: rotate adjacent pairs (x[2i], x[2i+1])."""
         half = self.head_dim // 2

@@ -93,7 +93,7 @@ class Requests:
 
     def _admit(self, ident: bytes, req: P.Submit, prompt: list[int]) -> None:
         s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
-                    req.ignore_eos, req.recipe)
+                    req.ignore_eos, req.recipe, owner=ident)
         d = self.sched.submit(s)
         if d.accepted:
             self.opened(s.key)

@@ -16,6 +16,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from meshnode.core.budget import ConfigError
+from meshnode.core.prefix import SCOPES
 
 
 def _in(lo: float, hi: float, default=None, internal: bool = False):
@@ -48,6 +49,7 @@ class NodeConfig:
     flash_attn: str = "auto"  # auto, on, off (off = f32 attention numerics)
     kv_layout: str | None = None  # unified: one KV pool; streams: ctx / n_seq_max cells per sequence (default below)
     deterministic: bool = False  # a session's tokens the same whatever shares its ticks (docs/determinism.md)
+    prefix_cache: str = "client"  # reuse finished sessions' KV: client (same client only), node (anyone), off
     tick_deadline_s: float = _in(0.5, DAY, 30.0)  # an engine tick longer than this is a hung engine
     start_timeout_s: float = _in(1.0, DAY, 300.0)  # the first engine start (model load) may take this long
     restart_timeout_min_s: float = _in(0.5, DAY, 10.0)  # a restart may take max(this, 5 x the first start)
@@ -94,6 +96,8 @@ class NodeConfig:
                 raise ConfigError(f"{key}: {e}") from None
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.prefix_cache not in SCOPES:
+            raise ConfigError(f"prefix_cache: must be one of {', '.join(SCOPES)}, got {self.prefix_cache!r}")
         if self.engine_kind not in ("llama", "fake"):
             raise ConfigError(f"engine_kind: unknown {self.engine_kind!r}")
         if self.engine_kind == "llama":

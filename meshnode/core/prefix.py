@@ -1,0 +1,144 @@
+"""The prefix cache: a finished session's KV stays on its sequence until someone needs the room.
+
+Chat clients re-send the whole conversation every turn, and many prompts open
+with the same system text. A session whose tokens start with tokens whose KV the
+engine still holds prefills only the rest. Two sources:
+- a finished session's sequence (an *entry*): the new session takes the sequence
+  over and trims it where the tokens part (`Keep`), the way llama-server reuses a
+  slot; when the entry holds more than the new session shares, the shared part is
+  copied instead (`Share`) and the entry stays for whoever continues it;
+- a live session's computed tokens (`Share`), e.g. a system prompt that another
+  session is already decoding after.
+At least the last prompt token is always recomputed: its logits give the first sample.
+
+Cached KV is never reserved KV: entries hold no admission reservation, and the
+scheduler evicts the least recently used one the moment a new session needs its
+sequence id or its cells, so the cache never causes a rejection, a wait or a miss.
+A hit is visibly faster, so who may reuse whose KV is a setting (`scope`):
+`client` (only sessions of the same client identity), `node` (everyone), `off`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import numpy as np
+
+SCOPES = ("client", "node", "off")
+MIN_SHARE = 16  # a copy across streams costs the whole stream: not worth it for a few tokens
+
+
+@dataclass
+class Entry:
+    seq_id: int
+    tokens: np.ndarray  # the tokens whose KV the sequence holds, from position 0
+    cells: int  # positions the engine holds for it (a pipelined tick may have added one more)
+    owner: Hashable
+    used: int  # the cache's clock when it was stored or last hit
+
+
+@dataclass(frozen=True)
+class Hit:
+    seq_id: int  # where the prefix is
+    n: int  # positions to reuse
+    entry: bool  # a cached entry (else a live session's sequence)
+    takeover: bool  # take the entry's sequence over (else copy the prefix into a new one)
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    hit_tokens: int = 0  # prefill tokens not computed thanks to the cache
+    evictions: int = 0
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m
+
+
+class PrefixCache:
+    def __init__(self, scope: str = "client"):
+        if scope not in SCOPES:
+            raise ValueError(f"prefix cache scope must be one of {SCOPES}, got {scope!r}")
+        self.scope = scope
+        self.entries: dict[int, Entry] = {}  # seq_id -> entry
+        self.counters = CacheCounters()
+        self._clock = 0
+
+    @property
+    def on(self) -> bool:
+        return self.scope != "off"
+
+    @property
+    def cells(self) -> int:
+        return sum(e.cells for e in self.entries.values())
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _mine(self, owner: Hashable, other: Hashable) -> bool:
+        return self.scope == "node" or owner == other
+
+    def store(self, seq_id: int, tokens: list[int], cells: int, owner: Hashable) -> bool:
+        """Keep a finished session's sequence; False when the cache is off or there is nothing to keep
+        (the caller releases it)."""
+        n = min(len(tokens), cells)
+        if not self.on or n < 1:
+            return False
+        self.entries[seq_id] = Entry(seq_id, np.asarray(tokens[:n], np.int32), cells, owner, self._tick())
+        return True
+
+    def find(self, prompt: list[int], owner: Hashable, live) -> Hit | None:
+        """The best reuse for a new session's prompt, or None. `live`: (seq_id, computed tokens, owner)
+        of running sessions."""
+        if not self.on or len(prompt) < 2:
+            return None
+        p = np.asarray(prompt, np.int32)
+        cap = len(p) - 1
+        best: Hit | None = None
+        for e in self.entries.values():
+            if self._mine(owner, e.owner):
+                n = min(common_prefix(p, e.tokens), cap)
+                whole = n >= len(e.tokens) - 1  # nothing of value beyond what is reused: take it over
+                if (n > 0 if whole else n >= MIN_SHARE) and (best is None or n > best.n):
+                    best = Hit(e.seq_id, n, True, whole)
+        for seq_id, tokens, other in live:
+            if self._mine(owner, other) and len(tokens) >= MIN_SHARE:
+                n = min(common_prefix(p, np.asarray(tokens, np.int32)), cap)
+                if n >= MIN_SHARE and (best is None or n > best.n):
+                    best = Hit(seq_id, n, False, False)
+        return best
+
+    def take(self, hit: Hit) -> None:
+        """The hit is used: count it; an entry taken over leaves the cache, one copied from is fresh again."""
+        self.counters.hits += 1
+        self.counters.hit_tokens += hit.n
+        if hit.entry:
+            if hit.takeover:
+                del self.entries[hit.seq_id]
+            else:
+                self.entries[hit.seq_id].used = self._tick()
+
+    def evict(self, but: int | None = None) -> int | None:
+        """Drop the least recently used entry (not `but`); its sequence id (to release), or None."""
+        candidates = [e for e in self.entries.values() if e.seq_id != but]
+        if not candidates:
+            return None
+        e = min(candidates, key=lambda e: e.used)
+        del self.entries[e.seq_id]
+        self.counters.evictions += 1
+        return e.seq_id
+
+    def forget(self, seq_id: int) -> bool:
+        """The engine lost this sequence's KV (a cache miss): drop the entry without a release."""
+        return self.entries.pop(seq_id, None) is not None
+
+    def clear(self) -> list[int]:
+        """Drop every entry (the engine restarted, or a refused tick made the KV's state uncertain);
+        returns their sequence ids."""
+        ids = list(self.entries)
+        self.entries.clear()
+        return ids

@@ -1,0 +1,137 @@
+"""The prefix cache, driven through the scheduler with the fake engine: what is reused, by whom, and
+that reuse never changes a token, an admission decision or a session's end."""
+import pytest
+
+from helpers import prompt, run_to_completion, scheduler, step
+from meshnode.core import reasons as R
+from meshnode.core.prefix import MIN_SHARE, PrefixCache
+from meshnode.core.session import Session
+from meshnode.core.types import Keep, Release, Share
+from meshnode.engine.fake import FakeEngine
+
+
+def finish(sched, engine, *sessions):
+    for s in sessions:
+        assert sched.submit(s).accepted
+    events = run_to_completion(sched, engine)
+    for s in sessions:
+        assert s.reason == R.LENGTH
+        assert engine.expected(s.tokens, len(s.prompt)), "reuse changed a token"
+    return events
+
+
+def kv_ops(engine):
+    return [op for p in engine.plans for op in p.kv]
+
+
+def test_next_turn_of_a_conversation_prefills_only_what_is_new():
+    engine, sched = scheduler(prefix_cache="client")
+    first = Session(1, prompt(60), 10, owner="a")
+    finish(sched, engine, first)
+    before = sched.counters.prefill_tokens
+    turn = Session(2, first.tokens + prompt(12, salt=3), 10, owner="a")
+    finish(sched, engine, turn)
+    held = len(first.tokens) - 1  # the last sampled token was never fed
+    assert kv_ops(engine) == [Keep(first.seq_id, held)]
+    assert turn.seq_id == first.seq_id and turn.n_reused == held
+    assert sched.counters.prefill_tokens - before == len(turn.prompt) - held
+    assert turn.usage()["cached_tokens"] == held
+    assert sched.cache.counters.hits == 1 and sched.cache.counters.hit_tokens == held
+
+
+def test_a_repeated_prompt_recomputes_its_last_token_so_the_first_sample_has_logits():
+    engine, sched = scheduler(prefix_cache="client")
+    first = Session(1, prompt(40), 1)
+    finish(sched, engine, first)  # the entry holds exactly the 40 prompt tokens
+    again = Session(2, prompt(40), 5)
+    finish(sched, engine, again)
+    assert kv_ops(engine) == [Keep(first.seq_id, 39)]  # trims one cell, then feeds it again
+    assert again.tokens[40] == first.tokens[40]
+
+
+def test_a_shared_system_prompt_is_copied_and_the_entry_stays_for_its_own_conversation():
+    engine, sched = scheduler(prefix_cache="node")
+    system = prompt(50)
+    a = Session(1, system + prompt(20, salt=1), 8, owner="a")
+    finish(sched, engine, a)
+    b = Session(2, system + prompt(20, salt=2), 8, owner="b")
+    finish(sched, engine, b)
+    assert kv_ops(engine) == [Share(a.seq_id, b.seq_id, 50)]
+    assert a.seq_id in sched.cache.entries and b.seq_id in sched.cache.entries
+
+
+def test_a_live_sessions_computed_prompt_is_shared():
+    engine, sched = scheduler(prefix_cache="node", max_prefill_tokens_per_tick=64)
+    system = prompt(40)
+    a = Session(1, system + [7], 30)
+    assert sched.submit(a).accepted
+    for _ in range(3):  # a's prompt is computed and it decodes
+        step(sched, engine, sched.plan())
+    b = Session(2, system + [9, 10], 5)
+    finish(sched, engine, b)
+    assert Share(a.seq_id, b.seq_id, 40) in kv_ops(engine)
+    assert engine.expected(a.tokens, len(a.prompt))
+
+
+@pytest.mark.parametrize("scope,other,hit", [("client", "a", True), ("client", "b", False),
+                                             ("node", "b", True), ("off", "a", False)])
+def test_scope_decides_whose_kv_a_session_may_reuse(scope, other, hit):
+    engine, sched = scheduler(prefix_cache=scope)
+    first = Session(1, prompt(40), 4, owner="a")
+    finish(sched, engine, first)
+    second = Session(2, first.tokens + [5, 6], 4, owner=other)
+    finish(sched, engine, second)
+    assert (second.n_reused > 0) == hit
+    assert sched.cache.counters.hits == int(hit)
+
+
+def test_cached_sequences_give_way_to_new_sessions_least_recently_used_first():
+    engine, sched = scheduler(FakeEngine(n_seq_max=2, n_ctx=4096), prefix_cache="node")
+    old, recent = Session(1, prompt(30, 1), 3), Session(2, prompt(30, 2), 3)
+    finish(sched, engine, old)
+    finish(sched, engine, recent)
+    assert set(sched.cache.entries) == {0, 1} and not sched.free_seqs
+    fresh = Session(3, prompt(30, 3), 3)
+    finish(sched, engine, fresh)  # a full cache never refuses a session
+    assert Release(old.seq_id) in kv_ops(engine) and fresh.seq_id == old.seq_id
+    assert sched.cache.counters.evictions == 1 and recent.seq_id in sched.cache.entries
+
+
+def test_a_shared_kv_pool_evicts_cached_cells_before_admission_would_run_out():
+    engine, sched = scheduler(FakeEngine(n_seq_max=8, n_ctx=256), prefix_cache="node", pool_cells=256)
+    a = Session(1, prompt(100, 1), 20)
+    finish(sched, engine, a)
+    assert sched.cache.cells == 119
+    big = Session(2, prompt(120, 2), 60)  # reserves 180 cells: with a's 119 the pool would overflow
+    finish(sched, engine, big)
+    assert Release(a.seq_id) in kv_ops(engine) and a.seq_id not in sched.cache.entries
+
+
+def test_a_session_ended_by_an_engine_error_leaves_nothing_in_the_cache():
+    engine, sched = scheduler(prefix_cache="node")
+    s = Session(1, prompt(30), 50)
+    assert sched.submit(s).accepted
+    tick = sched.plan()
+    sched.refused(tick, R.ENGINE_ERROR)
+    assert s.reason == R.ENGINE_ERROR and not sched.cache.entries
+
+
+def test_an_engine_restart_empties_the_cache_and_frees_its_ids():
+    engine, sched = scheduler(prefix_cache="node")
+    finish(sched, engine, Session(1, prompt(30), 3))
+    assert sched.cache.entries
+    sched.engine_restarted()
+    assert not sched.cache.entries and sched.free_seqs == list(range(8))
+
+
+def test_short_prefixes_are_not_worth_a_copy():
+    cache = PrefixCache("node")
+    cache.store(0, prompt(100), 100, "a")
+    assert cache.find(prompt(MIN_SHARE - 1) + [1, 2], "a", []) is None
+    hit = cache.find(prompt(MIN_SHARE) + [1, 2], "a", [])
+    assert hit.n == MIN_SHARE and not hit.takeover
+
+
+def test_unknown_scope_is_refused():
+    with pytest.raises(ValueError, match="client"):
+        PrefixCache("everyone")
