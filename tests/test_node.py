@@ -35,6 +35,20 @@ def test_submit_streams_tokens_then_done_with_usage(node):
     assert d["usage"]["total_ms"] >= d["usage"]["ttft_ms"] > 0 and isinstance(d["text"], str)
 
 
+def test_next_turn_reuses_the_conversations_kv_for_its_client_only(node):
+    with node.client() as c:
+        first = c.generate("turn1", tokens=prompt(40), max_tokens=10, ignore_eos=True)
+        history = prompt(40) + first.tokens + prompt(6, salt=2)
+        second = c.generate("turn2", tokens=history, max_tokens=8, ignore_eos=True)
+        scope = c.status()["node"]["prefix_cache"]
+    with node.client() as other:
+        cold = other.generate("turn2-elsewhere", tokens=history, max_tokens=8, ignore_eos=True)
+    assert scope == "client"
+    assert second.done["usage"]["cached_tokens"] == 49  # 40 + 10 generated, the last never fed
+    assert cold.done["usage"]["cached_tokens"] == 0  # another client's KV is not shared by default
+    assert second.tokens == cold.tokens
+
+
 def test_text_in_text_out(node):
     with node.client() as c:
         r = c.generate("t", text="hello mesh node", max_tokens=5, ignore_eos=True)

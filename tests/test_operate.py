@@ -160,7 +160,7 @@ def test_top_in_tmux_like_a_person(tiny_model, tmp_path):
     try:
         assert wait_until(lambda: "waiting for node" in screen(), 10)
         with NodeProcess(tiny_model, run_dir=run_dir):
-            assert wait_until(lambda: "sessions active" in screen(), 15), screen()
+            assert wait_until(lambda: "sessions active" in screen() and "cache    client" in screen(), 15), screen()
             subprocess.run(["tmux", "resize-window", "-t", name, "-x", "70", "-y", "25"])
             time.sleep(0.5)
             assert "sessions active" in screen()

@@ -2,7 +2,7 @@
 import json
 import re
 
-from helpers import Clock, run_tick, scheduler
+from helpers import Clock, run_tick, run_to_completion, scheduler
 from meshnode.core.session import Session
 from meshnode.core.telemetry import Telemetry, to_prometheus
 
@@ -85,3 +85,20 @@ def test_engine_wait_counts_back_to_back_ticks_only():
     eng = t.snapshot()["engine"]
     assert eng["busy_gaps"] == 10 and abs(eng["busy_gap_ms_total"] - 2.66) < 1e-9
     assert eng["wait_us_p50"] == 75.0 and eng["wait_us_p90"] == 2000.0
+
+
+def test_prefix_cache_hits_and_saved_tokens_are_reported():
+    clock = Clock(50.0)
+    e, s = scheduler(clock=clock, prefix_cache="client")
+    t = Telemetry(s, clock=clock)
+    first = Session("a", [3 + i for i in range(30)], 4, owner="x")
+    s.submit(first)
+    run_to_completion(s, e)
+    s.submit(Session("b", first.tokens + [7, 8], 4, owner="x"))
+    run_to_completion(s, e)
+    c = t.snapshot()["prefix_cache"]  # b holds 36 prompt + 4 generated tokens, the last never fed
+    assert c == {"scope": "client", "entries": 1, "cached_bytes": 39 * e.kv_bytes_per_token,
+                 "hits_total": 1, "hit_tokens_total": 33, "evictions_total": 0,
+                 "hit_token_ratio": 0.5}  # 33 reused, 30 + 3 computed
+    text = to_prometheus(dict(t.snapshot(), engine=dict(t.snapshot()["engine"], pid=1, restarts=0, healthy=True)))
+    assert "meshnode_prefix_cache_hit_tokens_total 33" in text

@@ -97,7 +97,16 @@ class Telemetry:
             "memory": dict(self.memory),
             "uptime_s": round(now - self.t0, 3),
             "draining": s.draining,
+            "prefix_cache": self._cache(),
         }
+
+    def _cache(self) -> dict:
+        s = self.sched
+        k, computed = s.cache.counters, s.counters.prefill_tokens
+        return {"scope": s.cache.scope, "entries": len(s.cache.entries),
+                "cached_bytes": s.cache.cells * s.budget.kv_bytes_per_token,
+                "hits_total": k.hits, "hit_tokens_total": k.hit_tokens, "evictions_total": k.evictions,
+                "hit_token_ratio": round(k.hit_tokens / (k.hit_tokens + computed), 4) if computed + k.hit_tokens else 0.0}
 
     def _wait_percentiles(self) -> dict:
         w = sorted(self._waits)
@@ -112,6 +121,16 @@ _METRICS = [
     ("meshnode_kv_cache_usage_ratio", "gauge", "KV bytes reserved over the KV budget.", lambda t: t["kv_pressure"]),
     ("meshnode_kv_cache_reserved_bytes", "gauge", "KV bytes reserved by active sessions.", lambda t: t["kv_bytes"]),
     ("meshnode_kv_cache_budget_bytes", "gauge", "The node's KV byte budget.", lambda t: t["kv_budget_bytes"]),
+    ("meshnode_kv_cache_used_bytes", "gauge", "KV bytes the engine holds (running and cached sequences).",
+     lambda t: t["kv_used_bytes"]),
+    ("meshnode_prefix_cache_bytes", "gauge", "KV bytes held by finished sessions for reuse.",
+     lambda t: t["prefix_cache"]["cached_bytes"]),
+    ("meshnode_prefix_cache_entries", "gauge", "Finished sessions whose KV is kept for reuse.", lambda t: t["prefix_cache"]["entries"]),
+    ("meshnode_prefix_cache_hits_total", "counter", "Sessions that started on reused KV.", lambda t: t["prefix_cache"]["hits_total"]),
+    ("meshnode_prefix_cache_hit_tokens_total", "counter", "Prompt tokens not prefilled thanks to reused KV.",
+     lambda t: t["prefix_cache"]["hit_tokens_total"]),
+    ("meshnode_prefix_cache_evictions_total", "counter", "Cached sequences dropped to make room.",
+     lambda t: t["prefix_cache"]["evictions_total"]),
     ("meshnode_scratch_usage_ratio", "gauge", "Scratch reserved over the scratch envelope.", lambda t: t["scratch_pressure"]),
     ("meshnode_weight_bytes", "gauge", "Bytes of model weights loaded.", lambda t: t["weight_bytes"]),
     ("meshnode_prompt_tokens_total", "counter", "Prompt tokens prefilled (re-prefills included).", lambda t: t["prefill_tokens_total"]),

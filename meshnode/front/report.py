@@ -44,7 +44,7 @@ class Report:
                 "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.healthy,
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
                 "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.cfg.deterministic,
-                "kv_layout": n.cfg.layout}
+                "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache}
         return P.status(info, self.snapshot())
 
     def status_line(self) -> str:

@@ -36,6 +36,14 @@ def sparkline(values, top: float) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(round(v / top * (len(SPARK) - 1))))] for v in values)
 
 
+def _cache_line(c: dict) -> str:
+    if c.get("scope", "off") == "off":
+        return "cache    off"
+    return (f"cache    {c['scope']}  entries {c.get('entries', 0)} ({_mb(c.get('cached_bytes'))})"
+            f"  hits {c.get('hits_total', 0):,}  saved {c.get('hit_tokens_total', 0):,} tokens"
+            f" ({c.get('hit_token_ratio', 0):.0%})  evictions {c.get('evictions_total', 0):,}")
+
+
 def render(snap: dict, history, width: int = 80) -> list[str]:
     """The screen as lines of text: the same for curses and for --once."""
     e, m = snap.get("engine", {}), snap.get("memory", {})
@@ -58,6 +66,7 @@ def render(snap: dict, history, width: int = 80) -> list[str]:
         f"         {sparkline(list(history)[-(width - 10):], snap.get('max_batch_size') or max(history or [1]))}",
         f"tokens/s prefill {snap.get('prefill_tokens_per_s', 0):,.1f}   decode {snap.get('decode_tokens_per_s', 0):,.1f}"
         f"   (totals {snap.get('prefill_tokens_total', 0):,} / {snap.get('decode_tokens_total', 0):,})",
+        _cache_line(snap.get("prefix_cache") or {}),
         "",
         f"rejected {snap.get('rejected_total', 0)}   bad frames {snap.get('bad_frames_total', 0)}"
         f"   client faults {snap.get('client_faults_total', 0)}",
