@@ -68,7 +68,7 @@ class Cancel:
 
 @dataclass
 class Status:
-    pass
+    prompt_tokens: int | None = None  # estimate the first-token delay of a prompt this long
 
 
 @dataclass
@@ -138,7 +138,10 @@ def decode_request(frames: list[bytes], n_vocab: int):
     if op == "ping":
         return Ping()
     if op == "status":
-        return Status()
+        pt = msg.get("prompt_tokens")
+        _check(pt is None or (_is_int(pt) and 1 <= pt <= MAX_NEW_TOKENS),
+               f"prompt_tokens must be an int in [1, {MAX_NEW_TOKENS}]", id)
+        return Status(pt)
     if op not in ("submit", "cancel"):
         raise ProtocolError(R.BAD_REQUEST, f"unknown op {op!r}; expected submit, cancel, status or ping", id)
     _check(id is not None, f"id must be a string of 1 to {MAX_ID_CHARS} characters")
@@ -184,8 +187,8 @@ def pong() -> list[bytes]:
     return event("pong")
 
 
-def status(node: dict, telemetry: dict) -> list[bytes]:
-    return event("status", node=node, telemetry=telemetry)
+def status(node: dict, telemetry: dict, capacity: dict) -> list[bytes]:
+    return event("status", node=node, telemetry=telemetry, capacity=capacity)
 
 
 def tokens(id: str, toks: list[int], text: str) -> list[bytes]:

@@ -22,6 +22,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         ("memory-floor-mb", "reject new sessions below this available memory"),
                         ("drain-timeout-s", "how long SIGTERM lets sessions finish"),
                         ("tick-deadline-s", "a tick longer than this is a hung engine"),
+                        ("tick-target-ms", "while sessions decode, size prefill so a tick takes this (0 = fixed chunks)"),
                         ("start-timeout-s", "how long the first engine start may take"),
                         ("restart-timeout-min-s", "a restart may take max(this, 5 x the first start)")]:
         p.add_argument(f"--{name}", type=float, help=help_)

@@ -77,8 +77,9 @@ class Client:
             if pred(ev):
                 return ev
 
-    def status(self) -> dict:
-        self.send(P.Status())
+    def status(self, prompt_tokens: int | None = None) -> dict:
+        """The node's status; with `prompt_tokens`, its `capacity` estimates that prompt's first-token delay."""
+        self.send(P.Status(prompt_tokens))
         return self.wait_for(lambda e: e["event"] == "status")
 
     def ping(self, timeout_s: float = 5.0) -> bool:

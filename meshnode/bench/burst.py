@@ -1,96 +1,178 @@
-"""Chunked prefill under a burst: does a prompt burst stall the sessions already decoding?
+"""A prompt burst against sessions already decoding: do they stall, and how soon do the prompts start?
 
-4 sessions decode steadily; then 4 new sessions arrive with 1,000-token prompts.
-For each prefill chunk size (tokens per tick) and unchunked (a whole prompt in
-one tick, never split), a fresh node measures the in-flight sessions' worst and
-p99 inter-token latency during the burst vs steady, and the burst's TTFT.
+4 sessions decode steadily; then 4 new sessions arrive with 1,000-token prompts. Each
+round runs, side by side: the node with its default settings (prefill sized by the tick
+target), the node with the old fixed 64-token chunk, and, given `--llama-server PATH`,
+llama.cpp's server with 8 slots. Measured: the in-flight sessions' inter-token gaps
+steady and during the burst, and each burst prompt's first-token delay. On the node, the
+`capacity` estimate of a 1,000-token prompt's first-token delay is also checked against the
+measured delay: on the idle node (a lone prompt) and on the busy one (the first burst prompt).
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import numpy as np
 
-from meshnode.bench import model_path, token_gaps
+from meshnode.bench import llama_build, model_path, token_gaps
+from meshnode.bench.llama_server import LlamaServer, Stop
 from meshnode.dev.nodeproc import NodeProcess
 
-CHUNKS = [16, 32, 64, 128, 512]
-BURST_PROMPT = 1000
-UNCHUNKED = BURST_PROMPT  # a whole prompt per tick
+BURST_PROMPT, STEADY, CTX = 1000, 4, 8192  # 4 x (8 + 1000) + 4 x (1000 + 4) cells fit 8192
+FIXED = ("--tick-target-ms", "0", "--prefill-chunk", "64")
 
 
-def one(path: str, threads: int, chunk: int, extra: tuple = (), python: str | None = None) -> dict:
-    n_batch = max(512, chunk + 8)
-    args = ["--max-active", "8", "--prefill-chunk", str(chunk), "--n-batch", str(n_batch), "--ctx", "8192",
-            "--threads", str(threads), "--log-level", "WARNING", *extra]
+def steady_prompt(i: int) -> list[int]:
+    return [3 + (i * 7 + k) % 500 for k in range(8)]
+
+
+def burst_prompt(i: int) -> list[int]:
+    return [3 + (i * 31 + k * 13) % 500 for k in range(BURST_PROMPT)]
+
+
+def summary(times: dict, first: dict, t_burst: float, t_end: float) -> dict:
+    steady, burst = token_gaps(times, 0, t_burst), token_gaps(times, t_burst, t_end)
+    ttft = sorted((first[s] - t_burst) * 1e3 for s in first)
+    return {"steady_itl_ms_p50": float(np.percentile(steady, 50)), "steady_itl_ms_p99": float(np.percentile(steady, 99)),
+            "burst_itl_ms_p99": float(np.percentile(burst, 99)) if burst else 0.0,
+            "burst_itl_ms_max": float(max(burst)) if burst else 0.0,
+            "burst_ttft_ms_first": ttft[0], "burst_ttft_ms_mean": float(np.mean(ttft)), "burst_ttft_ms_max": ttft[-1]}
+
+
+def one(path: str, threads: int, chunk: int | None = None, extra: tuple = (), python: str | None = None,
+        probes: bool = False) -> dict:
+    """The burst through a fresh node; `chunk`: the most prompt tokens per tick (None: the default)."""
+    args = ["--max-active", "8", "--ctx", str(CTX), "--threads", str(threads), "--log-level", "WARNING", *extra]
+    if chunk is not None:
+        args += ["--prefill-chunk", str(chunk), "--n-batch", str(max(512, chunk + 8))]
+    est = {}
     with NodeProcess(path, *args, python=python) as node, node.client(timeout_s=600) as c:
-        steady = [f"s{i}" for i in range(4)]
-        for i, sid in enumerate(steady):  # 4 x (8 + 1000) + 4 x (1000 + 4) KV cells fit --ctx 8192
-            c.submit(sid, tokens=[3 + (i * 7 + k) % 500 for k in range(8)], max_tokens=1000, ignore_eos=True)
+        if probes:  # the node learns its tick cost on a small job, then estimates a lone 1000-token prompt
+            c.generate("warm", tokens=steady_prompt(9) * 5, max_tokens=24, ignore_eos=True)
+            est["idle_estimate_ms"] = c.status(BURST_PROMPT)["capacity"]["ttft_ms_estimate"]
+            r = c.generate("idle", tokens=burst_prompt(9), max_tokens=1, ignore_eos=True)
+            est["idle_measured_ms"] = r.done["usage"]["ttft_ms"]
+        steady = [f"s{i}" for i in range(STEADY)]
+        for i, sid in enumerate(steady):
+            c.submit(sid, tokens=steady_prompt(i), max_tokens=1000, ignore_eos=True)
         times: dict[str, list[float]] = {sid: [] for sid in steady}
         first: dict[str, float] = {}
+        done_ttft: dict[str, float] = {}
 
         def pump(until) -> None:
             while not until():
                 ev = c.recv(600)
                 if ev is None:
                     raise TimeoutError("node stopped answering")
+                sid = ev.get("id")
                 if ev["event"] == "tokens":
-                    sid = ev["id"]
                     if sid in times:
                         times[sid].append(time.monotonic())
                     elif sid not in first:
                         first[sid] = time.monotonic()
+                elif ev["event"] == "done" and sid == "b0":
+                    done_ttft[sid] = ev["usage"]["ttft_ms"]
 
         pump(lambda: min(len(t) for t in times.values()) >= 25)  # steady state
+        if probes:
+            est["busy_estimate_ms"] = c.status(BURST_PROMPT)["capacity"]["ttft_ms_estimate"]
         t_burst = time.monotonic()
         burst = [f"b{i}" for i in range(4)]
         for i, sid in enumerate(burst):
-            c.submit(sid, tokens=[3 + (i * 31 + k * 13) % 500 for k in range(BURST_PROMPT)], max_tokens=4,
-                     ignore_eos=True)
-        pump(lambda: len(first) == len(burst))
+            c.submit(sid, tokens=burst_prompt(i), max_tokens=4, ignore_eos=True)
+        pump(lambda: len(first) == len(burst) and "b0" in done_ttft)
         t_end = time.monotonic()
-        for sid in steady + burst:
+        for sid in steady:
             c.cancel(sid)
-    steady_gaps = token_gaps(times, 0, t_burst)
-    burst_gaps = token_gaps(times, t_burst, t_end)
-    ttft = [(first[s] - t_burst) * 1e3 for s in first]
-    return {"chunk": chunk, "steady_itl_ms_p99": float(np.percentile(steady_gaps, 99)),
-            "steady_itl_ms_max": float(max(steady_gaps)),
-            "burst_itl_ms_p99": float(np.percentile(burst_gaps, 99)) if burst_gaps else 0.0,
-            "burst_itl_ms_max": float(max(burst_gaps)) if burst_gaps else 0.0,
-            "burst_ttft_ms_mean": float(np.mean(ttft)), "burst_ttft_ms_max": float(max(ttft))}
+    out = dict(summary(times, first, t_burst, t_end), chunk=chunk)
+    if probes:
+        est["busy_measured_ms"] = done_ttft["b0"]  # node-side, from the submit's arrival, like the estimate
+        out.update(est)
+    return out
 
 
-def choose(rows: list[dict]) -> int | None:
-    """The default chunk: cuts the worst in-flight ITL >= 10x vs unchunked with burst TTFT <= 1.3x."""
-    base = next(r for r in rows if r["chunk"] == UNCHUNKED)
-    ok = [r for r in rows if r["chunk"] != UNCHUNKED and r["burst_itl_ms_max"] * 10 <= base["burst_itl_ms_max"]
-          and r["burst_ttft_ms_mean"] <= 1.3 * base["burst_ttft_ms_mean"]]
-    return min(ok, key=lambda r: r["burst_ttft_ms_mean"])["chunk"] if ok else None
+def through_llama_server(binary: str, path: str, threads: int) -> dict:
+    with LlamaServer(binary, path, threads, slots=8, ctx=CTX) as server:
+        times: dict[str, list[float]] = {f"s{i}": [] for i in range(STEADY)}
+        first: dict[str, float] = {}
+        stop = threading.Event()
+
+        def steady(i: int) -> None:
+            def on_token(now: float) -> None:
+                times[f"s{i}"].append(now)
+                if stop.is_set():
+                    raise Stop
+            server.complete(steady_prompt(i), 1000, on_token)
+
+        def burst(i: int) -> None:
+            server.complete(burst_prompt(i), 4, lambda now: first.setdefault(f"b{i}", now))
+
+        workers = [threading.Thread(target=steady, args=(i,)) for i in range(STEADY)]
+        for w in workers:
+            w.start()
+        while min(len(t) for t in times.values()) < 25:
+            time.sleep(0.01)
+        t_burst = time.monotonic()
+        bursts = [threading.Thread(target=burst, args=(i,)) for i in range(4)]
+        for w in bursts:
+            w.start()
+        for w in bursts:
+            w.join()
+        t_end = time.monotonic()
+        stop.set()
+        for w in workers:
+            w.join()
+    return summary(times, first, t_burst, t_end)
 
 
 def main(a) -> int:
     path = model_path(a)
     threads = a.threads or os.cpu_count()
-    rows = []
-    for chunk in CHUNKS + [UNCHUNKED]:
-        rows.append(one(path, threads, chunk))
-    base = rows[-1]
-    print(f"model {os.path.basename(path)}: 4 sessions decoding, then 4 arrive with {BURST_PROMPT}-token prompts")
-    print(f"{'chunk':>10}{'steady ITL p99':>16}{'burst ITL p99':>15}{'burst ITL max':>15}{'vs unchunked':>14}"
-          f"{'burst TTFT mean':>17}{'vs unchunked':>14}")
-    for r in rows:
-        name = "unchunked" if r["chunk"] == UNCHUNKED else str(r["chunk"])
-        print(f"{name:>10}{r['steady_itl_ms_p99']:16.1f}{r['burst_itl_ms_p99']:15.1f}{r['burst_itl_ms_max']:15.1f}"
-              f"{base['burst_itl_ms_max'] / max(r['burst_itl_ms_max'], 1e-9):13.1f}x"
-              f"{r['burst_ttft_ms_mean']:17.0f}{r['burst_ttft_ms_mean'] / base['burst_ttft_ms_mean']:13.2f}x")
-    pick = choose(rows)
-    print(f"default chunk choice (worst ITL cut >= 10x, TTFT <= 1.3x): {pick if pick else 'none qualifies'}")
+    print(f"model {os.path.basename(path)}: {STEADY} sessions decoding, then 4 arrive with {BURST_PROMPT}-token "
+          f"prompts; threads {threads}, {llama_build()}")
+    rounds = []
+    for r in range(a.rounds):
+        row = {"node": one(path, threads, probes=True), "node_fixed_64": one(path, threads, extra=FIXED)}
+        if a.llama_server:
+            row["llama_server"] = through_llama_server(a.llama_server, path, threads)
+        rounds.append(row)
+        print(f"round {r + 1}")
+        for name, f in row.items():
+            print(f"  {name:<14} steady ITL p50 {f['steady_itl_ms_p50']:6.1f} p99 {f['steady_itl_ms_p99']:6.1f} ms"
+                  f"  burst worst gap {f['burst_itl_ms_max']:8.0f} ms  burst TTFT first {f['burst_ttft_ms_first']:7.0f}"
+                  f" last {f['burst_ttft_ms_max']:7.0f} ms")
+        n = row["node"]
+        print(f"  capacity estimate vs measured: idle {n['idle_estimate_ms']} vs {n['idle_measured_ms']:.0f} ms, "
+              f"busy {n['busy_estimate_ms']} vs {n['busy_measured_ms']:.0f} ms")
+    verdicts = targets(rounds)
+    for line in verdicts:
+        print(line)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": path, "threads": threads, "burst_prompt": BURST_PROMPT, "rows": rows,
-                       "unchunked_chunk": UNCHUNKED, "chosen": pick}, f, indent=2)
+            json.dump({"model": path, "threads": threads, "build": llama_build(), "burst_prompt": BURST_PROMPT,
+                       "llama_server": a.llama_server, "rounds": rounds, "verdicts": verdicts}, f, indent=2)
     return 0
+
+
+def targets(rounds: list[dict]) -> list[str]:
+    def err(n, k):
+        e = n[f"{k}_estimate_ms"]
+        return abs(e - n[f"{k}_measured_ms"]) / n[f"{k}_measured_ms"] if e is not None else float("inf")
+
+    nodes = [r["node"] for r in rounds]
+    p99 = max(n["steady_itl_ms_p99"] / n["steady_itl_ms_p50"] for n in nodes)
+    worst_err = max(max(err(n, "idle"), err(n, "busy")) for n in nodes)
+    out = [f"steady ITL p99 / p50, worst round: {p99:.2f} (target <= 1.5: {'met' if p99 <= 1.5 else 'NOT met'})",
+           f"capacity estimate error, worst round: {worst_err:.0%} (target <= 25%: "
+           f"{'met' if worst_err <= 0.25 else 'NOT met'})"]
+    if "llama_server" in rounds[0]:
+        gap = [r["node"]["burst_itl_ms_max"] / r["llama_server"]["burst_itl_ms_max"] for r in rounds]
+        ttft = [r["node"]["burst_ttft_ms_max"] / r["llama_server"]["burst_ttft_ms_max"] for r in rounds]
+        out += [f"worst in-flight gap, node / llama-server: {min(gap):.3f}-{max(gap):.3f} "
+                f"(target <= 0.05: {'met' if max(gap) <= 0.05 else 'NOT met'})",
+                f"last burst first token, node / llama-server: {min(ttft):.2f}-{max(ttft):.2f} "
+                f"(target <= 1.1: {'met' if max(ttft) <= 1.1 else 'NOT met'})"]
+    return out

@@ -2,17 +2,14 @@
 
 By default 8 users talk at once, 6 turns each: turn 1 is a 200-token system prompt (the same for
 all) plus 48 user tokens; every later turn re-sends the history (prompt + the 24 tokens the model
-answered) plus 48 new tokens (`--users --turns --system --new --answer`). Each round runs the node with the prefix cache on, with it off,
-and, given `--llama-server PATH`, llama.cpp's own server (prompt caching on, one slot per user)
-on the same model and threads, one after the other on a quiet machine.
+answered) plus 48 new tokens (`--users --turns --system --new --answer`). Each round runs the
+node with the prefix cache on, with it off, and, given `--llama-server PATH`, llama.cpp's own
+server (prompt caching on, one slot per user) on the same model and threads, one after the other.
 """
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnode.bench import llama_build, model_path
+from meshnode.bench.llama_server import LlamaServer
 from meshnode.dev.nodeproc import NodeProcess
 
 @dataclass(frozen=True)
@@ -92,56 +90,13 @@ def through_node(w: Workload, path: str, threads: int, scope: str) -> tuple[Conv
         return conv, time.monotonic() - t0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _complete(port: int, tokens: list[int], n: int) -> tuple[list[int], float]:
-    """One streamed /completion; (tokens, ms to the first one)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = json.dumps({"prompt": tokens, "n_predict": n, "temperature": 0, "ignore_eos": True,
-                       "return_tokens": True, "stream": True, "cache_prompt": True})
-    t0 = time.monotonic()
-    conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"llama-server answered {resp.status}: {resp.read()[:200]!r}")
-    out, ttft = [], None
-    for line in resp:
-        if not line.startswith(b"data: "):
-            continue
-        msg = json.loads(line[6:])
-        if msg.get("tokens"):
-            ttft = ttft if ttft is not None else (time.monotonic() - t0) * 1e3
-            out += msg["tokens"]
-        if msg.get("stop"):
-            break
-    conn.close()
-    return out, ttft
-
-
 def through_llama_server(w: Workload, binary: str, path: str, threads: int) -> tuple[Conversations, float]:
-    port = free_port()
-    cmd = [binary, "-m", path, "-np", str(w.users), "-c", str(w.ctx), "-t", str(threads), "-tb", str(threads),
-           "--port", str(port), "--no-warmup"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                _complete(port, [3, 4, 5], 2)  # ready, and the weights paged in as the node's warm-up does
-                break
-            except (OSError, RuntimeError):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}") from None
-                time.sleep(0.5)
+    with LlamaServer(binary, path, threads, slots=w.users, ctx=w.ctx) as server:
         conv = Conversations(w)
 
         def user(u: int) -> None:
             for turn in range(w.turns):
-                tokens, ttft = _complete(port, conv.prompt(u, turn), w.gen)
+                tokens, ttft = server.complete(conv.prompt(u, turn), w.gen)
                 conv.answered(u, turn, tokens, ttft)
 
         t0 = time.monotonic()
@@ -151,9 +106,6 @@ def through_llama_server(w: Workload, binary: str, path: str, threads: int) -> t
         for t in workers:
             t.join()
         return conv, time.monotonic() - t0
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def figures(conv: Conversations, wall: float) -> dict:

@@ -35,6 +35,7 @@ import numpy as np
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget
+from meshnode.core.costmodel import TickCost, attention, prefill_room
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
@@ -62,12 +63,15 @@ class Counters:
 
 class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
-                 pipeline: TickPipeline | None = None, prefix_cache: str = "off", pool_cells: int = 0):
+                 pipeline: TickPipeline | None = None, prefix_cache: str = "off", pool_cells: int = 0,
+                 tick_target_ms: float = 0.0):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
         tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `pipeline`: the ticks
         in flight, shared with whatever sends them (default: one at a time). `prefix_cache`: its
         scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
-        cached KV must fit together; 0 when each sequence has its own stream."""
+        cached KV must fit together; 0 when each sequence has its own stream. `tick_target_ms`: while
+        sessions decode, give each tick the prompt tokens the cost model says fit this (0: always
+        the budget's fixed `max_prefill_tokens_per_tick`, which stays the upper bound)."""
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe)
@@ -81,6 +85,7 @@ class Scheduler:
         self.kv_ops: list = []  # evictions and reuses decided for the next plan, in order
         self._reused: list[Session] = []
         self.counters = Counters()
+        self.cost, self.tick_target_ms, self.kv_cells = TickCost(), tick_target_ms, 0
         self.draining = False
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
@@ -124,7 +129,7 @@ class Scheduler:
         b = self.budget
         decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
         chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
-        room, slots = b.max_prefill_tokens_per_tick, b.max_batch_size - len(chunks)
+        room, slots = self._prefill_room([c for _, c in chunks]), b.max_batch_size - len(chunks)
         for s in self.running:
             if room <= 0 or slots <= 0:
                 break
@@ -145,6 +150,14 @@ class Scheduler:
             c.occupancy_sum += len(chunks)
         return self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), chunks, reused)
 
+    def _prefill_room(self, decode: list[SeqChunk]) -> int:
+        first = next((s for s in self.running if s.pending > 1), None)
+        unified = self.kv_cells if self.pool_cells else 0
+        top = self.budget.max_prefill_tokens_per_tick
+        return prefill_room(self.cost, self.tick_target_ms, top, len(decode) if first else 0,
+                            attention([(c.pos, 1) for c in decode], unified),
+                            unified or (first.n_cached + top / 2 if first else 0))
+
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
         start, known = s.n_cached, s.tokens[s.n_cached:s.n_cached + n]
@@ -160,6 +173,10 @@ class Scheduler:
     def apply(self, tick: Tick, result: StepResult) -> list[Event]:
         """Turn the engine's result for `tick` (answered, off the pipeline) into per-session events."""
         events: list[Event] = []
+        if tick.plan.chunks and result.step_ms > 0:
+            self.kv_cells = result.kv_cells
+            self.cost.observe(tick.plan.n_tokens, attention([(c.pos, len(c.tokens)) for c in tick.plan.chunks],
+                                                            result.kv_cells if self.pool_cells else 0), result.step_ms)
         missed = set(result.cache_miss)
         for seq_id in missed:
             if self.cache.forget(seq_id):  # a finished session's last tick lost its KV: nothing to keep

@@ -10,8 +10,10 @@ import time
 from collections import Counter, deque
 
 from meshnode.core import reasons as R
+from meshnode.core.capacity import capacity
 
 RATE_WINDOW_S = 10.0
+ESTIMATE_PROMPT_TOKENS = 512  # the prompt size the published capacity block estimates for
 WAIT_WINDOW = 1024  # ticks the engine-wait percentiles cover
 
 
@@ -98,7 +100,12 @@ class Telemetry:
             "uptime_s": round(now - self.t0, 3),
             "draining": s.draining,
             "prefix_cache": self._cache(),
+            "capacity": self.capacity(),
         }
+
+    def capacity(self, prompt_tokens: int | None = None) -> dict:
+        n = prompt_tokens or ESTIMATE_PROMPT_TOKENS
+        return dict(capacity(self.sched, n), estimate_prompt_tokens=n)
 
     def _cache(self) -> dict:
         s = self.sched

@@ -24,13 +24,14 @@ def extend(h: int, token: int) -> int:
 class FakeEngine(Engine):
     def __init__(self, n_vocab: int = 512, n_seq_max: int = 8, n_ctx: int = 4096, n_batch: int = 512,
                  n_ctx_seq: int | None = None, eos: int = 2, kv_bytes_per_token: int = 1024,
-                 weight_bytes: int = 1 << 20, step_s: float = 0.0, corrupt=()):
+                 weight_bytes: int = 1 << 20, step_s: float = 0.0, corrupt=(), cost_ms=None):
         self.n_vocab, self.n_seq_max, self.n_ctx, self.n_batch = n_vocab, n_seq_max, n_ctx, n_batch
         self.n_ctx_seq = n_ctx_seq or n_ctx
         self.eos, self.kv_bytes_per_token, self.weight_bytes = eos, kv_bytes_per_token, weight_bytes
         self.eog = [eos]
         self.recipe_fingerprint = f"fake-{n_vocab}"
         self.step_s = step_s
+        self.cost_ms = cost_ms  # plan -> the step time to report, for tests of what is sized by it
         self.fail_next = False  # the next step raises a fatal error, as llama_decode rc < -1 would
         self.corrupt: set[int] = set(corrupt)  # sequence ids whose samples are deliberately wrong
         self.plans: list[Plan] = []
@@ -56,6 +57,12 @@ class FakeEngine(Engine):
                 res.tokens[c.seq_id] = tok
         if self.step_s:
             time.sleep(self.step_s)
+        return res
+
+    def step(self, plan: Plan) -> StepResult:
+        res = super().step(plan)
+        if self.cost_ms is not None:
+            res.step_ms = float(self.cost_ms(plan))
         return res
 
     def token(self, h: int, seed: int, draw: int) -> int:

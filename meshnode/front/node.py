@@ -136,12 +136,16 @@ class Front:
         if info is None:
             raise StartStopped("stopped by a signal during start-up")
         mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
+        prefill = cfg.prefill_chunk  # with a tick target, an upper bound: as much as one decode carries
+        if prefill is None and cfg.tick_target_ms:
+            prefill = info.n_batch - (cfg.max_batch or info.n_seq_max)
         self.budget = NodeBudget.from_engine(
             info, max_active=cfg.max_active, max_queue=cfg.max_queue, max_batch_size=cfg.max_batch,
-            max_prefill_tokens_per_tick=cfg.prefill_chunk, kv_budget_bytes=mb(cfg.kv_budget_mb),
+            max_prefill_tokens_per_tick=prefill, kv_budget_bytes=mb(cfg.kv_budget_mb),
             weight_budget_bytes=mb(cfg.weight_budget_mb), memory_floor_bytes=mb(cfg.memory_floor_mb))
         return Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
-                         prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0)
+                         prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
+                         tick_target_ms=cfg.tick_target_ms)
 
     # -- loop -------------------------------------------------------------------------------
     def loop(self) -> None:

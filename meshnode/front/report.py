@@ -37,15 +37,15 @@ class Report:
         snap["deterministic"], snap["kv_layout"] = n.cfg.deterministic, n.cfg.layout
         return snap
 
-    def status(self) -> list[bytes]:
-        """The `status` event: node info and the snapshot."""
+    def status(self, prompt_tokens: int | None = None) -> list[bytes]:
+        """The `status` event: node info, the snapshot, and the capacity for a prompt of that size."""
         n, h = self.node, self.node.health
         info = {"version": __version__, "recipe": n.recipe, "model": n.cfg.model, "budgets": n.budget.as_dict(),
                 "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.healthy,
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
                 "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.cfg.deterministic,
                 "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache}
-        return P.status(info, self.snapshot())
+        return P.status(info, self.snapshot(), n.telemetry.capacity(prompt_tokens))
 
     def status_line(self) -> str:
         t = self.snapshot()

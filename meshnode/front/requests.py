@@ -24,7 +24,7 @@ MAX_HELD = 256  # a client's requests waiting behind its text being tokenized
 class Requests:
     def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, reply,
                  send_events, status, opened):
-        """`reply(ident, frames)`, `send_events(events)`, `status() -> frames`, `opened(key)` (a session
+        """`reply(ident, frames)`, `send_events(events)`, `status(prompt_tokens) -> frames`, `opened(key)` (a session
         was admitted): the front's, so this class never touches a socket."""
         self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
         self.reply, self.send_events, self.status, self.opened = reply, send_events, status, opened
@@ -51,7 +51,7 @@ class Requests:
         if isinstance(req, P.Ping):
             self.reply(ident, P.pong())
         elif isinstance(req, P.Status):
-            self.reply(ident, self.status())
+            self.reply(ident, self.status(req.prompt_tokens))
         elif isinstance(req, P.Cancel):
             ev = self.sched.cancel((ident, req.id))
             if ev is None:
