@@ -74,6 +74,7 @@ class TickDone:
     rss: int = 0
     mem_available: int = 0
     mem_total: int = 0
+    logprobs: tuple = ()  # (seq, sampled token's logprob, ((token, logprob), ...)) for sessions that asked
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ def encode(msg: Message, arena=None) -> bytes:
     if isinstance(msg, Hello):
         return pack({"kind": "hello", "pid": msg.pid, "info": {**asdict(msg.info), "eog": list(msg.info.eog)}})
     if isinstance(msg, TickDone):
-        return pack({"kind": "done", **asdict(msg), "cache_miss": list(msg.cache_miss)})
+        return pack({"kind": "done", **asdict(msg), "cache_miss": list(msg.cache_miss),
+                     "logprobs": [[s, lp, [list(t) for t in top]] for s, lp, top in msg.logprobs]})
     kind = {Stop: "stop", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
 
@@ -188,7 +190,7 @@ def decode(data, arena=None) -> Message:
         if kind == "done":
             return TickDone(int(m["tick"]), tuple(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
                             int(m["kv_cells"]), float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
-                            int(m["mem_total"]))
+                            int(m["mem_total"]), _logprobs(m.get("logprobs", [])))
         if kind == "refused":
             return TickRefused(m["tick"], bool(m["fatal"]), str(m["detail"]))
         if kind == "hello":
@@ -202,6 +204,13 @@ def decode(data, arena=None) -> Message:
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed engine link message {kind!r}: {e!r}") from None
     raise ValueError(f"unknown engine link message kind {kind!r}")
+
+
+def _logprobs(v) -> tuple:
+    out = []
+    for seq, lp, top in v:
+        out.append((int(seq), float(lp), tuple((int(t), float(p)) for t, p in top)))
+    return tuple(out)
 
 
 def _ints(v, name: str) -> list[int]:

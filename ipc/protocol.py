@@ -26,6 +26,9 @@ MAX_LIST = 1 << 16  # tokens in one prompt, entries in one list
 MAX_TEXT_BYTES = 256 * 1024
 MAX_NEW_TOKENS = 1 << 20
 MAX_STOP_TOKENS = 64
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
+MAX_LOGPROBS = 20
+MAX_MESSAGES = 1024
 _UNPACK = dict(max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
                max_array_len=MAX_LIST, max_map_len=64, max_ext_len=0, strict_map_key=True, raw=False,
                use_list=True)
@@ -59,6 +62,8 @@ class Submit:
     stop_tokens: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     recipe: str | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the decoded text
+    messages: list[dict] | None = None  # [{role, content}], formatted with the model's chat template
 
 
 @dataclass
@@ -105,14 +110,38 @@ def _token_list(v, name: str, n_vocab: int, id, limit: int = MAX_LIST) -> list[i
     return v
 
 
-def _sampling(v, id) -> Sampling:
+def _sampling(v, id, logprobs: int) -> Sampling:
     _check(isinstance(v, dict), "sampling must be a map", id)
+    d = Sampling()
     t, k, p, seed = (v.get("temperature", 0.0), v.get("top_k", 0), v.get("top_p", 1.0), v.get("seed", 0))
     _check(_is_num(t) and 0 <= t <= 100, "sampling.temperature must be a number in [0, 100]", id)
     _check(_is_int(k) and 0 <= k <= MAX_LIST, "sampling.top_k must be an int >= 0", id)
     _check(_is_num(p) and 0 < p <= 1, "sampling.top_p must be a number in (0, 1]", id)
     _check(_is_int(seed) and -(1 << 63) <= seed < (1 << 64), "sampling.seed must be a 64-bit int", id)
-    return Sampling(float(t), int(k), float(p), int(seed))
+    mp, rp, rn = v.get("min_p", d.min_p), v.get("repeat_penalty", d.repeat_penalty), v.get("repeat_last_n", d.repeat_last_n)
+    pp, fp = v.get("presence_penalty", d.presence_penalty), v.get("frequency_penalty", d.frequency_penalty)
+    _check(_is_num(mp) and 0 <= mp <= 1, "sampling.min_p must be a number in [0, 1]", id)
+    _check(_is_num(rp) and 0 < rp <= 10, "sampling.repeat_penalty must be a number in (0, 10] (1 = off)", id)
+    _check(_is_int(rn) and 0 <= rn <= MAX_LIST, f"sampling.repeat_last_n must be an int in [0, {MAX_LIST}]", id)
+    _check(_is_num(pp) and -2 <= pp <= 2, "sampling.presence_penalty must be a number in [-2, 2]", id)
+    _check(_is_num(fp) and -2 <= fp <= 2, "sampling.frequency_penalty must be a number in [-2, 2]", id)
+    return Sampling(float(t), int(k), float(p), int(seed), float(mp), float(rp), int(rn), float(pp), float(fp), logprobs)
+
+
+def _stop_strings(v, id) -> list[str]:
+    _check(isinstance(v, list) and len(v) <= MAX_STOP_STRINGS
+           and all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in v),
+           f"stop must be a list of at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters", id)
+    return list(v)
+
+
+def _messages(v, id) -> list[dict]:
+    _check(isinstance(v, list) and 1 <= len(v) <= MAX_MESSAGES and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v),
+        f"messages must be a list of 1 to {MAX_MESSAGES} maps with string role and content", id)
+    _check(sum(len(m["content"]) + len(m["role"]) for m in v) <= MAX_TEXT_BYTES,
+           f"messages hold more than {MAX_TEXT_BYTES} characters", id)
+    return [{"role": m["role"], "content": m["content"]} for m in v]
 
 
 def decode_request(frames: list[bytes], n_vocab: int):
@@ -149,19 +178,23 @@ def decode_request(frames: list[bytes], n_vocab: int):
         return Cancel(id)
     mt = msg.get("max_tokens")
     _check(_is_int(mt) and 1 <= mt <= MAX_NEW_TOKENS, f"max_tokens must be an int in [1, {MAX_NEW_TOKENS}]", id)
-    has_tokens, has_text = msg.get("tokens") is not None, msg.get("text") is not None
-    _check(has_tokens != has_text, "exactly one of tokens or text is required", id)
+    has_tokens, has_text, has_msgs = (msg.get(k) is not None for k in ("tokens", "text", "messages"))
+    _check(has_tokens + has_text + has_msgs == 1, "exactly one of tokens, text or messages is required", id)
     tokens = _token_list(msg["tokens"], "tokens", n_vocab, id) if has_tokens else None
     text = msg.get("text")
     _check(text is None or isinstance(text, str), "text must be a string", id)
-    sampling = _sampling(msg["sampling"], id) if msg.get("sampling") is not None else Sampling()
+    lps = msg.get("logprobs", 0)
+    _check(_is_int(lps) and 0 <= lps <= MAX_LOGPROBS, f"logprobs must be an int in [0, {MAX_LOGPROBS}]", id)
+    sampling = _sampling(msg.get("sampling") or {}, id, lps)
     stop = msg.get("stop_tokens") or []
     stop = _token_list(stop, "stop_tokens", n_vocab, id, MAX_STOP_TOKENS)
     ignore_eos = msg.get("ignore_eos", False)
     _check(isinstance(ignore_eos, bool), "ignore_eos must be a bool", id)
     recipe = msg.get("recipe")
     _check(recipe is None or (isinstance(recipe, str) and len(recipe) <= 256), "recipe must be a string", id)
-    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe)
+    stops = _stop_strings(msg.get("stop") or [], id)
+    messages = _messages(msg["messages"], id) if has_msgs else None
+    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages)
 
 
 def encode_request(req) -> list[bytes]:
@@ -169,12 +202,13 @@ def encode_request(req) -> list[bytes]:
     op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping"}[type(req)]
     body = {"op": op}
     for k, v in asdict(req).items():
-        if v is None or (k == "stop_tokens" and not v) or (k == "ignore_eos" and not v):
+        if v is None or (k in ("stop_tokens", "stop", "ignore_eos") and not v):
             continue
         body[k] = v
     if isinstance(req, Submit):
-        s = req.sampling
-        body["sampling"] = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
+        body["sampling"] = {k: v for k, v in asdict(req.sampling).items() if k != "logprobs"}
+        if req.sampling.logprobs:
+            body["logprobs"] = req.sampling.logprobs
     return [VERSION, pack(body)]
 
 
@@ -191,8 +225,12 @@ def status(node: dict, telemetry: dict, capacity: dict) -> list[bytes]:
     return event("status", node=node, telemetry=telemetry, capacity=capacity)
 
 
-def tokens(id: str, toks: list[int], text: str) -> list[bytes]:
-    return event("tokens", id=id, tokens=toks, text=text)
+def tokens(id: str, toks: list[int], text: str, logprobs: list | None = None) -> list[bytes]:
+    if logprobs is None:
+        return event("tokens", id=id, tokens=toks, text=text)
+    lps = [{"token": t, "logprob": lp, "top": [{"token": a, "logprob": b} for a, b in top]}
+           for t, (lp, top) in zip(toks, logprobs)]
+    return event("tokens", id=id, tokens=toks, text=text, logprobs=lps)
 
 
 def done(id: str, reason: str, toks: list[int], text: str, usage: dict, detail: str = "") -> list[bytes]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -84,11 +85,17 @@ def cmd_generate(a) -> int:
     from meshnode.core.types import Sampling
 
     tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else None
-    sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed)
+    messages = None
+    if a.messages:
+        with open(a.messages) as f:
+            messages = json.load(f)
+    sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed, a.min_p, a.repeat_penalty, a.repeat_last_n,
+                        a.presence_penalty, a.frequency_penalty)
+    as_text = tokens is None
     with Client(a.connect or default_listen(), timeout_s=a.timeout,
                 **client_curve(a.curve_server_key, a.curve_client_cert)) as c:
-        c.submit("gen-1", tokens=tokens, text=a.text, max_tokens=a.max_tokens, sampling=sampling,
-                 ignore_eos=a.ignore_eos)
+        c.submit("gen-1", tokens=tokens, text=a.text, messages=messages, max_tokens=a.max_tokens, sampling=sampling,
+                 ignore_eos=a.ignore_eos, stop=a.stop, logprobs=a.logprobs)
         while True:
             ev = c.recv()
             if ev is None:
@@ -99,7 +106,10 @@ def cmd_generate(a) -> int:
                 print(f"{kind}: {ev.get('reason') or ev.get('code')}: {ev.get('detail')}", file=sys.stderr)
                 return 1
             if kind == "tokens":
-                sys.stdout.write(ev["text"] if a.text is not None else " ".join(map(str, ev["tokens"])) + " ")
+                sys.stdout.write(ev["text"] if as_text else " ".join(map(str, ev["tokens"])) + " ")
+                for lp in ev.get("logprobs", []):
+                    top = " ".join(f"{t['token']}:{t['logprob']:.3f}" for t in lp["top"])
+                    print(f"\n  [{lp['token']} {lp['logprob']:.3f} | {top}]", file=sys.stderr)
                 sys.stdout.flush()
             if kind == "done":
                 print(f"\n[{ev['reason']}] {ev['usage']}", file=sys.stderr)
@@ -146,10 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--text")
     g.add_argument("--tokens", help="comma-separated token ids")
+    g.add_argument("--messages", help="a JSON file: [{\"role\": ..., \"content\": ...}], in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--stop", action="append", help="a stop string (repeat for up to 8)")
+    p.add_argument("--logprobs", type=int, default=0, help="print each token's logprob and this many alternatives")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0)

@@ -6,6 +6,7 @@ are not waiting for in a buffer so nothing is lost.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ class Result:
     tokens: list[int] = field(default_factory=list)  # as streamed
     token_times: list[float] = field(default_factory=list)  # monotonic arrival of each tokens event
     done: dict | None = None
+    events: list[dict] = field(default_factory=list)  # the tokens events, as received (text, logprobs)
 
     @property
     def rejected(self) -> bool:
@@ -43,9 +45,11 @@ class Client:
 
     def submit(self, id: str, *, tokens: list[int] | None = None, text: str | None = None, max_tokens: int = 16,
                sampling: Sampling | None = None, stop_tokens: list[int] | None = None, ignore_eos: bool = False,
-               recipe: str | None = None) -> None:
-        self.send(P.Submit(id, max_tokens, tokens, text, sampling or Sampling(), stop_tokens or [], ignore_eos,
-                           recipe))
+               recipe: str | None = None, stop: list[str] | None = None, messages: list[dict] | None = None,
+               logprobs: int = 0) -> None:
+        """One of `tokens`, `text` or `messages` ([{role, content}], formatted with the model's chat template)."""
+        s = dataclasses.replace(sampling or Sampling(), logprobs=logprobs)
+        self.send(P.Submit(id, max_tokens, tokens, text, s, stop_tokens or [], ignore_eos, recipe, stop or [], messages))
 
     def cancel(self, id: str) -> None:
         self.send(P.Cancel(id))
@@ -116,6 +120,7 @@ class Client:
                 r = results[sid]
                 r.tokens += ev["tokens"]
                 r.token_times.append(time.monotonic())
+                r.events.append(ev)
             elif kind == "done":
                 results[sid].done = ev
                 open_.discard(sid)

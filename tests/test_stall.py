@@ -61,7 +61,7 @@ def test_text_jobs_run_off_the_caller_in_order_and_bound_their_backlog():
 
     release = threading.Event()
 
-    def slow_encode(text):
+    def slow_encode(text, special=False):
         release.wait(5)
         return [len(text)]
 

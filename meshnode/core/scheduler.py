@@ -49,6 +49,7 @@ class Event:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     detail: str = ""  # why, in a sentence, when the reason alone does not say (a `done` only)
+    logprobs: list | None = None  # per token: (its logprob, [(token, logprob)]) when the session asked
 
 
 @dataclass
@@ -113,8 +114,12 @@ class Scheduler:
 
     def cancel(self, key) -> Event | None:
         """End a live session now; its reservation frees and its sequence is released next plan."""
+        return self.end(key, R.CANCELLED)
+
+    def end(self, key, reason: str) -> Event | None:
+        """End a live session for a reason found outside the scheduler (a stop string in its text)."""
         s = self.live.get(key)
-        return self._end(s, R.CANCELLED) if s else None
+        return self._end(s, reason) if s else None
 
     def end_all(self, reason: str) -> list[Event]:
         """End every live session (drain deadline, unrecoverable engine): each gets its done."""
@@ -195,7 +200,8 @@ class Scheduler:
             self.counters.decode_tokens += 1
             if s.n_generated == 1 and not s.t_first:
                 s.t_first = self.clock()
-            events.append(Event("tokens", s, [tok]))
+            lp = result.logprobs.get(c.seq_id)
+            events.append(Event("tokens", s, [tok], logprobs=[lp] if lp else None))
             reason = self._finish_reason(s, tok)
             if reason:
                 events.append(self._end(s, reason))

@@ -29,14 +29,26 @@ class FatalEngineError(EngineError):
 
 @dataclass(frozen=True)
 class Sampling:
+    """How a session's tokens are picked (meshnode/engine/sampling.py; ranges in docs/protocol.md)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0  # llama.cpp's: 1 = off
+    repeat_last_n: int = 64  # the window the penalties count tokens in (prompt included); 0 = none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int = 0  # return the sampled token's log-probability and this many top alternatives
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                           or self.frequency_penalty != 0.0)
 
 
 GREEDY = Sampling()
@@ -113,6 +125,7 @@ class StepResult:
     cache_miss: list[int] = field(default_factory=list)  # sequences whose KV was lost
     step_ms: float = 0.0
     kv_cells: int = 0  # KV cells in use after the step
+    logprobs: dict = field(default_factory=dict)  # seq_id -> (sampled token's logprob, [(token, logprob)])
 
 
 @dataclass(frozen=True)

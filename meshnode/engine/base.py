@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from meshnode.core.types import GREEDY, InvalidPlan, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
-from meshnode.engine.sampling import sample
+from meshnode.engine.sampling import logprobs, sample
 
 
 def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_ctx_seq: int,
@@ -90,6 +90,7 @@ class Engine:
 
     def _init_sequences(self) -> None:
         self._next_pos = [0] * self.n_seq_max
+        self._history: list[list[int]] = [[] for _ in range(self.n_seq_max)]  # tokens fed, by position
         self._samplers: dict[int, Sampling] = {}
 
     def step(self, plan: Plan) -> StepResult:
@@ -113,10 +114,12 @@ class Engine:
             elif isinstance(op, Keep):
                 self.trim_kv(op.seq_id, op.n)
                 self._next_pos[op.seq_id] = op.n
+                del self._history[op.seq_id][op.n:]
                 self._samplers.pop(op.seq_id, None)
             else:
                 self.share_kv(op.src, op.dst, op.n)
                 self._next_pos[op.dst] = op.n
+                self._history[op.dst] = self._history[op.src][:op.n]
         for c in plan.chunks:
             if c.sampling is not None or c.pos == 0:
                 self._samplers[c.seq_id] = c.sampling or GREEDY
@@ -130,14 +133,22 @@ class Engine:
                 self.release(c.seq_id)
             else:
                 self._next_pos[c.seq_id] = c.pos + len(c.tokens)
+                self._history[c.seq_id][c.pos:] = np.asarray(c.tokens).tolist()
         res.kv_cells = sum(self._next_pos)
 
-    def sample(self, c: SeqChunk, logits: np.ndarray) -> int:
-        return sample(logits, self._samplers[c.seq_id], c.draw)
+    def sample(self, c: SeqChunk, logits: np.ndarray, res: StepResult) -> None:
+        """The chunk's token into `res` (and its log-probabilities, when the session asked for them).
+        Penalties see the sequence's tokens up to and including this chunk's."""
+        s = self._samplers[c.seq_id]
+        history = self._history[c.seq_id][:c.pos] + list(c.tokens) if s.penalized else ()
+        tok = res.tokens[c.seq_id] = sample(logits, s, c.draw, history)
+        if s.logprobs:
+            res.logprobs[c.seq_id] = logprobs(logits, tok, s.logprobs)
 
     def release(self, seq_id: int) -> None:
         self.release_kv(seq_id)
         self._next_pos[seq_id] = 0
+        self._history[seq_id] = []
         self._samplers.pop(seq_id, None)
 
     def release_kv(self, seq_id: int) -> None:

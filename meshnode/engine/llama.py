@@ -161,7 +161,7 @@ class LlamaEngine(Engine):
                 continue
             for c, r in zip(chunks, rows):  # read before the next call overwrites the logits
                 if c.draw >= 0:
-                    res.tokens[c.seq_id] = self.sample(c, self._logits(r))
+                    self.sample(c, self._logits(r), res)
         return res
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:

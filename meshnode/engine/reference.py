@@ -39,7 +39,10 @@ class ReferenceEngine(Engine):
         self._init_sequences()
 
     def _run(self, plan: Plan) -> StepResult:
-        return StepResult({sid: self.sample(c, logits) for c, (sid, logits) in self._compute(plan)})
+        res = StepResult()
+        for c, (_, logits) in self._compute(plan):
+            self.sample(c, logits, res)
+        return res
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
         self.begin(plan)

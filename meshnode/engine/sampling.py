@@ -22,16 +22,45 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The token's log-probability under the raw logits (log-softmax), and the n most likely tokens'."""
+    z = logits.astype(np.float64)
+    lp = z - z.max()
+    lp -= np.log(np.exp(lp).sum())
+    top = np.argsort(-lp, kind="stable")[:n]
+    return float(lp[token]), [(int(t), float(lp[t])) for t in top]
+
+
 def uniform(seed: int, i: int) -> float:
     """A uniform float in [0, 1) for draw `i` of stream `seed`."""
     return (_splitmix64(_splitmix64(seed & _MASK) ^ (i & _MASK)) >> 11) / float(1 << 53)
 
 
-def sample(logits: np.ndarray, sampling: Sampling, draw: int) -> int:
-    """Pick a token from one row of logits: argmax when greedy, else temp/top-k/top-p."""
+def penalize(logits: np.ndarray, window, s: Sampling) -> np.ndarray:
+    """llama.cpp's repetition penalties over the last `repeat_last_n` tokens of the sequence: a seen
+    token's logit is divided by `repeat_penalty` (multiplied when negative), then lowered by
+    `presence_penalty` once and `frequency_penalty` per occurrence."""
+    z = np.array(logits, dtype=np.float32)
+    toks, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+    if not len(toks):
+        return z
+    v = z[toks]
+    if s.repeat_penalty != 1.0:
+        v = np.where(v > 0, v / s.repeat_penalty, v * s.repeat_penalty)
+    z[toks] = v - (counts * s.frequency_penalty + s.presence_penalty)
+    return z
+
+
+def sample(logits: np.ndarray, sampling: Sampling, draw: int, history=()) -> int:
+    """Pick a token from one row of logits: penalties first (over `history`, the sequence's tokens so
+    far), then argmax when greedy, else min-p, temperature, top-k, top-p and the draw."""
+    if sampling.penalized:
+        logits = penalize(logits, history[-sampling.repeat_last_n:], sampling)
     if sampling.greedy:
         return int(np.argmax(logits))
     z = logits.astype(np.float64)
+    if sampling.min_p > 0.0:  # keep tokens at least min_p times as likely as the best (before temperature)
+        z = np.where(z >= z.max() + np.log(sampling.min_p), z, -np.inf)
     with np.errstate(over="ignore"):  # a tiny temperature sends all but the best to -inf: its limit
         z = (z - z.max()) / sampling.temperature  # max first: logits / 5e-324 would be inf - inf = nan
     order = np.argsort(-z, kind="stable")  # ties broken by token id: deterministic

@@ -152,7 +152,8 @@ class EngineLink:
         except ValueError as e:  # garbage from the engine: restart it, re-prefill
             return Death(f"engine sent a bad reply: {e}")
         self.health.good_tick()
-        return Reply(tick, StepResult(tokens, list(msg.cache_miss), msg.step_ms, msg.kv_cells), msg)
+        lps = {s: (lp, list(top)) for s, lp, top in msg.logprobs}
+        return Reply(tick, StepResult(tokens, list(msg.cache_miss), msg.step_ms, msg.kv_cells, lps), msg)
 
     def _hello(self, msg: link.Hello) -> None:
         problem = model_problem(msg.info, self.info, self.n_vocab, self.model_path)

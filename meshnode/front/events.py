@@ -3,36 +3,56 @@
 A session's streamed pieces must add up to its final text, so each live
 session has a TextStream that holds back an incomplete character; when the
 session ends, whatever is held goes out in a last `tokens` event before the
-`done`.
+`done`. A session with stop strings also holds back text that could still become
+one (meshnode/text/stops.py); when one matches, the session ends with `STOP` right
+there (`end_session`) and its text is cut before the match.
 """
 from __future__ import annotations
 
 from ipc import protocol as P
+from meshnode.core import reasons as R
 from meshnode.core.scheduler import Event
+from meshnode.text.stops import StopText
 from meshnode.text.tokenizer import TextStream, Tokenizer
 
 
 class Events:
-    def __init__(self, tok: Tokenizer):
-        self.tok = tok
+    def __init__(self, tok: Tokenizer, end_session=None):
+        """`end_session(key, reason) -> Event | None`: ends a live session (the scheduler's `end`)."""
+        self.tok, self.end_session = tok, end_session
         self.streams: dict = {}
+        self.stops: dict = {}
 
-    def opened(self, key) -> None:
+    def opened(self, key, stops: list[str] = ()) -> None:
         self.streams[key] = TextStream(self.tok)
+        if stops:
+            self.stops[key] = StopText(list(stops))
 
     def frames(self, ev: Event) -> list[tuple[bytes, list[bytes], bool]]:
         """(client identity, frames, final) for one event: a `tokens` event is not final (a stalled
         client may lose it: its `done` carries every token), a `done` is."""
-        ident, sid = ev.session.key
+        key = ev.session.key
+        ident, sid = key
         if ev.kind == "tokens":
-            stream = self.streams.get(ev.session.key)
-            return [(ident, P.tokens(sid, ev.tokens, stream.feed(ev.tokens) if stream else ""), False)]
+            stream, stop = self.streams.get(key), self.stops.get(key)
+            text = stream.feed(ev.tokens) if stream else ""
+            hit = False
+            if stop:
+                text, hit = stop.feed(text)
+            out = [(ident, P.tokens(sid, ev.tokens, text, ev.logprobs), False)]
+            if hit and self.end_session:
+                done = self.end_session(key, R.STOP)
+                out += self.frames(done) if done else []
+            return out
         out = []
-        stream = self.streams.pop(ev.session.key, None)
+        stream, stop = self.streams.pop(key, None), self.stops.pop(key, None)
         tail = stream.end() if stream else ""
+        if stop:
+            tail = stop.end(tail)
         if tail:  # the end of an incomplete character: streamed pieces add up to done.text
             out.append((ident, P.tokens(sid, [], tail), False))
         s = ev.session
-        out.append((ident, P.done(sid, ev.reason, s.generated, self.tok.decode(s.generated), s.usage(), ev.detail),
-                    True))
+        text = stop.text if stop else self.tok.decode(s.generated)
+        reason = R.STOP if stop and stop.matched else ev.reason  # the matching token was also its last
+        out.append((ident, P.done(sid, reason, s.generated, text, s.usage(), ev.detail), True))
         return out

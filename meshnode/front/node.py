@@ -88,7 +88,7 @@ class Front:
         self.sched = self._start_engine()
         self.recipe = self.link.info.recipe
         self.telemetry = Telemetry(self.sched)
-        self.events = Events(self.tok)
+        self.events = Events(self.tok, end_session=self.sched.end)
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
         self.clients = Clients(self.zctx, self.listen, self.telemetry_ep, curve=curve, insecure=cfg.insecure,
                                max_clients=max_clients, metrics_listen=cfg.metrics_listen)

@@ -8,6 +8,7 @@ lower bound on its token count costs nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 from ipc import protocol as P
@@ -64,10 +65,15 @@ class Requests:
     def _submit(self, ident: bytes, req: P.Submit) -> None:
         if req.tokens is not None:
             return self._admit(ident, req, req.tokens)
+        if req.messages is not None:
+            try:
+                req = dataclasses.replace(req, text=self.tok.format_chat(req.messages))
+            except ValueError as e:
+                return self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))
         d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(req.text)), req.max_tokens, req.recipe))
         if not d.accepted:
             return self._refuse(ident, req.id, d.reason, d.detail)
-        if not self.texts.submit((ident, req), req.text):
+        if not self.texts.submit((ident, req), req.text, special=req.messages is not None):
             return self._refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
                                 f"the tokenizer's backlog is full ({self.texts.max_backlog_bytes} bytes of text "
                                 "wait); retry later or send tokens")
@@ -96,7 +102,7 @@ class Requests:
                     req.ignore_eos, req.recipe, owner=ident)
         d = self.sched.submit(s)
         if d.accepted:
-            self.opened(s.key)
+            self.opened(s.key, req.stop)
             self.reply(ident, P.admitted(req.id, d.reason))
         else:
             self._refuse(ident, req.id, d.reason, d.detail)

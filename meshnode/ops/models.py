@@ -52,6 +52,11 @@ WORDS = ("the of and to in is it you that he was for on are with as his they be 
 SPACE = "\u2581"  # SentencePiece's visible space
 
 
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+FORMAT = "chatml"  # what the files carry besides the preset's shape: a change makes cached files new ones
+
+
 def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     """<unk>, <s>, </s>, the 256 byte tokens, then word pieces up to n_vocab.
 
@@ -118,9 +123,11 @@ def _weights(p: Preset, rng: np.random.Generator) -> list[tuple[str, np.ndarray]
 QUANTS = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
 
 
-def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, quant: str | None = None) -> Path:
+def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, quant: str | None = None,
+               chat_template: bool = True) -> Path:
     """Write the preset's GGUF to `path` atomically (a half-written model never loads); `quant` runs it
-    through llama.cpp's own quantizer, as users' models are made."""
+    through llama.cpp's own quantizer, as users' models are made. `chat_template=False`: a model
+    without one, as many base models are (tests)."""
     if quant is not None:
         return _quantized(Path(path), preset, seed, quant)
     import gguf
@@ -154,6 +161,8 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
     w.add_eos_token_id(2)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if chat_template:
+        w.add_chat_template(CHATML)  # so `messages` work on the demo models (the vocab has no ChatML tokens: bytes)
     rng = np.random.default_rng(seed)
     for name, arr in _weights(p, rng):
         w.add_tensor(name, arr)
@@ -191,7 +200,7 @@ def cached_model(preset: str = "tiny", seed: int = 0, cache_dir: str | os.PathLi
     """The demo model in a cache dir, written once; used when no --model is given."""
     base = Path(cache_dir or os.environ.get("MESHNODE_CACHE") or Path.home() / ".cache" / "meshnode")
     # the preset's shape is in the name: a cache written by an older definition is never reused
-    shape = hashlib.sha256(repr(PRESETS[preset]).encode()).hexdigest()[:8]
+    shape = hashlib.sha256((repr(PRESETS[preset]) + FORMAT).encode()).hexdigest()[:8]
     path = base / f"demo-{preset}-seed{seed}-{shape}{'-' + quant if quant else ''}.gguf"
     if not path.exists():
         make_model(path, preset, seed, quant)

@@ -21,6 +21,7 @@ MAX_BACKLOG_BYTES = 8 << 20  # text waiting for the worker, all clients together
 class TextJob:
     key: object  # the caller's handle (the front: client identity and request)
     text: str
+    special: bool = False  # parse special-token text (a chat template's markers) as those tokens
     tokens: list[int] | None = None
     error: str = ""
 
@@ -41,13 +42,13 @@ class TextJobs:
         """Readable when jobs have finished (for the caller's poller)."""
         return self._wake_r
 
-    def submit(self, key, text: str) -> bool:
+    def submit(self, key, text: str, special: bool = False) -> bool:
         """Queue a text; False (nothing queued) when the backlog is full."""
         size = len(text)
         if self.backlog_bytes + size > self.max_backlog_bytes:
             return False
         self.backlog_bytes += size
-        self._todo.put(TextJob(key, text))
+        self._todo.put(TextJob(key, text, special))
         return True
 
     def finished(self) -> list[TextJob]:
@@ -70,7 +71,7 @@ class TextJobs:
     def _work(self) -> None:
         while (job := self._todo.get()) is not None:
             try:
-                job.tokens = self._encode(job.text)
+                job.tokens = self._encode(job.text, special=job.special)
             except Exception as e:  # a text llama.cpp refuses is the client's problem, not the node's
                 job.error = f"text did not tokenize: {e}"
             self._done.put(job)

@@ -63,8 +63,12 @@ class Tokenizer:
         """A lower bound on len(encode(text)) that costs nothing: no token covers more bytes."""
         return math.ceil(len(text.encode("utf-8")) / self.max_token_bytes)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Exactly llama.cpp's tokens for `text`, in time linear in its length."""
+    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Exactly llama.cpp's tokens for `text`, in time linear in its length. `special`: text such as
+        <|im_start|> becomes that special token (a chat template's output), as llama-server does; such
+        text is tokenized whole, since a cut could split a marker."""
+        if special:
+            return self._tokenize(text, add_bos, True)
         cuts = self._cuts(text) if self._never_merges is not None else []
         if not cuts:
             return self._tokenize(text, add_bos)
@@ -89,14 +93,30 @@ class Tokenizer:
             pos = m.end() + SLICE_BYTES
         return cuts
 
-    def _tokenize(self, text: str, add_bos: bool) -> list[int]:
+    def _tokenize(self, text: str, add_bos: bool, special: bool = False) -> list[int]:
         data = text.encode("utf-8")
         n_max = len(data) + 8
         out = (self._lc.llama_token * n_max)()
-        n = self._lc.llama_tokenize(self._vocab, data, len(data), out, n_max, add_bos, False)
+        n = self._lc.llama_tokenize(self._vocab, data, len(data), out, n_max, add_bos, special)
         if n < 0:
             raise ValueError("text did not tokenize")
         return list(out[:n])
+
+    def format_chat(self, messages: list[dict]) -> str:
+        """The messages in the model's own chat template (GGUF `tokenizer.chat_template`, through llama.cpp's
+        template engine), the assistant's turn opened. ValueError, in a sentence, when there is none."""
+        lc = self._lc
+        tmpl = lc.llama_model_chat_template(self._model, None)
+        if not tmpl:
+            raise ValueError("the model has no chat template (tokenizer.chat_template); send text or tokens")
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]  # alive while C reads them
+        chat = (lc.llama_chat_message * len(keep))(*(lc.llama_chat_message(r, c) for r, c in keep))
+        n = lc.llama_chat_apply_template(tmpl, chat, len(keep), True, None, 0)
+        if n < 0:
+            raise ValueError("the model's chat template is not one llama.cpp can apply; send text or tokens")
+        buf = ctypes.create_string_buffer(n + 1)
+        lc.llama_chat_apply_template(tmpl, chat, len(keep), True, buf, n + 1)
+        return buf.raw[:n].decode("utf-8", "replace")
 
     def piece(self, token: int) -> bytes:
         p = self._pieces.get(token)
