@@ -12,7 +12,7 @@ from meshnode.core.budget import NodeBudget
 from meshnode.core.pipeline import TickPipeline
 from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
-from meshnode.core.types import GREEDY, InvalidPlan, Plan, SeqChunk, StepResult
+from meshnode.core.types import GREEDY, InvalidPlan, Plan, Release, SeqChunk, StepResult
 from meshnode.dev.clients import deaf_client  # noqa: F401  (re-exported for the tests)
 from meshnode.dev.drive import run_tick, run_to_completion  # noqa: F401
 from meshnode.engine.fake import FakeEngine
@@ -163,8 +163,8 @@ class _NoSlot:
         self.engine = engine
 
     def step(self, plan):
-        seqs = [c.seq_id for c in plan.chunks]
-        self.engine.step(Plan([], list(plan.release) + seqs))
+        seqs = [c.seq_id for c in plan.chunks]  # the releases and KV operations ran before the decode failed
+        self.engine.step(Plan([], list(plan.release), list(plan.kv) + [Release(s) for s in seqs]))
         return StepResult(cache_miss=seqs)
 
 

@@ -12,7 +12,7 @@ from helpers import Pipelined, run_to_completion
 from helpers import scheduler as build
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
-from meshnode.core.types import InvalidPlan, Plan, Sampling, SeqChunk, StepResult
+from meshnode.core.types import InvalidPlan, Keep, Plan, Sampling, SeqChunk, Share, StepResult
 from meshnode.engine.fake import FakeEngine
 from meshnode.engine.followups import AWAITING_RESYNC, Followups
 
@@ -178,6 +178,15 @@ def test_followups_drops_followups_of_a_lost_sequence_but_not_a_new_session_on_i
     c.lost = {0, 1}
     plan, dropped = c.resolve(Plan([chunk(0, 3, [-1], 1, True), chunk(1, 0, [7], 0)], release=[1]))
     assert dropped == [0] and [x.seq_id for x in plan.chunks] == [1]
+
+
+def test_a_session_meant_to_reuse_kv_the_last_tick_lost_is_dropped_with_its_kv_operation():
+    c = Followups()
+    c.lost = {0, 2}
+    plan, dropped = c.resolve(Plan([chunk(0, 7, [5], 0), chunk(1, 20, [6], 0), chunk(3, 30, [4], 0)],
+                                   kv=[Keep(0, 7), Share(2, 1, 20), Share(4, 3, 30)]))
+    assert sorted(dropped) == [0, 1] and [x.seq_id for x in plan.chunks] == [3]
+    assert plan.kv == [Share(4, 3, 30)]
 
 
 def test_followups_refuses_everything_until_resync():

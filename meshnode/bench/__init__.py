@@ -18,6 +18,7 @@ BENCHES = {
     "ipc": "round trip of the engine link (SEQPACKET) vs a zmq PAIR on ipc:// (diagnostic)",
     "abuse": "4 streams' worst token gap while the largest valid requests of every kind arrive vs steady",
     "layout": "unified KV vs per-sequence streams vs deterministic mode on a mix, pure decode and a burst",
+    "sampling": "a batch-8 decode tick, greedy vs every sampling option and logprobs on",
     "chat": "8 users x 6 turns re-sending their history: prefix cache on vs off (vs llama-server)",
 }
 
@@ -31,7 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=1.0, help="soak: how long")
     p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
-    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat: rounds")
+    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling: rounds")
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
     p.add_argument("--deterministic-python", help="layout: an interpreter whose llama.cpp has no llamafile")
     p.add_argument("--llama-server", help="chat: a llama-server binary to run side by side (README, Benchmarks)")

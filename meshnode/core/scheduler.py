@@ -205,6 +205,9 @@ class Scheduler:
             reason = self._finish_reason(s, tok)
             if reason:
                 events.append(self._end(s, reason))
+        for s in tick.reused:  # its Keep or Share found the KV gone (an earlier tick's miss) before any chunk ran
+            if s.state == RUNNING and s.seq_id in missed:
+                events.append(self._end(s, R.CACHE_MISS))
         return events
 
     def _finish_reason(self, s: Session, tok: int) -> str | None:

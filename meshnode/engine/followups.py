@@ -9,14 +9,16 @@ sequences with it:
 
 - tick N lost a sequence's KV (llama_decode rc=1, a cache miss): its chunks in
   tick N+1 are dropped and reported as misses again, unless N+1 released the
-  sequence and starts a new session on it;
+  sequence and starts a new session on it; a session N+1 meant to start on that
+  KV (a `Keep` of it, or a `Share` from it) is dropped the same way, its KV
+  operation with it;
 - tick N was refused (a bad plan): every later tick that was already queued
   was planned on top of it, so Followups refuses them all until the front,
   having rolled its own state back, sends a tick marked `resync`.
 """
 from __future__ import annotations
 
-from meshnode.core.types import InvalidPlan, Plan, StepResult
+from meshnode.core.types import InvalidPlan, Keep, Plan, Share, StepResult
 
 AWAITING_RESYNC = "refused: an earlier tick failed and the front has not resynchronised yet"
 
@@ -38,8 +40,16 @@ class Followups:
             self.refusing, self.sampled, self.lost = False, {}, set()
         if self.refusing:
             raise InvalidPlan(AWAITING_RESYNC)
-        lost, restarted = self.lost, plan.restarted
+        lost, gone = self.lost, set()
+        if lost and plan.kv:  # reuse of KV that is gone: those sessions are lost too
+            gone = {op.seq_id for op in plan.kv if isinstance(op, Keep) and op.seq_id in lost}
+            gone |= {op.dst for op in plan.kv if isinstance(op, Share) and op.src in lost}
+            if gone:
+                kv = [op for op in plan.kv if not (isinstance(op, (Keep, Share)) and _target(op) in gone)]
+                plan, lost = Plan(plan.chunks, plan.release, kv), lost | gone
+        restarted = plan.restarted
         dropped = [c.seq_id for c in plan.chunks if c.seq_id in lost and c.seq_id not in restarted] if lost else []
+        dropped += sorted(gone - set(dropped))  # reported even without a chunk here: their session must end
         for c in plan.chunks:
             if c.follow and c.seq_id not in dropped:
                 tok = self.sampled.get(c.seq_id)
@@ -65,3 +75,7 @@ class Followups:
     def refused(self) -> None:
         """This tick was refused: refuse the queued ticks planned on top of it until a resync."""
         self.refusing, self.sampled, self.lost = True, {}, set()
+
+
+def _target(op) -> int:
+    return op.dst if isinstance(op, Share) else op.seq_id
