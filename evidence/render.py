@@ -11,6 +11,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sections  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -40,7 +43,7 @@ def sweep_table(res: dict) -> list[str]:
     return out
 
 
-def plots(sweeps: dict, burst: dict | None) -> list[str]:
+def plots(sweeps: dict) -> list[str]:
     try:
         import matplotlib
 
@@ -64,26 +67,6 @@ def plots(sweeps: dict, burst: dict | None) -> list[str]:
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "sweep.png"), dpi=110)
     made.append("sweep.png")
-    if burst:
-        rows = burst["rows"]
-        names = ["unchunked" if r["chunk"] == burst["unchunked_chunk"] else str(r["chunk"]) for r in rows]
-        fig, (b1, b2) = plt.subplots(1, 2, figsize=(10, 4))
-        x = range(len(rows))
-        b1.bar([i - 0.2 for i in x], [r["burst_itl_ms_max"] for r in rows], 0.4, label="worst during burst")
-        b1.bar([i + 0.2 for i in x], [r["burst_itl_ms_p99"] for r in rows], 0.4, label="p99 during burst")
-        b1.plot(list(x), [r["steady_itl_ms_p99"] for r in rows], "k--", label="p99 steady")
-        b1.set(xlabel="prefill chunk (tokens per tick)", ylabel="in-flight ITL (ms)", yscale="log",
-               title="in-flight inter-token latency")
-        b2.bar(list(x), [r["burst_ttft_ms_mean"] for r in rows])
-        b2.set(xlabel="prefill chunk", ylabel="burst TTFT mean (ms)", title="burst sessions' time to first token")
-        for ax in (b1, b2):
-            ax.set_xticks(list(x))
-            ax.set_xticklabels(names)
-            ax.grid(alpha=0.3, axis="y")
-        b1.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(HERE, "burst.png"), dpi=110)
-        made.append("burst.png")
     return made
 
 
@@ -113,9 +96,9 @@ def overhead_section(o: dict | None, name: str, intro: str = "") -> list[str]:
 
 def main() -> int:
     sweeps = {k: v for k, v in (("tiny", load("sweep-tiny.json")), ("bench", load("sweep-bench.json"))) if v}
-    burst, engine, overhead, peers = (load(f"{n}-bench.json") for n in ("burst", "engine", "overhead", "peers"))
+    engine, overhead, peers = (load(f"{n}-bench.json") for n in ("engine", "overhead", "peers"))
     soak = load("soak-tiny.json")
-    made = plots(sweeps, burst)
+    made = plots(sweeps)
     md = ["# Evidence", "",
           "Written by `python evidence/render.py` from the JSON files beside it; each JSON was written by the",
           "command shown, on this project's 2-core, 24 GiB, no-GPU machine. Re-run the commands, then the",
@@ -146,22 +129,8 @@ def main() -> int:
                f"Llama.generate serialized: {peers['serial_tok_s']:.1f} tok/s; the node at concurrency 8: "
                f"{peers['node_tok_s']:.1f} tok/s: **{peers['ratio']:.2f}x** (target >= 2.0x). "
                f"Greedy tokens identical for {peers['identical_jobs']}/{peers['jobs']} jobs.", ""]
-    if burst:
-        md += ["## Prefill burst vs chunk size (bench model)", "",
-               "`meshnode bench burst --preset bench --json evidence/burst-bench.json`: 4 sessions decoding, then 4 "
-               f"arrive with {burst['burst_prompt']}-token prompts.", "",
-               "| chunk | steady ITL p99 ms | burst ITL p99 ms | burst ITL worst ms | worst vs unchunked | "
-               "burst TTFT mean ms | TTFT vs unchunked |", "|---|---|---|---|---|---|---|"]
-        base = next(r for r in burst["rows"] if r["chunk"] == burst["unchunked_chunk"])
-        for r in burst["rows"]:
-            name = "unchunked" if r is base else r["chunk"]
-            md.append(f"| {name} | {r['steady_itl_ms_p99']:.1f} | {r['burst_itl_ms_p99']:.1f} | "
-                      f"{r['burst_itl_ms_max']:.1f} | {base['burst_itl_ms_max'] / r['burst_itl_ms_max']:.1f}x less | "
-                      f"{r['burst_ttft_ms_mean']:.0f} | {r['burst_ttft_ms_mean'] / base['burst_ttft_ms_mean']:.2f}x |")
-        md += ["", f"Chosen default prefill chunk: **{burst['chosen']}** (worst in-flight ITL cut >= 10x with burst "
-                   "TTFT <= 1.3x unchunked).", ""]
-        if "burst.png" in made:
-            md += ["![in-flight ITL and burst TTFT per chunk size](burst.png)", ""]
+    md += sections.burst() + sections.layout() + sections.chat() + sections.sampling()
+    md += sections.deterministic_sweeps()
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:
         md += ["## Engine death: SIGKILL to the first token of the restarted engine, and what follows", ""]

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Re-run every benchmark behind evidence/README.md (about 15 minutes on 2 cores), then re-render it.
+# Re-run every benchmark behind evidence/README.md (about an hour on 2 cores), then re-render it.
 # MESHNODE_NO_OPENMP_PYTHON=/path/to/python (a venv with llama-cpp-python built as the README's
 # "Small CPU-only nodes" says) adds the overhead bench on that build.
+# MESHNODE_DETERMINISTIC_PYTHON=/path/to/python (llama-cpp-python built with -DGGML_LLAMAFILE=OFF,
+# docs/determinism.md) adds deterministic mode to the layout bench and the deterministic sweeps.
+# MESHNODE_LLAMA_SERVER=/path/to/llama-server (README, "Benchmarks") adds the peer to chat and burst.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # a sweep exits 1 when it finds a job whose tokens differ across concurrency levels; that verdict is
@@ -14,7 +17,17 @@ if [ -n "${MESHNODE_NO_OPENMP_PYTHON:-}" ]; then  # a python whose llama-cpp-pyt
     "$MESHNODE_NO_OPENMP_PYTHON" -m meshnode bench overhead --preset bench --json evidence/overhead-bench-no-openmp.json > evidence/overhead-bench-no-openmp.txt 2>&1
 fi
 python -m meshnode bench peers --preset bench --json evidence/peers-bench.json > evidence/peers-bench.txt 2>&1
-python -m meshnode bench burst --preset bench --json evidence/burst-bench.json > evidence/burst-bench.txt 2>&1
+PEER=${MESHNODE_LLAMA_SERVER:+--llama-server $MESHNODE_LLAMA_SERVER}
+DET=${MESHNODE_DETERMINISTIC_PYTHON:-}
+python -m meshnode bench burst --preset bench --rounds 3 $PEER --json evidence/burst-bench.json > evidence/burst-bench.txt 2>&1
+python -m meshnode bench chat --preset bench --rounds 3 $PEER --json evidence/chat-bench.json > evidence/chat-bench.txt 2>&1
+python -m meshnode bench sampling --preset bench --rounds 3 --json evidence/sampling-bench.json > evidence/sampling-bench.txt 2>&1
+python -m meshnode bench layout --preset bench --rounds 3 ${DET:+--deterministic-python $DET} --json evidence/layout-bench.json > evidence/layout-bench.txt 2>&1
+if [ -n "$DET" ]; then
+    for i in 1 2 3 4 5; do
+        "$DET" -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --deterministic --json evidence/sweep-bench-deterministic-$i.json > evidence/sweep-bench-deterministic-$i.txt 2>&1 || true
+    done
+fi
 python -m meshnode bench restart --preset tiny --json evidence/restart-tiny.json > evidence/restart-tiny.txt 2>&1
 python -m meshnode bench restart --preset bench --json evidence/restart-bench.json > evidence/restart-bench.txt 2>&1
 python -m meshnode bench ipc > evidence/ipc.txt 2>&1

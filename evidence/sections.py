@@ -1,0 +1,133 @@
+"""evidence/README.md sections for the KV, cache, latency and sampling benchmarks (render.py calls them)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load(name: str) -> dict | None:
+    path = os.path.join(HERE, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def layout() -> list[str]:
+    d = load("layout-bench.json")
+    if not d:
+        return []
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    md = ["## KV layout and deterministic mode (bench model)", "",
+          "`meshnode bench layout --preset bench --rounds 3 --deterministic-python /path/to/no-llamafile/python "
+          "--json evidence/layout-bench.json`: a mix (16 jobs, prompts 4-100, 32 new, concurrency 8), pure decode "
+          "(8 sessions), and the prefill burst (4 decoding, 4 x 1,000-token prompts; prefill at most 64 tokens a "
+          "tick) through fresh nodes, the modes' order rotating per round. Deterministic mode runs on the "
+          "interpreter given (llama.cpp built with `-DGGML_LLAMAFILE=OFF`, docs/determinism.md).", "",
+          "| mode | mix tok/s (rounds) | decode tok/s (rounds) | burst worst gap ms | last burst first token s |",
+          "|---|---|---|---|---|"]
+    for m, r in d["rounds"].items():
+        md.append(f"| {m} | {mean(r['mix']):.1f} ({', '.join(f'{x:.1f}' for x in r['mix'])}) | "
+                  f"{mean(r['decode']):.1f} ({', '.join(f'{x:.1f}' for x in r['decode'])}) | "
+                  f"{max(b['burst_itl_ms_max'] for b in r['burst']):.0f} | "
+                  f"{mean([b['burst_ttft_ms_max'] for b in r['burst']]) / 1e3:.2f} |")
+    v = d["verdict"]
+    md.append("")
+    if "deterministic_cost_on_mix" in v:
+        md.append(f"Deterministic mode costs **{v['deterministic_cost_on_mix']:.1%}** of the best layout "
+                  f"({v['best_layout_on_mix']}) on the mix (goal <= 10%).")
+    g = v.get("id_gaps")
+    if g:
+        md += ["", f"Packed streams (4 sequences decoding on streams 0-3) {g['tick_ms_packed']:.1f} ms a tick, "
+                   f"left on streams 0, 2, 4, 6 {g['tick_ms_gapped']:.1f} ms; the tick that carries the moves "
+                   f"{g['first_tick_ms_packed']:.1f} ms vs {g['first_tick_ms_gapped']:.1f} ms gapped."]
+    return md + [""]
+
+
+def chat() -> list[str]:
+    d = load("chat-bench.json")
+    if not d:
+        return []
+    w = d["workload"]
+    md = ["## Multi-turn chat: prefix cache on vs off vs llama-server (bench model)", "",
+          "`meshnode bench chat --preset bench --rounds 3 --llama-server PATH --json evidence/chat-bench.json`: "
+          f"{w['users']} users x {w['turns']} turns, a {w['system']}-token system prompt shared by all, "
+          f"+{w['new']} tokens a turn, {w['gen']} generated; every turn re-sends the conversation. llama-server: "
+          "built from the same vendored llama.cpp, one slot per user, prompt caching on.", "",
+          "| round | run | wall s | first-token p50 turns 2+ ms | p50 by turn ms | p90 by turn ms | reused tokens |",
+          "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(d["rounds"], 1):
+        for name in ("cache_on", "cache_off", "llama_server"):
+            if name in r:
+                f = r[name]
+                md.append(f"| {i} | {name} | {f['wall_s']:.2f} | {f['ttft_ms_p50_later_turns']} | "
+                          f"{f['ttft_ms_p50_by_turn']} | {f['ttft_ms_p90_by_turn']} | "
+                          f"{'not reported' if name == 'llama_server' else format(f['cached_tokens'], ',')} |")
+    rounds = d["rounds"]
+    sp = [r["cache_off"]["wall_s"] / r["cache_on"]["wall_s"] for r in rounds]
+    md += ["", f"Cache on vs off: **{min(sp):.2f}x-{max(sp):.2f}x** faster (target >= 2x). Answers identical with "
+               f"the cache on and off: {', '.join(str(r['identical_answers']) for r in rounds)} of "
+               f"{w['users'] * w['turns']} per round."]
+    if rounds and "llama_server" in rounds[0]:
+        wall = [r["cache_on"]["wall_s"] / r["llama_server"]["wall_s"] for r in rounds]
+        ttft = [r["cache_on"]["ttft_ms_p50_later_turns"] / r["llama_server"]["ttft_ms_p50_later_turns"] for r in rounds]
+        md.append(f"Node / llama-server: wall **{min(wall):.2f}-{max(wall):.2f}**, first-token p50 of turns 2+ "
+                  f"**{min(ttft):.2f}-{max(ttft):.2f}** (targets <= 1).")
+    return md + [""]
+
+
+def burst() -> list[str]:
+    d = load("burst-bench.json")
+    if not d or "rounds" not in d:
+        return []
+    md = ["## Prefill burst: tick target vs fixed chunk vs llama-server (bench model)", "",
+          "`meshnode bench burst --preset bench --rounds 3 --llama-server PATH --json evidence/burst-bench.json`: "
+          f"4 sessions decoding, then 4 arrive with {d['burst_prompt']}-token prompts. `node`: default settings "
+          "(prefill sized by the 200 ms tick target); `node_fixed_64`: `--tick-target-ms 0 --prefill-chunk 64`; "
+          "llama-server with 8 slots. The node's `capacity` estimate for a 1,000-token prompt is checked against "
+          "the measured first-token delay (idle: a lone prompt after a small warm-up job; busy: the first burst "
+          "prompt).", "",
+          "| round | run | steady ITL p50 ms | p99 | burst worst gap ms | burst first token, first / last ms | "
+          "estimate idle / busy ms | measured idle / busy ms |", "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(d["rounds"], 1):
+        for name, f in r.items():
+            est = (f"{f['idle_estimate_ms']} / {f['busy_estimate_ms']}" if "idle_estimate_ms" in f else "")
+            meas = (f"{f['idle_measured_ms']:.0f} / {f['busy_measured_ms']:.0f}" if "idle_measured_ms" in f else "")
+            md.append(f"| {i} | {name} | {f['steady_itl_ms_p50']:.1f} | {f['steady_itl_ms_p99']:.1f} | "
+                      f"{f['burst_itl_ms_max']:.0f} | {f['burst_ttft_ms_first']:.0f} / {f['burst_ttft_ms_max']:.0f} | "
+                      f"{est} | {meas} |")
+    md += [""] + [f"- {v}" for v in d.get("verdicts", [])]
+    return md + [""]
+
+
+def sampling() -> list[str]:
+    d = load("sampling-bench.json")
+    if not d:
+        return []
+    m, a = d["step_ms_median"], d["sampling_alone_ms"]
+    return ["## Sampling options' cost (bench model)", "",
+            "`meshnode bench sampling --preset bench --rounds 3 --json evidence/sampling-bench.json`: a decode tick "
+            f"of {d['batch']} sequences, greedy vs every option on (temperature, top-k 40, top-p, min-p, the three "
+            "penalties over 64 tokens, logprobs 5), rounds alternating.", "",
+            f"Engine step (median of rounds): greedy **{m['greedy']:.2f} ms**, all options **{m['everything']:.2f} "
+            f"ms** ({d['extra_ratio']:+.1%}). Sampling alone for {d['batch']} rows: greedy {a['greedy']:.2f} ms, "
+            f"all options {a['everything']:.2f} ms.", ""]
+
+
+def deterministic_sweeps() -> list[str]:
+    runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(HERE, "sweep-bench-deterministic-*.json")))]
+    if not runs:
+        return []
+    md = ["## Deterministic mode: the same jobs at every concurrency (bench model, no-llamafile build)", "",
+          "`python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 "
+          "--deterministic --json evidence/sweep-bench-deterministic-N.json`, run with the no-llamafile "
+          "interpreter, several times.", ""]
+    for i, r in enumerate(runs, 1):
+        md.append(f"- run {i}: {_sweep_verdict(r)}")
+    return md + [""]
+
+
+def _sweep_verdict(r: dict) -> str:
+    levels = ", ".join(str(lv["concurrency"]) for lv in r.get("levels", []))
+    return (f"concurrency {levels}: corruption-free **{r['corruption_free']}**, {len(r['mismatches'])} job(s) whose "
+            f"tokens differ from concurrency {r['reference_concurrency']}")
