@@ -101,6 +101,7 @@ class EngineProcessConfig:
     engine_params: dict
     log_level: str = "WARNING"
     faults: dict | None = None  # tests only: what meshnode/dev/faulty.py injects into this incarnation
+    calibrate: bool = False  # time ticks of known shapes before the hello (the first incarnation only)
 
 
 # -- the arena ------------------------------------------------------------------------------------
@@ -194,7 +195,9 @@ def decode(data, arena=None) -> Message:
         if kind == "refused":
             return TickRefused(m["tick"], bool(m["fatal"]), str(m["detail"]))
         if kind == "hello":
-            return Hello(m["pid"], EngineInfo(**{k: m["info"][k] for k in _INFO} | {"eog": tuple(m["info"]["eog"])}))
+            info = m["info"]
+            return Hello(m["pid"], EngineInfo(**{k: info[k] for k in _INFO} | {
+                "eog": tuple(info["eog"]), "calibration": tuple((int(r), float(a), float(ms)) for r, a, ms in info["calibration"])}))
         if kind == "hello_failed":
             return HelloFailed(str(m["detail"]))
         if kind == "aborted":

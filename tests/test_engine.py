@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import generate, prompt
+from meshnode.core.costmodel import TickCost
 from meshnode.core.types import GREEDY, InvalidPlan, Keep, Plan, Sampling, SeqChunk, Share
 from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.engine.reference import ReferenceEngine
@@ -216,3 +217,15 @@ def test_reused_kv_continues_like_a_cold_prefill(tiny_model, layout):
         assert [int(np.argmax(x)) for x in got] == [int(np.argmax(x)) for x in cold]
         for a, b in zip(got, cold):
             np.testing.assert_allclose(a, b, atol=1e-2)
+
+
+def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model):
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
+        points = e.calibrate()
+        assert [r for r, _, _ in points] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 2, 4]
+        assert all(ms > 0 for _, _, ms in points) and points[7][1] == 128 * 128  # rows x cells (unified)
+        assert all(e.seq_pos_max(s) < 0 for s in range(4))
+        cost = TickCost()
+        for p in points:
+            cost.observe(*p)
+        assert cost.ready and cost.predict(256, 256 * 256) > cost.predict(1, 1)

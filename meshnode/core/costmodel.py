@@ -18,7 +18,7 @@ import numpy as np
 COLD_PREFILL = 64  # prompt tokens per tick beside decoders until the model has learned the engine
 MIN_PREFILL = 8  # however tight the target, prompts advance
 WINDOW = 256  # ticks the fit covers: a few seconds of decoding, so it follows the KV as it grows
-MIN_SAMPLES = 12  # below this the model does not guess
+MIN_SAMPLES = 10  # below this the model does not guess
 REFIT_EVERY = 8  # ticks between fits (a fit is ~100 us)
 
 

@@ -142,8 +142,10 @@ class EngineInfo:
     kv_bytes_per_token: int
     weight_bytes: int
     recipe: str
+    calibration: tuple = ()  # ((rows, attention, ms), ...): ticks of known shapes the engine ran at start
 
     @classmethod
-    def of(cls, engine) -> "EngineInfo":
+    def of(cls, engine, calibration: tuple = ()) -> "EngineInfo":
         return cls(engine.n_vocab, engine.eos, tuple(engine.eog), engine.n_seq_max, engine.n_ctx, engine.n_ctx_seq,
-                   engine.n_batch, engine.kv_bytes_per_token, engine.weight_bytes, engine.recipe_fingerprint)
+                   engine.n_batch, engine.kv_bytes_per_token, engine.weight_bytes, engine.recipe_fingerprint,
+                   tuple(tuple(x) for x in calibration))

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
+from meshnode.core.costmodel import attention
+from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, SeqChunk, StepResult
 from meshnode.engine import llamacpp
 from meshnode.engine.base import Engine
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
 from meshnode.engine.seqmap import SeqMap
+
+
+CALIBRATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # prompt chunk sizes timed at the first start (<= n_batch)
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,24 @@ class LlamaEngine(Engine):
                 if c.draw >= 0:
                     self.sample(c, self._logits(r), res)
         return res
+
+    def calibrate(self) -> tuple:
+        """Ticks of known shapes, timed, before the first client: the weights are paged in, and the front's
+        tick cost model (meshnode/core/costmodel.py) starts from real points, so the first prompts are
+        paced and the first `capacity` estimate is there, instead of waiting for traffic varied enough to
+        learn from. ((rows, attention, ms), ...)"""
+        unified = self.cfg.kv_layout == "unified"
+        toks = lambda n: (np.arange(n) % (self.n_vocab - 3) + 3).astype(np.int32)  # noqa: E731
+        self.step(Plan([SeqChunk(0, 0, toks(8), draw=0)], [0]))  # not timed: pages the weights in
+        out = []
+        for n in [n for n in CALIBRATION if n <= min(self.n_batch, self.n_ctx_seq - 1)]:
+            res = self.step(Plan([SeqChunk(0, 0, toks(n), draw=0)], [0]))
+            out.append((n, attention([(0, n)], n if unified else 0), res.step_ms))
+        for k in sorted({max(1, self.n_seq_max // 2), self.n_seq_max}):  # sequences decoding at once
+            res = self.step(Plan([SeqChunk(s, 0, toks(1), draw=0) for s in range(k)], list(range(self.n_seq_max))))
+            out.append((k, attention([(0, 1)] * k, k if unified else 0), res.step_ms))
+        self.step(Plan([], list(range(self.n_seq_max))))
+        return tuple(out)
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
         """Run a plan and return copies of each sampled sequence's logits (tests, the oracle check)."""

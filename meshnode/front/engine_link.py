@@ -98,7 +98,7 @@ class EngineLink:
         faults = self.faults[min(self.generation, len(self.faults)) - 1] if self.faults else None
         cfg = link.EngineProcessConfig(self.path, os.getpid(), self.arena.name, self.arena.n_input,
                                        self.arena.n_output, self.engine_kind, self.engine_params, self.log_level,
-                                       faults)
+                                       faults, calibrate=self.info is None)
         self.proc = mp.get_context("spawn").Process(target=engine_main, args=(cfg,), daemon=True,
                                                    name=f"meshnode-engine-{self.generation}")
         self.proc.start()

@@ -143,9 +143,12 @@ class Front:
             info, max_active=cfg.max_active, max_queue=cfg.max_queue, max_batch_size=cfg.max_batch,
             max_prefill_tokens_per_tick=prefill, kv_budget_bytes=mb(cfg.kv_budget_mb),
             weight_budget_bytes=mb(cfg.weight_budget_mb), memory_floor_bytes=mb(cfg.memory_floor_mb))
-        return Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
-                         prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
-                         tick_target_ms=cfg.tick_target_ms)
+        sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
+                          prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
+                          tick_target_ms=cfg.tick_target_ms)
+        for rows, attn, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
+            sched.cost.observe(rows, attn, ms)
+        return sched
 
     # -- loop -------------------------------------------------------------------------------
     def loop(self) -> None:

@@ -81,8 +81,10 @@ class EngineProcess:
         except Exception as e:
             self.sock.send(link.encode(link.HelloFailed(f"{type(e).__name__}: {e}")))
             raise
+        # a restart keeps the front's cost model: only the first incarnation pays for the timing
+        calibration = self.engine.calibrate() if self.cfg.calibrate and hasattr(self.engine, "calibrate") else ()
         gc.freeze()  # the model and the process's start-up stay for good: no collection walks them
-        self.sock.send(link.encode(link.Hello(os.getpid(), EngineInfo.of(self.engine))))
+        self.sock.send(link.encode(link.Hello(os.getpid(), EngineInfo.of(self.engine, calibration))))
         self.io = LinkIO(self.sock, self.arena)
 
     def _aborting(self, message: str) -> None:
