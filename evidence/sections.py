@@ -83,7 +83,7 @@ def burst() -> list[str]:
     md = ["## Prefill burst: tick target vs fixed chunk vs llama-server (bench model)", "",
           "`meshnode bench burst --preset bench --rounds 3 --llama-server PATH --json evidence/burst-bench.json`: "
           f"4 sessions decoding, then 4 arrive with {d['burst_prompt']}-token prompts. `node`: default settings "
-          "(prefill sized by the 200 ms tick target); `node_fixed_64`: `--tick-target-ms 0 --prefill-chunk 64`; "
+          "(prefill sized by the tick target, 450 ms); `node_fixed_64`: `--tick-target-ms 0 --prefill-chunk 64`; "
           "llama-server with 8 slots. The node's `capacity` estimate for a 1,000-token prompt is checked against "
           "the measured first-token delay (idle: a lone prompt after a small warm-up job; busy: the first burst "
           "prompt).", "",
