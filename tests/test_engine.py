@@ -222,11 +222,10 @@ def test_reused_kv_continues_like_a_cold_prefill(tiny_model, layout):
 def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model):
     with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
         points = e.calibrate()
-        assert [r for r, _, _, _ in points] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 1, 1, 2, 4]
-        assert all(ms > 0 for *_, ms in points) and points[7][1:3] == (128 * 128, 128)  # rows x cells, cells
-        assert points[9][1:3] == (257, 257)  # one row at position 256: it reads and attends to 257 cells
+        assert [r for r, _, _ in points] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 2, 4]
+        assert all(ms > 0 for _, _, ms in points) and points[7][1] == 128 * 128  # rows x cells (unified)
         assert all(e.seq_pos_max(s) < 0 for s in range(4))
         cost = TickCost()
-        for r, a, kv, ms in points:
-            cost.observe(r, a, ms, kv)
-        assert cost.ready and cost.predict(256, 256 * 256, 256) > cost.predict(1, 1, 1)
+        for p in points:
+            cost.observe(*p)
+        assert cost.ready and cost.predict(256, 256 * 256) > cost.predict(1, 1)

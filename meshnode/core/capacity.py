@@ -10,7 +10,7 @@ the cost model has seen enough ticks.
 """
 from __future__ import annotations
 
-from meshnode.core.costmodel import attention, kv_read, prefill_room
+from meshnode.core.costmodel import attention, prefill_room
 
 MAX_TICKS = 10_000  # the replay's bound: beyond it the estimate is unknown
 
@@ -28,8 +28,7 @@ def capacity(sched, prompt_tokens: int = 0) -> dict:
     if not cost.ready:
         return out
     unified = sched.kv_cells if sched.pool_cells else 0
-    rows = [(s.n_cached, 1) for s in decoding]
-    decode_ms = cost.predict(len(decoding), attention(rows, unified), kv_read(rows, unified)) if decoding else 0.0
+    decode_ms = cost.predict(len(decoding), attention([(s.n_cached, 1) for s in decoding], unified)) if decoding else 0.0
     out["decode_tokens_per_s"] = round(len(decoding) * 1e3 / decode_ms, 1) if decoding else 0.0
     if prompt_tokens > 0:
         wait_ms = 0.0
@@ -54,9 +53,7 @@ def _replay(sched, prompts: list[tuple[int, int]], decoders: list[tuple[int, int
         if unified:
             unified += len(live) - sum(pos + k for pos, left in decoders if left == k)
         attn = attention(live, unified)
-        head = live + [(prompts[0][0], 0)]
-        room = prefill_room(cost, sched.tick_target_ms, top, len(live), attn, unified or prompts[0][0] + top / 2,
-                            kv_read(head, unified))
+        room = prefill_room(cost, sched.tick_target_ms, top, len(live), attn, unified or prompts[0][0] + top / 2)
         chunks, take = [], room
         while prompts and take > 0:  # the tick's room goes to prompts in order, as plan() gives it
             pos, left = prompts[0]
@@ -68,7 +65,7 @@ def _replay(sched, prompts: list[tuple[int, int]], decoders: list[tuple[int, int
                 prompts.pop(0)
         if unified:
             unified += room - take
-        t += cost.predict(len(live) + room - take, attn + attention(chunks, unified), kv_read(live + chunks, unified))
+        t += cost.predict(len(live) + room - take, attn + attention(chunks, unified))
         if not prompts:
             return round(t, 1)
     return None

@@ -1,10 +1,9 @@
 """How long a tick will take, learned from the ticks that ran: prefill is sized by it.
 
-A tick's engine time is close to linear in four things: a fixed part (the weights
+A tick's engine time is close to linear in three things: a fixed part (the weights
 are streamed once per pass, whatever the rows), a part per row (token) in the batch,
-attention's arithmetic, which grows with each row times the KV cells it attends to
-(on a unified KV every cell in use, on streams its own sequence's), and reading those
-cells, once per tick whatever the rows (so a long context makes small chunks dear). The coefficients
+and attention, which grows with each row times the KV cells it attends to (on a
+unified KV every cell in use, on streams its own sequence's). The coefficients
 depend on the model, the build and the machine, so they are fitted online, by least
 squares over the last WINDOW ticks, with the worst-fitting tenth left out and fitted
 again so that one stall (a page fault storm, a neighbour process) does not teach the
@@ -31,20 +30,13 @@ def attention(chunks, unified_cells: int) -> float:
     return float(sum(n * (pos + n) for pos, n in chunks))
 
 
-def kv_read(chunks, unified_cells: int) -> float:
-    """The KV cells a tick reads once: every cell in use on a unified KV, else each sequence's own."""
-    if unified_cells:
-        return float(unified_cells) if chunks else 0.0
-    return float(sum(pos + n for pos, n in chunks))
-
-
 class TickCost:
-    """ms = base + per_row * rows + per_row_cell * attention + per_cell * kv read, refitted as ticks report."""
+    """ms = base + per_row * rows + per_cell * attention, refitted as ticks report."""
 
     def __init__(self, window: int = WINDOW):
         self._x: deque = deque(maxlen=window)
         self._y: deque = deque(maxlen=window)
-        self.coef: np.ndarray | None = None  # base ms, ms per row, ms per row x cell, ms per cell read
+        self.coef: np.ndarray | None = None  # base ms, ms per row, ms per row x cell
         self._since_fit = 0
         self.outliers = 0  # ticks that took more than twice the prediction, once the model is ready
 
@@ -52,12 +44,12 @@ class TickCost:
     def ready(self) -> bool:
         return self.coef is not None
 
-    def observe(self, rows: int, attn: float, ms: float, kv: float = 0.0) -> None:
+    def observe(self, rows: int, attn: float, ms: float) -> None:
         if rows <= 0 or ms <= 0:
             return
-        if self.ready and ms > 2 * self.predict(rows, attn, kv) + 5:
+        if self.ready and ms > 2 * self.predict(rows, attn) + 5:
             self.outliers += 1
-        self._x.append((1.0, float(rows), attn, kv))
+        self._x.append((1.0, float(rows), attn))
         self._y.append(ms)
         self._since_fit += 1
         if len(self._y) >= MIN_SAMPLES and (self._since_fit >= REFIT_EVERY or not self.ready):
@@ -65,14 +57,13 @@ class TickCost:
 
     def describe(self) -> dict:
         """The fitted costs, for telemetry: what a tick costs here, and how often one ran far over."""
-        c = self.coef if self.ready else (None,) * 4
+        c = self.coef if self.ready else (None, None, None)
         return {"base_ms": c[0] and round(float(c[0]), 3), "ms_per_row": c[1] and round(float(c[1]), 4),
-                "ms_per_row_cell": c[2] and float(c[2]), "ms_per_cell": c[3] and float(c[3]),
-                "samples": len(self._y), "outliers_total": self.outliers}
+                "ms_per_row_cell": c[2] and float(c[2]), "samples": len(self._y), "outliers_total": self.outliers}
 
-    def predict(self, rows: int, attn: float, kv: float = 0.0) -> float:
-        b, r, a, k = self.coef
-        return b + r * rows + a * attn + k * kv
+    def predict(self, rows: int, attn: float) -> float:
+        b, r, a = self.coef
+        return b + r * rows + a * attn
 
     def _fit(self) -> None:
         self._since_fit = 0
@@ -88,11 +79,11 @@ class TickCost:
             return
         self.coef = coef
 
-    def rows_within(self, target_ms: float, rows: int, attn: float, per_row_cells: float, kv: float = 0.0) -> int:
-        """How many more rows a tick of `rows` rows, `attn` attention and `kv` cells read can take and
-        stay within `target_ms`, when each added row attends to about `per_row_cells` cells."""
-        b, r, a, k = self.coef
-        spare = target_ms - self.predict(rows, attn, kv)
+    def rows_within(self, target_ms: float, rows: int, attn: float, per_row_cells: float) -> int:
+        """How many more rows a tick of `rows` rows and `attn` attention can take and stay within
+        `target_ms`, when each added row attends to about `per_row_cells` cells."""
+        b, r, a = self.coef
+        spare = target_ms - self.predict(rows, attn)
         marginal = r + a * per_row_cells
         return max(0, int(spare / marginal)) if marginal > 0 else 1 << 30
 
@@ -110,8 +101,7 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         cols.pop(int(np.argmin(c)))
 
 
-def prefill_room(cost: TickCost, target_ms: float, top: int, rows: int, attn: float, per_row: float,
-                 kv: float = 0.0) -> int:
+def prefill_room(cost: TickCost, target_ms: float, top: int, rows: int, attn: float, per_row: float) -> int:
     """Prompt tokens for a tick with `rows` decode rows (their attention `attn`). With nobody decoding,
     the most the budget allows (a bigger batch is computed more efficiently and no one waits between
     tokens); with decoders and a target, what the model says fits it, but always some, so prompts move."""
@@ -119,4 +109,4 @@ def prefill_room(cost: TickCost, target_ms: float, top: int, rows: int, attn: fl
         return top
     if not cost.ready:
         return min(top, COLD_PREFILL)
-    return min(top, max(MIN_PREFILL, cost.rows_within(target_ms, rows, attn, per_row, kv)))
+    return min(top, max(MIN_PREFILL, cost.rows_within(target_ms, rows, attn, per_row)))

@@ -35,7 +35,7 @@ import numpy as np
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget
-from meshnode.core.costmodel import TickCost, attention, kv_read, prefill_room
+from meshnode.core.costmodel import TickCost, attention, prefill_room
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
@@ -159,10 +159,9 @@ class Scheduler:
         first = next((s for s in self.running if s.pending > 1), None)
         unified = self.kv_cells if self.pool_cells else 0
         top = self.budget.max_prefill_tokens_per_tick
-        rows = [(c.pos, 1) for c in decode] + ([(first.n_cached, 0)] if first else [])
         return prefill_room(self.cost, self.tick_target_ms, top, len(decode) if first else 0,
-                            attention(rows, unified), unified or (first.n_cached + top / 2 if first else 0),
-                            kv_read(rows, unified))
+                            attention([(c.pos, 1) for c in decode], unified),
+                            unified or (first.n_cached + top / 2 if first else 0))
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
@@ -181,8 +180,8 @@ class Scheduler:
         events: list[Event] = []
         if tick.plan.chunks and result.step_ms > 0:
             self.kv_cells = result.kv_cells
-            rows, unified = [(c.pos, len(c.tokens)) for c in tick.plan.chunks], result.kv_cells if self.pool_cells else 0
-            self.cost.observe(tick.plan.n_tokens, attention(rows, unified), result.step_ms, kv_read(rows, unified))
+            self.cost.observe(tick.plan.n_tokens, attention([(c.pos, len(c.tokens)) for c in tick.plan.chunks],
+                                                            result.kv_cells if self.pool_cells else 0), result.step_ms)
         missed = set(result.cache_miss)
         for seq_id in missed:
             if self.cache.forget(seq_id):  # a finished session's last tick lost its KV: nothing to keep

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshnode.core.costmodel import attention, kv_read
+from meshnode.core.costmodel import attention
 from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, SeqChunk, StepResult
 from meshnode.engine import llamacpp
 from meshnode.engine.base import Engine
@@ -172,22 +172,17 @@ class LlamaEngine(Engine):
         """Ticks of known shapes, timed, before the first client: the weights are paged in, and the front's
         tick cost model (meshnode/core/costmodel.py) starts from real points, so the first prompts are
         paced and the first `capacity` estimate is there, instead of waiting for traffic varied enough to
-        learn from. ((rows, attention, kv read, ms), ...)"""
+        learn from. ((rows, attention, ms), ...)"""
         unified = self.cfg.kv_layout == "unified"
         toks = lambda n: (np.arange(n) % (self.n_vocab - 3) + 3).astype(np.int32)  # noqa: E731
         self.step(Plan([SeqChunk(0, 0, toks(8), draw=0)], [0]))  # not timed: pages the weights in
         out = []
         for n in [n for n in CALIBRATION if n <= min(self.n_batch, self.n_ctx_seq - 1)]:
             res = self.step(Plan([SeqChunk(0, 0, toks(n), draw=0)], [0]))
-            out.append((n, attention([(0, n)], n if unified else 0), kv_read([(0, n)], n if unified else 0), res.step_ms))
-        for pos in (n, n + 1):  # one row against the longest context: what a cell read costs on its own
-            res = self.step(Plan([SeqChunk(0, pos, toks(1), draw=0)]))
-            out.append((1, attention([(pos, 1)], pos + 1 if unified else 0), kv_read([(pos, 1)], pos + 1 if unified else 0),
-                        res.step_ms))
+            out.append((n, attention([(0, n)], n if unified else 0), res.step_ms))
         for k in sorted({max(1, self.n_seq_max // 2), self.n_seq_max}):  # sequences decoding at once
             res = self.step(Plan([SeqChunk(s, 0, toks(1), draw=0) for s in range(k)], list(range(self.n_seq_max))))
-            out.append((k, attention([(0, 1)] * k, k if unified else 0), kv_read([(0, 1)] * k, k if unified else 0),
-                        res.step_ms))
+            out.append((k, attention([(0, 1)] * k, k if unified else 0), res.step_ms))
         self.step(Plan([], list(range(self.n_seq_max))))
         return tuple(out)
 

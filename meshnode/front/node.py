@@ -146,8 +146,8 @@ class Front:
         sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
                           prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
                           tick_target_ms=cfg.tick_target_ms)
-        for rows, attn, kv, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
-            sched.cost.observe(rows, attn, ms, kv)
+        for rows, attn, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
+            sched.cost.observe(rows, attn, ms)
         return sched
 
     # -- loop -------------------------------------------------------------------------------
