@@ -135,3 +135,25 @@ def test_short_prefixes_are_not_worth_a_copy():
 def test_unknown_scope_is_refused():
     with pytest.raises(ValueError, match="client"):
         PrefixCache("everyone")
+
+
+def test_sessions_sent_one_system_prompt_at_once_compute_it_once():
+    engine, sched = scheduler(prefix_cache="node", max_prefill_tokens_per_tick=32)
+    system = prompt(80)
+    users = [Session(i, system + prompt(10, salt=i), 6) for i in range(4)]
+    finish(sched, engine, *users)  # every done checked against a cold run
+    assert sched.counters.prefill_tokens == 80 + 4 * 10, "the shared opening was computed more than once"
+    assert [op for op in kv_ops(engine) if isinstance(op, Share)] == [Share(users[0].seq_id, u.seq_id, 80)
+                                                                       for u in users[1:]]
+    assert all(u.usage()["cached_tokens"] == 80 for u in users[1:])
+
+
+def test_a_follower_computes_its_own_prompt_when_its_leader_is_cancelled():
+    engine, sched = scheduler(prefix_cache="node", max_prefill_tokens_per_tick=16)
+    lead, follow = Session(1, prompt(64) + [7], 3), Session(2, prompt(64) + [8], 3)
+    assert sched.submit(lead).accepted and sched.submit(follow).accepted
+    step(sched, engine, sched.plan())
+    sched.cancel(1)
+    finish(sched, engine)
+    assert follow.reason == R.LENGTH and follow.n_reused == 0
+    assert engine.expected(follow.tokens, len(follow.prompt))

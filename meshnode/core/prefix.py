@@ -8,7 +8,10 @@ engine still holds prefills only the rest. Two sources:
   slot; when the entry holds more than the new session shares, the shared part is
   copied instead (`Share`) and the entry stays for whoever continues it;
 - a live session's computed tokens (`Share`), e.g. a system prompt that another
-  session is already decoding after.
+  session is already decoding after; when that session is still computing them
+  (users sending one system prompt at the same moment), the new session waits
+  for it (a *leader*) and then copies, instead of computing the same tokens
+  alongside it.
 At least the last prompt token is always recomputed: its logits give the first sample.
 
 Cached KV is never reserved KV: entries hold no admission reservation, and the
@@ -110,6 +113,19 @@ class PrefixCache:
                 n = min(common_prefix(p, np.asarray(tokens, np.int32)), cap)
                 if n >= MIN_SHARE and (best is None or n > best.n):
                     best = Hit(seq_id, n, False, False)
+        return best
+
+    def leader(self, prompt: list[int], owner: Hashable, running) -> tuple[object, int] | None:
+        """A running session whose prompt opens like this one, to wait for and copy from: (session, n) or
+        None. `running`: (session, prompt, owner) of sessions that are not waiting for a leader themselves."""
+        if not self.on or len(prompt) <= MIN_SHARE:
+            return None
+        p, best = np.asarray(prompt, np.int32), None
+        for s, other, o in running:
+            if self._mine(owner, o):
+                n = min(common_prefix(p, np.asarray(other, np.int32)), len(p) - 1)
+                if n >= MIN_SHARE and (best is None or n > best[1]):
+                    best = (s, n)
         return best
 
     def take(self, hit: Hit) -> None:

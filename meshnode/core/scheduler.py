@@ -131,6 +131,9 @@ class Scheduler:
         if self.pipeline.full:
             return None
         self._promote()
+        for s in self.running:
+            if s.leader:
+                self._follow(s)
         b = self.budget
         decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
         chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
@@ -138,7 +141,7 @@ class Scheduler:
         for s in self.running:
             if room <= 0 or slots <= 0:
                 break
-            if s.pending > 1:
+            if s.pending > 1 and not s.leader:
                 n = min(s.pending, room)
                 chunks.append(self._chunk(s, n))
                 room, slots = room - n, slots - 1
@@ -271,6 +274,8 @@ class Scheduler:
                 self.kv_ops.append(Share(hit.seq_id, seq_id, hit.n))
             s.n_cached = s.n_reused = hit.n
             self._reused.append(s)
+        elif self.cache.on:
+            s.leader = self.cache.leader(s.prompt, s.owner, [(r, r.prompt, r.owner) for r in self.running if not r.leader])
         s.seq_id = seq_id
         s.state, s.t_start = RUNNING, self.clock()
         self.running.append(s)
@@ -279,6 +284,19 @@ class Scheduler:
             while reserved + self.cache.cells > self.pool_cells and self.cache.entries:
                 self.kv_ops.append(Release(self.cache.evict()))
                 bisect.insort(self.free_seqs, self.kv_ops[-1].seq_id)
+
+    def _follow(self, s: Session) -> None:
+        """A session waiting for its leader: copy the leader's prefix once the ticks before this one
+        compute it (the copy runs before this tick's chunks), or compute its own if the leader is gone."""
+        leader, n = s.leader
+        if leader.state != RUNNING:
+            s.leader = None
+        elif leader.n_cached >= n:
+            s.leader = None
+            self.cache.take(Hit(leader.seq_id, n, False, False))
+            self.kv_ops.append(Share(leader.seq_id, s.seq_id, n))
+            s.n_cached = s.n_reused = n
+            self._reused.append(s)
 
     def _free_seq(self, keep: int | None = None) -> int | None:
         """The lowest free sequence id, evicting the least recently used cached one (but `keep`) if none is."""

@@ -38,6 +38,7 @@ class Session:
     tokens: list[int] = field(default_factory=list)
     n_cached: int = 0
     n_reused: int = 0  # prompt tokens whose KV came from the prefix cache
+    leader: tuple | None = None  # (session, n): copy its first n tokens' KV once it has computed them
     draws_in_flight: int = 0
     seq_id: int = -1
     state: str = NEW
