@@ -53,7 +53,7 @@ def _replay(sched, prompts: list[tuple[int, int]], decoders: list[tuple[int, int
         if unified:
             unified += len(live) - sum(pos + k for pos, left in decoders if left == k)
         attn = attention(live, unified)
-        room = prefill_room(cost, sched.tick_target_ms, top, len(live), attn, unified or prompts[0][0] + top / 2)
+        room = prefill_room(cost, sched.tick_target_ms, top, len(live), attn, unified, prompts[0][0])
         chunks, take = [], room
         while prompts and take > 0:  # the tick's room goes to prompts in order, as plan() gives it
             pos, left = prompts[0]

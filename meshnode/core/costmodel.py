@@ -101,12 +101,16 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         cols.pop(int(np.argmin(c)))
 
 
-def prefill_room(cost: TickCost, target_ms: float, top: int, rows: int, attn: float, per_row: float) -> int:
-    """Prompt tokens for a tick with `rows` decode rows (their attention `attn`). With nobody decoding,
-    the most the budget allows (a bigger batch is computed more efficiently and no one waits between
-    tokens); with decoders and a target, what the model says fits it, but always some, so prompts move."""
+def prefill_room(cost: TickCost, target_ms: float, top: int, rows: int, attn: float, unified_cells: int,
+                 pos: int) -> int:
+    """Prompt tokens for a tick with `rows` decode rows (their attention `attn`), the next prompt at
+    position `pos`. With nobody decoding, the most the budget allows (a bigger batch is computed more
+    efficiently and no one waits between tokens); with decoders and a target, what the model says fits
+    it, but always some, so prompts move. Each prompt row attends to every cell in use on a unified KV,
+    else to about its own position plus half a chunk."""
     if not rows or not target_ms:
         return top
     if not cost.ready:
         return min(top, COLD_PREFILL)
+    per_row = unified_cells or pos + top / 2
     return min(top, max(MIN_PREFILL, cost.rows_within(target_ms, rows, attn, per_row)))

@@ -163,8 +163,7 @@ class Scheduler:
         unified = self.kv_cells if self.pool_cells else 0
         top = self.budget.max_prefill_tokens_per_tick
         return prefill_room(self.cost, self.tick_target_ms, top, len(decode) if first else 0,
-                            attention([(c.pos, 1) for c in decode], unified),
-                            unified or (first.n_cached + top / 2 if first else 0))
+                            attention([(c.pos, 1) for c in decode], unified), unified, first.n_cached if first else 0)
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks

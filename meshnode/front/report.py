@@ -45,7 +45,8 @@ class Report:
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
                 "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.cfg.deterministic,
                 "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache}
-        return P.status(info, self.snapshot(), n.telemetry.capacity(prompt_tokens))
+        snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
+        return P.status(info, snap, snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens))
 
     def status_line(self) -> str:
         t = self.snapshot()
