@@ -197,7 +197,8 @@ def decode(data, arena=None) -> Message:
         if kind == "hello":
             info = m["info"]
             return Hello(m["pid"], EngineInfo(**{k: info[k] for k in _INFO} | {
-                "eog": tuple(info["eog"]), "calibration": tuple((int(r), float(a), float(ms)) for r, a, ms in info["calibration"])}))
+                "eog": tuple(info["eog"]), "calibration": tuple((int(c), int(r), float(a), float(s), bool(z), float(ms))
+                                       for c, r, a, s, z, ms in info["calibration"])}))
         if kind == "hello_failed":
             return HelloFailed(str(m["detail"]))
         if kind == "aborted":

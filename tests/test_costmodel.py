@@ -4,7 +4,7 @@ import numpy as np
 
 from helpers import Clock, scheduler
 from meshnode.core.capacity import capacity
-from meshnode.core.costmodel import TickCost, attention
+from meshnode.core.costmodel import Shape, TickCost, attention, prefill_room, shape, sized
 from meshnode.core.session import Session
 from meshnode.engine.fake import FakeEngine
 
@@ -62,8 +62,8 @@ def test_the_fit_recovers_a_known_cost_and_ignores_stalls():
     for i in range(300):
         rows, cells = int(rng.integers(1, 300)), int(rng.integers(0, 8000))
         ms = BASE + PER_ROW * rows + PER_CELL * rows * cells
-        cost.observe(rows, rows * float(cells), ms * (8 if i % 17 == 0 else 1))
-    assert np.allclose(cost.coef, [BASE, PER_ROW, PER_CELL], rtol=0.02)
+        cost.observe(Shape(1, rows, rows * float(cells), 0.0), ms * (8 if i % 17 == 0 else 1))
+    assert np.allclose(cost.coef, [BASE, PER_ROW, PER_CELL, 0], rtol=0.02)
     assert cost.outliers >= 10
 
 
@@ -116,3 +116,61 @@ def test_capacity_reports_room_and_no_estimate_before_the_model_has_learned():
 def test_attention_counts_cells_by_layout():
     assert attention([(0, 4), (100, 1)], unified_cells=500) == 5 * 500
     assert attention([(0, 4), (100, 1)], unified_cells=0) == 4 * 4 + 101
+
+
+def test_a_tick_shape_counts_llama_decode_calls_and_attention_by_layout():
+    decode, prompt, short = [(10, 1), (20, 1)], (0, 100), (50, 30)
+    # streams: the decode rows are one call, each chunk another; 100 rows attend as two whole tiles
+    s = shape([*decode, prompt, short], unified_cells=0)
+    assert (s.calls, s.rows) == (3, 132)
+    assert s.attn == 11 + 21 + 128 * 100 + 30 * 80 and s.attn_small == 11 + 21 + 30 * 80
+    # unified: one call of 132 rows, each attending to all 500 cells, in three tiles of 64
+    u = shape([*decode, prompt, short], unified_cells=500)
+    assert (u.calls, u.rows, u.attn, u.attn_small) == (1, 132, 192 * 500, 0.0)
+    assert sized([*decode, prompt]) and not sized(decode) and not sized([prompt])
+
+
+def test_streams_chunks_are_whole_tiles_leave_no_sliver_and_a_second_prompt_needs_a_tile():
+    _, streams = scheduler(pool_cells=0)
+    assert streams.fill(180, [1000], True) == [180]  # the last tile mostly full: kept
+    assert streams.fill(150, [1000], True) == [128]  # 22 rows in a last tile of 64: left for a later tick
+    assert streams.fill(150, [180], True) == [116]  # not 150 and a 30-token tail: 64 are left
+    assert streams.fill(150, [100, 500], True) == [100]  # 50 rows left: not worth a call of their own
+    assert streams.fill(300, [100, 500], True) == [100, 192]
+    assert streams.fill(40, [30, 500], True) == [30]  # a short prompt finishing is always taken
+    _, unified = scheduler(pool_cells=4096)  # one call for the whole tick: no such rules
+    assert unified.fill(150, [1000], True) == [150] and unified.fill(150, [100, 500], True) == [100, 50]
+
+
+def true_cost(s):
+    return 10 * s.calls + 2 * s.rows + 0.001 * s.attn + 0.01 * s.attn_small
+
+
+def test_the_fit_learns_what_small_calls_cost_and_sizing_skips_them_when_a_tile_is_cheaper():
+    cost, rng = TickCost(), np.random.default_rng(1)
+    for _ in range(200):
+        k, n, pos = int(rng.integers(1, 9)), int(rng.integers(2, 300)), int(rng.integers(0, 900))
+        s = shape([(int(rng.integers(0, 900)), 1)] * k + [(pos, n)], 0)
+        cost.observe(s, true_cost(s), sized=True)
+    assert np.allclose(cost.coef[1:], [2, 0.001, 0.01], rtol=0.05) and 8 < cost.coef[0] < 12  # (the prior pulls)
+    decode = [(100, 1)] * 4
+    assert true_cost(shape([*decode, (900, 63)], 0)) > true_cost(shape([*decode, (900, 64)], 0))
+    target = true_cost(shape([*decode, (900, 64)], 0)) * 1.05
+    assert prefill_room(cost, target, 504, decode, 0, 900) == 64  # not the largest small chunk under it
+
+
+def test_the_correction_follows_sized_ticks_only_and_sizing_uses_its_high_quantile():
+    cost = TickCost()
+    for n in range(2, 40):
+        cost.observe(shape([(0, 1), (0, 4 * n)], 0), true_cost(shape([(0, 1), (0, 4 * n)], 0)))
+    assert cost.correction == cost.correction_bound == 1.0
+    lone = shape([(0, 400)], 0)
+    for _ in range(10):  # a lone prompt's big batches ran faster than fitted: not a sized tick
+        cost.observe(lone, 0.7 * true_cost(lone))
+    assert cost.correction == 1.0
+    for i in range(16):  # ticks beside decoders ran 10-30 % over
+        s = shape([(0, 1), (0, 100 + i)], 0)
+        cost.observe(s, (1.1 + 0.2 * (i % 2)) * cost.predict(s), sized=True)
+    assert 1.1 < cost.correction < cost.correction_bound <= 1.31
+    s = shape([(0, 1), (0, 128)], 0)
+    assert cost.bound(s) > cost.predict(s, sized=True) > cost.predict(s)

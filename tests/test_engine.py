@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import generate, prompt
-from meshnode.core.costmodel import TickCost
+from meshnode.core.costmodel import Shape, TickCost
 from meshnode.core.types import GREEDY, InvalidPlan, Keep, Plan, Sampling, SeqChunk, Share
 from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.engine.reference import ReferenceEngine
@@ -222,10 +222,21 @@ def test_reused_kv_continues_like_a_cold_prefill(tiny_model, layout):
 def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model):
     with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
         points = e.calibrate()
-        assert [r for r, _, _ in points] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 2, 4]
-        assert all(ms > 0 for _, _, ms in points) and points[7][1] == 128 * 128  # rows x cells (unified)
+        # chunks at 0, then seq 0 filled to half its context (512) and decode rows beside it there
+        # and 64-, 128- and 256-token chunks beside 2 decode rows: (calls, rows, attn, attn_small, sized, ms)
+        assert [p[1] for p in points] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 256, 256, 2, 4, 66, 130, 258]
+        assert all(p[-1] > 0 for p in points) and points[7][2] == 128 * 128  # rows x cells (unified)
+        # (a partial last tile of 64 rows counts whole)
+        assert [p[2] for p in points[9:]] == [256 * 256, 256 * 512, 2 * 514, 4 * 516, 128 * 578, 192 * 642, 320 * 770]
+        assert [p[3] > 0 for p in points] == [True] * 6 + [False] * 5 + [True, True] + [False] * 3  # under 64 rows
+        assert [p[4] for p in points] == [False] * 13 + [True] * 3
+        assert {c for c, *_ in points} == {1}  # one llama_decode each, on a unified KV
         assert all(e.seq_pos_max(s) < 0 for s in range(4))
         cost = TickCost()
         for p in points:
-            cost.observe(*p)
-        assert cost.ready and cost.predict(256, 256 * 256) > cost.predict(1, 1)
+            cost.observe(Shape(*p[:4]), p[5], p[4])
+        assert cost.ready and cost.predict(Shape(1, 256, 256 * 256, 0)) > cost.predict(Shape(1, 1, 0, 1))
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2, kv_layout="streams")) as e:
+        points = e.calibrate()  # 256 cells a stream: too shallow to fill; the chunk beside decode rows is a 2nd call
+        assert [p[:2] for p in points[-5:]] == [(1, 2), (1, 4), (2, 66), (2, 130), (2, 257)]
+        assert all(e.seq_pos_max(s) < 0 for s in range(4))

@@ -10,7 +10,7 @@ the cost model has seen enough ticks.
 """
 from __future__ import annotations
 
-from meshnode.core.costmodel import attention, prefill_room
+from meshnode.core.costmodel import prefill_room, shape
 
 MAX_TICKS = 10_000  # the replay's bound: beyond it the estimate is unknown
 
@@ -27,8 +27,8 @@ def capacity(sched, prompt_tokens: int = 0) -> dict:
            "decode_tokens_per_s": None, "ttft_ms_estimate": None, "tick_model": cost.describe()}
     if not cost.ready:
         return out
-    unified = sched.kv_cells if sched.pool_cells else 0
-    decode_ms = cost.predict(len(decoding), attention([(s.n_cached, 1) for s in decoding], unified)) if decoding else 0.0
+    unified = sched.cells_planned if sched.pool_cells else 0
+    decode_ms = cost.predict(shape([(s.n_cached, 1) for s in decoding], unified)) if decoding else 0.0
     out["decode_tokens_per_s"] = round(len(decoding) * 1e3 / decode_ms, 1) if decoding else 0.0
     if prompt_tokens > 0:
         wait_ms = 0.0
@@ -52,20 +52,17 @@ def _replay(sched, prompts: list[tuple[int, int]], decoders: list[tuple[int, int
         live = [(pos + k, 1) for pos, left in decoders if left > k]
         if unified:
             unified += len(live) - sum(pos + k for pos, left in decoders if left == k)
-        attn = attention(live, unified)
-        room = prefill_room(cost, sched.tick_target_ms, top, len(live), attn, unified, prompts[0][0])
-        chunks, take = [], room
-        while prompts and take > 0:  # the tick's room goes to prompts in order, as plan() gives it
+        room = prefill_room(cost, sched.tick_target_ms, top, live, unified, prompts[0][0])
+        chunks = []
+        for n in sched.fill(room, [left for _, left in prompts], bool(live)):  # as plan() gives the room
             pos, left = prompts[0]
-            n = min(left, take)
             chunks.append((pos, n))
-            take -= n
             prompts[0] = (pos + n, left - n)
             if n == left:
                 prompts.pop(0)
         if unified:
-            unified += room - take
-        t += cost.predict(len(live) + room - take, attn + attention(chunks, unified))
+            unified += sum(n for _, n in chunks)
+        t += cost.predict(shape(live + chunks, unified), bool(live and chunks))
         if not prompts:
             return round(t, 1)
     return None

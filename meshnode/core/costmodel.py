@@ -1,25 +1,83 @@
 """How long a tick will take, learned from the ticks that ran: prefill is sized by it.
 
-A tick's engine time is close to linear in three things: a fixed part (the weights
-are streamed once per pass, whatever the rows), a part per row (token) in the batch,
-and attention, which grows with each row times the KV cells it attends to (on a
-unified KV every cell in use, on streams its own sequence's). The coefficients
-depend on the model, the build and the machine, so they are fitted online, by least
-squares over the last WINDOW ticks, with the worst-fitting tenth left out and fitted
-again so that one stall (a page fault storm, a neighbour process) does not teach the
-model that every tick is slow. Pure: the scheduler feeds it measured step times.
+A tick's engine time is close to linear in three things: a fixed part per llama_decode
+call (the weights are streamed once per pass, whatever the rows; on streams the decode
+rows and each prompt chunk are separate calls), a part per row (token), and attention,
+which grows with each row times the KV cells it attends to (on a unified KV every cell
+in use, on streams its own sequence's). The coefficients depend on the model, the
+build and the machine, so they are fitted online, by least squares, refitted every
+few ticks; what the fit still gets wrong on the ticks it sizes (prompt rows beside decode
+rows: measured 5-20 % under on a busy 2-core machine) is corrected by a high quantile of
+their recent ratios of measured to predicted, so that the target bounds the ticks rather
+than being their mean; for such ticks only: a lone prompt's big batches miss the other
+way, and let into the same correction they made the next burst's first ticks run long.
+The engine's start-up ticks include sized ones, so the first burst is corrected too
+(without them the first burst's first ticks ran 1.15-1.27x the fit: README, "Prefill pacing").
+
+What the fit sees decides what it can predict. Ticks are kept per shape (rows, by
+powers of two), the last PER_SHAPE of each: a long stretch of decode-only ticks would
+otherwise push every prefill tick out of a plain window, and the first burst after it
+would be planned by a model that has forgotten what prompt rows and their attention
+cost (measured: ticks planned at 450 ms ran 520-700 ms). Within a shape the newest
+ticks win, so the model follows the KV as it grows. Ticks that fit far worse than the
+rest (a page-fault storm, a neighbour process) are left out of the fit, so one stall
+does not teach the model that every tick is slow. Pure: the scheduler feeds it
+measured step times.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
 COLD_PREFILL = 64  # prompt tokens per tick beside decoders until the model has learned the engine
 MIN_PREFILL = 8  # however tight the target, prompts advance
-WINDOW = 256  # ticks the fit covers: a few seconds of decoding, so it follows the KV as it grows
+PER_SHAPE = 32  # newest ticks kept per shape (rows 1, 2-3, 4-7, ... 512-1023, ...)
 MIN_SAMPLES = 10  # below this the model does not guess
-REFIT_EVERY = 8  # ticks between fits (a fit is ~100 us)
+REFIT_EVERY = 2  # ticks between fits (a fit is ~100 us; a tick is >= 10 ms)
+RATIOS = 16  # the last this many sized ticks (prompt rows beside decode rows) correct the model: ...
+MISS_QUANTILE = 0.9  # ... sizing by this quantile of their misses (the target bounds ticks), estimates by the median
+CORRECTION = (0.8, 1.5)  # how far that correction may go
+PRIOR = 0.1  # how hard the fit holds the small-call excess at 0 (relative to its column)
+TILE_ROWS = 64  # llama.cpp's CPU flash attention tiles a call of >= this many rows (GGML_FA_TILE_Q)
+
+
+class Shape(NamedTuple):
+    """What a tick's time depends on: llama_decode calls, rows, attention (row x cell), and the part
+    of that attention in calls under TILE_ROWS rows. There it runs row by row, at several times the
+    cost per cell (a 63-token chunk deep in a prompt takes about twice as long as a 64-token one:
+    `meshnode bench ticks`, evidence/tick-shapes.json), so the excess is learned on its own; with
+    no ticks that tell the two apart it stays 0 (the fit's prior)."""
+    calls: int
+    rows: int
+    attn: float
+    attn_small: float
+
+
+def shape(spans, unified_cells: int) -> Shape:
+    """A tick of `spans` ((pos, n_tokens) per sequence), `unified_cells` the cells a unified pool holds
+    after it. Unified: one llama_decode call. Streams (0): the single-token rows in one call and each
+    longer chunk in its own, as the engine runs them (meshnode/engine/llama.py, _groups)."""
+    if unified_cells:
+        groups = [spans]
+    else:
+        groups = [[s for s in spans if s[1] == 1]] + [[s] for s in spans if s[1] > 1]
+    calls, rows, attn, small = 0, 0, 0.0, 0.0
+    for g in groups:
+        n = sum(k for _, k in g)
+        if n:
+            a = attention(g, unified_cells)
+            if n >= TILE_ROWS:  # a partial last tile is computed whole
+                a *= -(-n // TILE_ROWS) * TILE_ROWS / n
+            calls, rows = calls + 1, rows + n
+            attn, small = attn + a, small + (a if n < TILE_ROWS else 0.0)
+    return Shape(max(1, calls), rows, attn, small)
+
+
+def sized(spans) -> bool:
+    """Prompt rows beside decode rows: a tick whose prefill the target sized."""
+    return any(n == 1 for _, n in spans) and any(n > 1 for _, n in spans)
 
 
 def attention(chunks, unified_cells: int) -> float:
@@ -31,12 +89,15 @@ def attention(chunks, unified_cells: int) -> float:
 
 
 class TickCost:
-    """ms = base + per_row * rows + per_cell * attention, refitted as ticks report."""
+    """ms = per_call * calls + per_row * rows + per_cell * attention (+ the small-call excess), times
+    the correction for sized ticks."""
 
-    def __init__(self, window: int = WINDOW):
-        self._x: deque = deque(maxlen=window)
-        self._y: deque = deque(maxlen=window)
-        self.coef: np.ndarray | None = None  # base ms, ms per row, ms per row x cell
+    def __init__(self, per_shape: int = PER_SHAPE):
+        self._per_shape = per_shape
+        self._shapes: dict[int, deque] = {}  # rows.bit_length() -> (Shape, ms), newest last
+        self._ratios: deque = deque(maxlen=RATIOS)  # measured / fitted, for the last sized ticks
+        self.correction = self.correction_bound = 1.0  # median and high quantile, once there are a few
+        self.coef: np.ndarray | None = None  # ms per call, per row, per row x cell, extra per cell in small calls
         self._since_fit = 0
         self.outliers = 0  # ticks that took more than twice the prediction, once the model is ready
 
@@ -44,53 +105,78 @@ class TickCost:
     def ready(self) -> bool:
         return self.coef is not None
 
-    def observe(self, rows: int, attn: float, ms: float) -> None:
-        if rows <= 0 or ms <= 0:
+    def observe(self, tick: Shape, ms: float, sized: bool = False) -> None:
+        """A tick that ran: `sized` when it carried prompt rows beside decode rows, sized to the target."""
+        if tick.rows <= 0 or ms <= 0:
             return
-        if self.ready and ms > 2 * self.predict(rows, attn) + 5:
-            self.outliers += 1
-        self._x.append((1.0, float(rows), attn))
-        self._y.append(ms)
+        if self.ready:
+            if ms > 2 * self.predict(tick, sized) + 5:
+                self.outliers += 1
+            elif sized:
+                self._ratios.append(ms / self._fitted(tick))
+                if len(self._ratios) >= 3:
+                    median, high = np.quantile(self._ratios, [0.5, MISS_QUANTILE])
+                    self.correction, self.correction_bound = (float(np.clip(v, *CORRECTION)) for v in (median, high))
+        self._shapes.setdefault(tick.rows.bit_length(), deque(maxlen=self._per_shape)).append((tick, ms))
         self._since_fit += 1
-        if len(self._y) >= MIN_SAMPLES and (self._since_fit >= REFIT_EVERY or not self.ready):
+        if self.samples >= MIN_SAMPLES and (self._since_fit >= REFIT_EVERY or not self.ready):
             self._fit()
 
     def describe(self) -> dict:
         """The fitted costs, for telemetry: what a tick costs here, and how often one ran far over."""
-        c = self.coef if self.ready else (None, None, None)
-        return {"base_ms": c[0] and round(float(c[0]), 3), "ms_per_row": c[1] and round(float(c[1]), 4),
-                "ms_per_row_cell": c[2] and float(c[2]), "samples": len(self._y), "outliers_total": self.outliers}
+        c = self.coef if self.ready else (None, None, None, None)
+        return {"ms_per_call": c[0] and round(float(c[0]), 3), "ms_per_row": c[1] and round(float(c[1]), 4),
+                "ms_per_row_cell": c[2] and float(c[2]), "ms_per_row_cell_small_call_extra": c[3] and float(c[3]),
+                "correction": round(self.correction, 3), "correction_bound": round(self.correction_bound, 3),
+                "samples": self.samples, "outliers_total": self.outliers}
 
-    def predict(self, rows: int, attn: float) -> float:
-        b, r, a = self.coef
-        return b + r * rows + a * attn
+    @property
+    def samples(self) -> int:
+        return sum(len(d) for d in self._shapes.values())
+
+    def predict(self, tick: Shape, sized: bool = False) -> float:
+        """The time a tick is expected to take."""
+        return self._fitted(tick) * (self.correction if sized else 1.0)
+
+    def bound(self, tick: Shape) -> float:
+        """A sized tick's time, as ticks of its kind have run at worst lately (nine in ten under it)."""
+        return self._fitted(tick) * self.correction_bound
+
+    def _fitted(self, tick: Shape) -> float:
+        c, r, a, s = self._coef  # plain floats: the capacity replay predicts hundreds of ticks per estimate
+        return c * tick.calls + r * tick.rows + a * tick.attn + s * tick.attn_small
 
     def _fit(self) -> None:
         self._since_fit = 0
-        x, y = np.array(self._x), np.array(self._y)
-        coef, keep = _nonneg_lstsq(x, y), np.ones(len(y), bool)
-        for _ in range(3):  # leave out what fits worst (relative to its size), fit again
+        pts = [p for d in self._shapes.values() for p in d]
+        x, y = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
+        coef = _nonneg_lstsq(x, y)
+        for _ in range(3):  # leave out what fits far worse than the rest (relative to its size), fit again
             err = np.abs(x @ coef - y) / np.maximum(x @ coef, 1e-3)
-            keep = err <= max(np.quantile(err, 0.9), 0.05)
+            keep = err <= max(4 * np.median(err), 0.05)
             if keep.sum() < MIN_SAMPLES:
                 break
             coef = _nonneg_lstsq(x[keep], y[keep])
         if coef[1] <= 0:  # every tick had the same rows: no slope to learn yet
             return
-        self.coef = coef
+        self.coef, self._coef = coef, tuple(float(v) for v in coef)
 
-    def rows_within(self, target_ms: float, rows: int, attn: float, per_row_cells: float) -> int:
-        """How many more rows a tick of `rows` rows and `attn` attention can take and stay within
-        `target_ms`, when each added row attends to about `per_row_cells` cells."""
-        b, r, a = self.coef
-        spare = target_ms - self.predict(rows, attn)
-        marginal = r + a * per_row_cells
-        return max(0, int(spare / marginal)) if marginal > 0 else 1 << 30
+
+def rows_per_call(cost: TickCost) -> int:
+    """What one more llama_decode call costs, in prompt rows: a prompt chunk that starts beside
+    another on streams pays it."""
+    if not cost.ready or cost.coef[1] <= 0:
+        return 0
+    return int(np.ceil(cost.coef[0] / cost.coef[1]))
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0 (a negative cost is noise, not physics): a feature
-    whose coefficient comes out negative is dropped and the rest refitted."""
+    whose coefficient comes out negative is dropped and the rest refitted. The small-call excess
+    (the last) is pulled towards 0 by a penalty a tenth of its column's size: ticks that tell it apart
+    outweigh it, ticks that cannot (every small call also the only attention seen) leave it at 0."""
+    w = PRIOR * np.linalg.norm(x[:, -1])
+    x, y = np.vstack([x, np.eye(x.shape[1])[-1] * w]), np.append(y, 0.0)
     cols = list(range(x.shape[1]))
     while True:
         c, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
@@ -101,16 +187,30 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         cols.pop(int(np.argmin(c)))
 
 
-def prefill_room(cost: TickCost, target_ms: float, top: int, rows: int, attn: float, unified_cells: int,
-                 pos: int) -> int:
-    """Prompt tokens for a tick with `rows` decode rows (their attention `attn`), the next prompt at
-    position `pos`. With nobody decoding, the most the budget allows (a bigger batch is computed more
-    efficiently and no one waits between tokens); with decoders and a target, what the model says fits
-    it, but always some, so prompts move. Each prompt row attends to every cell in use on a unified KV,
-    else to about its own position plus half a chunk."""
-    if not rows or not target_ms:
+def prefill_room(cost: TickCost, target_ms: float, top: int, decode: list, unified_cells: int, pos: int) -> int:
+    """Prompt tokens for a tick beside the `decode` rows ((pos, 1) each), the next prompt at position
+    `pos`, `unified_cells` the cells a unified pool holds before the prompt rows (0 on streams). With
+    nobody decoding, the most the budget allows (a bigger batch is computed more efficiently and no one
+    waits between tokens); with decoders and a target, the most the model says fits it, but always
+    some, so prompts move. Every row's attention counts the prompt rows the tick adds, as the fit saw."""
+    if not decode or not target_ms:
         return top
     if not cost.ready:
         return min(top, COLD_PREFILL)
-    per_row = unified_cells or pos + top / 2
-    return min(top, max(MIN_PREFILL, cost.rows_within(target_ms, rows, attn, per_row)))
+
+    def fits(n: int) -> bool:
+        return cost.bound(shape([*decode, (pos, n)], unified_cells + n if unified_cells else 0)) <= target_ms
+
+    def largest(lo: int, hi: int) -> int:  # the largest n in [lo, hi] that fits, or lo - 1
+        lo -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    # the cost grows with n, but drops where the chunk becomes a tiled call of its own (streams):
+    # search the tiled sizes first, then the small ones
+    n = largest(TILE_ROWS, top) if top >= TILE_ROWS and not unified_cells else -1
+    if n < TILE_ROWS:
+        n = largest(1, min(top, TILE_ROWS - 1) if not unified_cells else top)
+    return max(min(top, MIN_PREFILL), n)

@@ -35,7 +35,7 @@ import numpy as np
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget
-from meshnode.core.costmodel import TickCost, attention, prefill_room
+from meshnode.core.costmodel import TILE_ROWS, TickCost, prefill_room, rows_per_call, shape, sized
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
@@ -86,7 +86,7 @@ class Scheduler:
         self.kv_ops: list = []  # evictions and reuses decided for the next plan, in order
         self._reused: list[Session] = []
         self.counters = Counters()
-        self.cost, self.tick_target_ms, self.kv_cells = TickCost(), tick_target_ms, 0
+        self.cost, self.tick_target_ms = TickCost(), tick_target_ms
         self.draining = False
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
@@ -137,15 +137,11 @@ class Scheduler:
         b = self.budget
         decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
         chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
-        room, slots = self._prefill_room([c for _, c in chunks]), b.max_batch_size - len(chunks)
-        for s in self.running:
-            if room <= 0 or slots <= 0:
-                break
-            if s.pending > 1 and not s.leader:
-                n = min(s.pending, room)
-                chunks.append(self._chunk(s, n))
-                room, slots = room - n, slots - 1
-                self.counters.prefill_tokens += n
+        prompts = [s for s in self.running if s.pending > 1 and not s.leader][: b.max_batch_size - len(chunks)]
+        sizes = self.fill(self._prefill_room([c for _, c in chunks]), [s.pending for s in prompts], bool(chunks))
+        for s, n in zip(prompts, sizes):
+            chunks.append(self._chunk(s, n))
+            self.counters.prefill_tokens += n
         release, self.to_release = self.to_release, []
         kv, self.kv_ops, reused, self._reused = self.kv_ops, [], self._reused, []
         if not chunks and not release and not kv:
@@ -160,10 +156,43 @@ class Scheduler:
 
     def _prefill_room(self, decode: list[SeqChunk]) -> int:
         first = next((s for s in self.running if s.pending > 1), None)
-        unified = self.kv_cells if self.pool_cells else 0
         top = self.budget.max_prefill_tokens_per_tick
-        return prefill_room(self.cost, self.tick_target_ms, top, len(decode) if first else 0,
-                            attention([(c.pos, 1) for c in decode], unified), unified, first.n_cached if first else 0)
+        return prefill_room(self.cost, self.tick_target_ms, top, [(c.pos, 1) for c in decode] if first else [],
+                            self.cells_planned if self.pool_cells else 0, first.n_cached if first else 0)
+
+    @property
+    def rows_per_call(self) -> int:
+        """What a second prompt chunk in a tick costs before its first row: on streams it is a call."""
+        return 0 if self.pool_cells else rows_per_call(self.cost)
+
+    def fill(self, room: int, pending: list[int], decoding: bool) -> list[int]:
+        """The prompt tokens each prompt in line (`pending` tokens left each) computes in a tick with
+        `room`, in order, the first taking what it can. On streams each chunk is a llama_decode call of
+        its own, and llama.cpp's CPU flash attention works in tiles of TILE_ROWS rows: a call under
+        TILE_ROWS rows attends row by row, several times slower per cell deep in a prompt, and a last,
+        partial tile costs a whole one (`meshnode bench ticks`). So there a chunk that does not finish
+        its prompt leaves at least TILE_ROWS behind and no mostly empty last tile, and a prompt
+        starts beside another only with room for a tile. `decoding`: decode rows share the tick, and
+        a second call costs rows_per_call of the room."""
+        out: list[int] = []
+        for p in pending:
+            if out:
+                room -= self.rows_per_call if decoding else 0
+                if room <= 0 or (not self.pool_cells and room < min(TILE_ROWS, p)):
+                    break
+            n = min(p, room)
+            if n <= 0:
+                break
+            if n < p and not self.pool_cells:
+                if p - n < TILE_ROWS <= p - TILE_ROWS:  # leave a whole tile, not a sliver
+                    n = p - TILE_ROWS
+                elif n > TILE_ROWS and n % TILE_ROWS < TILE_ROWS // 2:
+                    n -= n % TILE_ROWS
+            out.append(n)
+            room -= n
+            if n < p:
+                break
+        return out
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
@@ -181,9 +210,8 @@ class Scheduler:
         """Turn the engine's result for `tick` (answered, off the pipeline) into per-session events."""
         events: list[Event] = []
         if tick.plan.chunks and result.step_ms > 0:
-            self.kv_cells = result.kv_cells
-            self.cost.observe(tick.plan.n_tokens, attention([(c.pos, len(c.tokens)) for c in tick.plan.chunks],
-                                                            result.kv_cells if self.pool_cells else 0), result.step_ms)
+            spans = [(c.pos, len(c.tokens)) for c in tick.plan.chunks]
+            self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms, sized(spans))
         missed = set(result.cache_miss)
         for seq_id in missed:
             if self.cache.forget(seq_id):  # a finished session's last tick lost its KV: nothing to keep
@@ -328,6 +356,12 @@ class Scheduler:
         s.state, s.reason, s.t_done = DONE, reason, self.clock()
         self.live.pop(s.key, None)
         return Event("done", s, s.generated, reason)
+
+    @property
+    def cells_planned(self) -> int:
+        """KV cells held once every tick planned so far has run (live sequences and cached entries): what
+        each row of a unified pool attends to, known here before the engine, a tick or two behind, says."""
+        return sum(s.n_cached for s in self.running) + self.cache.cells
 
     @property
     def idle(self) -> bool:

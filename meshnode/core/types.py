@@ -142,7 +142,7 @@ class EngineInfo:
     kv_bytes_per_token: int
     weight_bytes: int
     recipe: str
-    calibration: tuple = ()  # ((rows, attention, ms), ...): ticks of known shapes the engine ran at start
+    calibration: tuple = ()  # ((calls, rows, attention, attention in small calls, sized, ms), ...): core/costmodel.py: ticks of known shapes the engine ran at start
 
     @classmethod
     def of(cls, engine, calibration: tuple = ()) -> "EngineInfo":

@@ -22,6 +22,7 @@ from ipc.shm import TokenArena, clean_stale
 from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
+from meshnode.core.costmodel import Shape
 from meshnode.core.health import EngineHealth
 from meshnode.core.pipeline import TickPipeline
 from meshnode.core.scheduler import Event, Scheduler
@@ -146,8 +147,8 @@ class Front:
         sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
                           prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
                           tick_target_ms=cfg.tick_target_ms)
-        for rows, attn, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
-            sched.cost.observe(rows, attn, ms)
+        for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
+            sched.cost.observe(Shape(*tick), ms, sized)
         return sched
 
     # -- loop -------------------------------------------------------------------------------
