@@ -14,7 +14,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--telemetry", help="telemetry PUB endpoint (default ipc:// in the run dir)")
     for name, help_ in [("max-active", "sessions running at once"), ("max-queue", "sessions waiting"),
                         ("max-batch", "sequences per tick"), ("prefill-chunk", "prompt tokens per tick"),
-                        ("ctx", "KV cells in the unified pool"), ("n-seq-max", "llama.cpp sequence slots"),
+                        ("ctx", "KV cells in all; streams: ctx / n-seq-max each (default: 4096 a session)"), ("n-seq-max", "llama.cpp sequence slots"),
                         ("n-batch", "most tokens per llama_decode"), ("threads", "CPU threads (0 = all)"),
                         ("pipeline-depth", "ticks in flight: 2 = plan ahead (default), 1 = lockstep"),
                         ("max-clients", "client connections; beyond, new ones are refused")]:

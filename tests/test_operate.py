@@ -52,6 +52,12 @@ def test_config_errors_name_the_key(tmp_path, text, key):
         config.load(write(tmp_path, text))
 
 
+def test_defaults_let_every_session_reach_4096_tokens():
+    assert config.NodeConfig().layout == "streams" and config.NodeConfig().n_ctx == 8 * 4096
+    assert config.NodeConfig(kv_layout="unified").n_ctx == 4096  # one pool: any one session may take it all
+    assert config.NodeConfig(ctx=1000, n_seq_max=4).n_ctx == 1000
+
+
 def test_example_file_documents_every_key_and_only_real_ones():
     example = open(os.path.join(ROOT, "tools", "meshnode.toml.example")).read()
     keys = {m.group(1) for m in re.finditer(r"^#? ?([a-z_]+) *=", example, re.M)}

@@ -114,7 +114,7 @@ def stream_gaps(c, sid):
 def test_huge_texts_do_not_stall_a_streaming_session(tiny_model):
     """The issue's abuse: 256 KiB texts of characters the vocab lacks, 5 times each, while another
     session streams. The context is large enough that each one really is tokenized."""
-    with NodeProcess(tiny_model, "--ctx", "65536", "--tick-deadline-s", "2") as n, n.client() as c:
+    with NodeProcess(tiny_model, "--kv-layout", "unified", "--ctx", "65536", "--tick-deadline-s", "2") as n, n.client() as c:
         c.submit("stream", tokens=[3, 4, 5], max_tokens=600, ignore_eos=True)
         c.wait_for(lambda e: e["event"] == "tokens", keep=True)
         ids = []
@@ -142,7 +142,7 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(tiny_model):
 def test_a_clients_requests_are_answered_in_order_behind_its_text(tiny_model):
     """A cancel sent right after a text submit finds the session, though the text was still being
     tokenized when the cancel arrived."""
-    with NodeProcess(tiny_model, "--ctx", "65536") as n, n.client() as c:
+    with NodeProcess(tiny_model, "--kv-layout", "unified", "--ctx", "65536") as n, n.client() as c:
         c.submit("t", text="hello mesh " * 2000, max_tokens=2000, ignore_eos=True)
         c.cancel("t")
         c.submit("after", tokens=[3, 4], max_tokens=2)

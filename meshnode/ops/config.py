@@ -25,7 +25,8 @@ def _in(lo: float, hi: float, default=None, internal: bool = False):
 
 
 DAY = 86400.0
-DEFAULT_LAYOUT = "unified"  # chosen by `meshnode bench layout` (README, "KV layout")
+DEFAULT_LAYOUT = "streams"  # chosen by `meshnode bench burst` and `bench layout` (README, "KV layout")
+SESSION_CELLS = 4096  # with no ctx set, every session may reach this many tokens (fewer if the model's trained context is)
 
 
 @dataclass
@@ -37,11 +38,11 @@ class NodeConfig:
     max_queue: int = _in(0, 1_000_000, 64)
     max_batch: int | None = _in(1, 256)  # sequences per tick (default: n_seq_max)
     prefill_chunk: int | None = _in(1, 1 << 20)  # most prompt tokens per tick (default: n_batch - max_batch; 64 without a tick target)
-    tick_target_ms: float = _in(0, 60_000, 450.0)  # while sessions decode, size prefill to keep ticks this short (0 = fixed chunks)
+    tick_target_ms: float = _in(0, 60_000, 470.0)  # while sessions decode, size prefill to keep ticks this short (0 = fixed chunks)
     kv_budget_mb: float | None = _in(1e-3, 1e9)  # default: the whole KV pool
     weight_budget_mb: float | None = _in(1e-3, 1e9)  # default: whatever the model needs
     memory_floor_mb: float = _in(0, 1e9, 0.0)  # reject new sessions below this much available memory
-    ctx: int = _in(1, 1 << 26, 4096)  # KV cells in the unified pool
+    ctx: int | None = _in(1, 1 << 26)  # KV cells in all (streams: ctx / n_seq_max each); default: SESSION_CELLS a session
     n_seq_max: int = _in(1, 256, 8)  # llama.cpp sequence slots
     n_batch: int = _in(1, 1 << 20, 512)
     threads: int = _in(0, 4096, 0)  # 0 = all cores
@@ -112,10 +113,18 @@ class NodeConfig:
         """The KV layout in effect: as set, else streams for deterministic mode (it needs them), else unified."""
         return self.kv_layout or ("streams" if self.deterministic else DEFAULT_LAYOUT)
 
+    @property
+    def n_ctx(self) -> int:
+        """KV cells in all: as set, else enough that any session may reach SESSION_CELLS tokens (on
+        streams that is SESSION_CELLS per sequence slot; the engine trims what the model could not use)."""
+        if self.ctx:
+            return self.ctx
+        return SESSION_CELLS * (self.n_seq_max if self.layout == "streams" else 1)
+
     def engine_config(self, model_path: str):
         from meshnode.engine.llama import EngineConfig
 
-        return EngineConfig(model_path, n_seq_max=self.n_seq_max, n_ctx=self.ctx, n_batch=self.n_batch,
+        return EngineConfig(model_path, n_seq_max=self.n_seq_max, n_ctx=self.n_ctx, n_batch=self.n_batch,
                             n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
                             flash_attn=self.flash_attn, kv_layout=self.layout, deterministic=self.deterministic)
 
