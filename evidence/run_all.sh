@@ -21,6 +21,7 @@ PEER=${MESHNODE_LLAMA_SERVER:+--llama-server $MESHNODE_LLAMA_SERVER}
 DET=${MESHNODE_DETERMINISTIC_PYTHON:-}
 python -m meshnode bench burst --preset bench --rounds 3 $PEER --json evidence/burst-bench.json > evidence/burst-bench.txt 2>&1
 python -m meshnode bench chat --preset bench --rounds 3 $PEER --json evidence/chat-bench.json > evidence/chat-bench.txt 2>&1
+python -m meshnode bench ticks --preset bench --rounds 5 --json evidence/tick-shapes.json > evidence/tick-shapes.txt 2>&1
 python -m meshnode bench sampling --preset bench --rounds 3 --json evidence/sampling-bench.json > evidence/sampling-bench.txt 2>&1
 python -m meshnode bench layout --preset bench --rounds 3 ${DET:+--deterministic-python $DET} --json evidence/layout-bench.json > evidence/layout-bench.txt 2>&1
 if [ -n "$DET" ]; then

@@ -83,10 +83,10 @@ def burst() -> list[str]:
     md = ["## Prefill burst: tick target vs fixed chunk vs llama-server (bench model)", "",
           "`meshnode bench burst --preset bench --rounds 3 --llama-server PATH --json evidence/burst-bench.json`: "
           f"4 sessions decoding, then 4 arrive with {d['burst_prompt']}-token prompts. `node`: default settings "
-          "(prefill sized by the tick target, 450 ms); `node_fixed_64`: `--tick-target-ms 0 --prefill-chunk 64`; "
-          "llama-server with 8 slots. The node's `capacity` estimate for a 1,000-token prompt is checked against "
-          "the measured first-token delay (idle: a lone prompt after a small warm-up job; busy: the first burst "
-          "prompt).", "",
+          f"(streams layout, prefill sized by the tick target, {d.get('tick_target_ms', 450):g} ms); `node_fixed_64`: "
+          "`--tick-target-ms 0 --prefill-chunk 64`; llama-server with 8 slots (`-np 8 -c 8192`). The node's "
+          "`capacity` estimate for a 1,000-token prompt is checked against the measured first-token delay (idle: a "
+          "lone prompt after a small warm-up job; busy: the first burst prompt).", "",
           "| round | run | steady ITL p50 ms | p99 | burst worst gap ms | burst first token, first / last ms | "
           "estimate idle / busy ms | measured idle / busy ms |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(d["rounds"], 1):
@@ -97,7 +97,36 @@ def burst() -> list[str]:
                       f"{f['burst_itl_ms_max']:.0f} | {f['burst_ttft_ms_first']:.0f} / {f['burst_ttft_ms_max']:.0f} | "
                       f"{est} | {meas} |")
     md += [""] + [f"- {v}" for v in d.get("verdicts", [])]
+    models = [r["node"]["tick_model"] for r in d["rounds"] if "tick_model" in r["node"]]
+    if models:
+        md.append("- the node's tick model after each burst: correction (median / 90th percentile of measured over "
+                  "fitted) " + ", ".join(f"{m['correction']} / {m['correction_bound']}" for m in models)
+                  + "; ticks over twice their prediction: " + ", ".join(str(m["outliers_total"]) for m in models))
     return md + [""]
+
+
+def ticks() -> list[str]:
+    d = load("tick-shapes.json")
+    if not d:
+        return []
+    m, r = d["median_ms"], d["ratios"]
+    md = ["## What a tick costs by shape (bench model, engine alone)", "",
+          f"`meshnode bench ticks --preset bench --rounds {d['rounds']} --json evidence/tick-shapes.json`: streams "
+          "layout, each shape timed once a round, interleaved; medians over rounds.", "",
+          f"| prompt chunk | at position 0, ms | per row | at position {d['deep']}, ms | per row |", "|---|---|---|---|---|"]
+    for n in (32, 63, 64, 128, 146, 192):
+        a, b = m[f"chunk {n} at 0"], m[f"chunk {n} at {d['deep']}"]
+        md.append(f"| {n} | {a:.1f} | {a / n:.2f} | {b:.1f} | {b / n:.2f} |")
+    md += ["", f"- at position {d['deep']}, 63 rows take **{r['row_by_row_vs_tiled_at_depth']:.2f}x** the time of 64 "
+           "(llama.cpp's CPU flash attention goes row by row under 64 rows, tiles from 64)",
+           f"- 146 rows cost {r['partial_tile_per_row_vs_whole']:.2f}x per row what 128 do (a partial last tile is "
+           "computed whole)",
+           f"- 4 decode rows beside a 192-token chunk add {r['beside_decode_extra_ms']:.1f} ms; alone they take "
+           f"{r['decode_alone_ms']:.1f} ms",
+           f"- the engine alone, {d['decode_steps']} steps of 4 decode rows: p99 / p50 = "
+           f"**{r['decode_steps_p99_over_p50']:.2f}** (the floor under the node's steady inter-token p99 on this "
+           "machine)", ""]
+    return md
 
 
 def sampling() -> list[str]:

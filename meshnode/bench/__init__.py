@@ -20,6 +20,7 @@ BENCHES = {
     "layout": "unified KV vs per-sequence streams vs deterministic mode on a mix, pure decode and a burst",
     "sampling": "a batch-8 decode tick, greedy vs every sampling option and logprobs on",
     "chat": "8 users x 6 turns re-sending their history: prefix cache on vs off (vs llama-server)",
+    "ticks": "what a tick costs by shape (chunk sizes around the attention tile, deep, beside decode rows)",
 }
 
 
@@ -32,10 +33,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=1.0, help="soak: how long")
     p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
-    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling: rounds")
+    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks: rounds")
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
     p.add_argument("--deterministic-python", help="layout: an interpreter whose llama.cpp has no llamafile")
-    p.add_argument("--llama-server", help="chat: a llama-server binary to run side by side (README, Benchmarks)")
+    p.add_argument("--llama-server", help="chat, burst: a llama-server binary to run side by side (README, Benchmarks)")
     chat = p.add_argument_group("chat workload")
     chat.add_argument("--users", type=int, default=8)
     chat.add_argument("--turns", type=int, default=6)

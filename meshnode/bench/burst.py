@@ -20,8 +20,10 @@ import numpy as np
 from meshnode.bench import llama_build, model_path, token_gaps
 from meshnode.bench.llama_server import LlamaServer, Stop
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.ops.config import NodeConfig
 
 BURST_PROMPT, STEADY, CTX = 1000, 4, 8192  # 4 x (8 + 1000) + 4 x (1000 + 4) cells fit 8192
+STEADY_TOKENS = 100  # per steady session before the burst: 400 gaps, so p99 is not just the largest one
 FIXED = ("--tick-target-ms", "0", "--prefill-chunk", "64")
 
 
@@ -76,7 +78,7 @@ def one(path: str, threads: int, chunk: int | None = None, extra: tuple = (), py
                 elif ev["event"] == "done" and sid == "b0":
                     done_ttft[sid] = ev["usage"]["ttft_ms"]
 
-        pump(lambda: min(len(t) for t in times.values()) >= 25)  # steady state
+        pump(lambda: min(len(t) for t in times.values()) >= STEADY_TOKENS)  # steady state
         if probes:
             est["busy_estimate_ms"] = c.status(BURST_PROMPT)["capacity"]["ttft_ms_estimate"]
         t_burst = time.monotonic()
@@ -87,7 +89,10 @@ def one(path: str, threads: int, chunk: int | None = None, extra: tuple = (), py
         t_end = time.monotonic()
         for sid in steady:
             c.cancel(sid)
+        model = c.status()["capacity"]["tick_model"] if probes else None
     out = dict(summary(times, first, t_burst, t_end), chunk=chunk)
+    if model:
+        out["tick_model"] = model  # what the node learned: costs, the correction, ticks that ran far over
     if probes:
         est["busy_measured_ms"] = done_ttft["b0"]  # node-side, from the submit's arrival, like the estimate
         out.update(est)
@@ -113,7 +118,7 @@ def through_llama_server(binary: str, path: str, threads: int) -> dict:
         workers = [threading.Thread(target=steady, args=(i,)) for i in range(STEADY)]
         for w in workers:
             w.start()
-        while min(len(t) for t in times.values()) < 25:
+        while min(len(t) for t in times.values()) < STEADY_TOKENS:
             time.sleep(0.01)
         t_burst = time.monotonic()
         bursts = [threading.Thread(target=burst, args=(i,)) for i in range(4)]
@@ -147,12 +152,16 @@ def main(a) -> int:
         n = row["node"]
         print(f"  capacity estimate vs measured: idle {n['idle_estimate_ms']} vs {n['idle_measured_ms']:.0f} ms, "
               f"busy {n['busy_estimate_ms']} vs {n['busy_measured_ms']:.0f} ms")
+        m = n["tick_model"]
+        print(f"  node's tick model after the burst: correction {m['correction']} (sizing {m['correction_bound']}), "
+              f"ticks over twice their prediction: {m['outliers_total']}")
     verdicts = targets(rounds)
     for line in verdicts:
         print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": path, "threads": threads, "build": llama_build(), "burst_prompt": BURST_PROMPT,
+                       "tick_target_ms": NodeConfig().tick_target_ms, "steady_tokens": STEADY_TOKENS,
                        "llama_server": a.llama_server, "rounds": rounds, "verdicts": verdicts}, f, indent=2)
     return 0
 
