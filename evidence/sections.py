@@ -21,8 +21,10 @@ def layout() -> list[str]:
     md = ["## KV layout and deterministic mode (bench model)", "",
           "`meshnode bench layout --preset bench --rounds 3 --deterministic-python /path/to/no-llamafile/python "
           "--json evidence/layout-bench.json`: a mix (16 jobs, prompts 4-100, 32 new, concurrency 8), pure decode "
-          "(8 sessions), and the prefill burst (4 decoding, 4 x 1,000-token prompts; prefill at most 64 tokens a "
-          "tick) through fresh nodes, the modes' order rotating per round. Deterministic mode runs on the "
+          "(8 sessions), and the prefill burst (4 decoding, 4 x 1,000-token prompts; "
+          + ("prefill at most 64 tokens a tick" if all(b.get("chunk") == 64 for r in d["rounds"].values() for b in r["burst"])
+             else "prefill paced by the default tick target, prefix cache on") +
+          ") through fresh nodes, the modes' order rotating per round. Deterministic mode runs on the "
           "interpreter given (llama.cpp built with `-DGGML_LLAMAFILE=OFF`, docs/determinism.md).", "",
           "| mode | mix tok/s (rounds) | decode tok/s (rounds) | burst worst gap ms | last burst first token s |",
           "|---|---|---|---|---|"]

@@ -224,12 +224,12 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model):
         points = e.calibrate()
         # chunks at 0, then seq 0 filled to half its context (512) and decode rows beside it there
         # and 64-, 128- and 256-token chunks beside 2 decode rows: (calls, rows, attn, attn_small, sized, ms)
-        assert [p[1] for p in points] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 256, 256, 2, 4, 66, 130, 258]
+        assert [p[1] for p in points] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 256, 256, 2, 4, 66, 130, 258]
         assert all(p[-1] > 0 for p in points) and points[7][2] == 128 * 128  # rows x cells (unified)
         # (a partial last tile of 64 rows counts whole)
-        assert [p[2] for p in points[9:]] == [256 * 256, 256 * 512, 2 * 514, 4 * 516, 128 * 578, 192 * 642, 320 * 770]
-        assert [p[3] > 0 for p in points] == [True] * 6 + [False] * 5 + [True, True] + [False] * 3  # under 64 rows
-        assert [p[4] for p in points] == [False] * 13 + [True] * 3
+        assert [p[2] for p in points[10:]] == [256 * 256, 256 * 512, 2 * 514, 4 * 516, 128 * 578, 192 * 642, 320 * 770]
+        assert [p[3] > 0 for p in points] == [True] * 6 + [False] * 6 + [True, True] + [False] * 3  # under 64 rows
+        assert [p[4] for p in points] == [False] * 14 + [True] * 3
         assert {c for c, *_ in points} == {1}  # one llama_decode each, on a unified KV
         assert all(e.seq_pos_max(s) < 0 for s in range(4))
         cost = TickCost()

@@ -4,7 +4,8 @@ Three workloads, each through fresh nodes, in rounds whose order rotates so
 drift on a shared machine hits every mode alike:
 - mix: the 16 jobs of the overhead bench (prompts 4-100, 32 new) at concurrency 8;
 - decode: 8 sessions of 4-token prompts generating 128 tokens each, all at once;
-- burst: bench burst's workload at the default chunk (4 decoding, then 4 prompts of 1,000 tokens).
+- burst: bench burst's workload with the default prefill pacing (4 decoding, then 4 prompts of 1,000
+  tokens), the prefix cache on as by default.
 Deterministic mode holds only on a llama.cpp built without llamafile (docs/determinism.md): with
 --deterministic-python, its nodes run under that interpreter; without, and where this build refuses,
 the row says why. The verdict: deterministic's cost on the mix against the best layout's, and the burst.
@@ -82,7 +83,7 @@ def main(a) -> int:
             extra, py = MODES[m], pythons[m]
             rows[m]["mix"].append(through_node(path, threads, jobs(32), extra=extra, python=py)["gen_tok_s"])
             rows[m]["decode"].append(through_node(path, threads, decode_work(), extra=extra, python=py)["gen_tok_s"])
-            rows[m]["burst"].append(burst_one(path, threads, 64, extra=extra, python=py))
+            rows[m]["burst"].append(burst_one(path, threads, None, extra=extra, python=py))
     mean = lambda v: sum(v) / len(v)  # noqa: E731
     print(f"model {os.path.basename(path)}, threads {threads}, {a.rounds} rounds (order rotating)")
     print(f"{'mode':>14}{'mix tok/s':>12}{'decode tok/s':>14}{'burst worst gap ms':>20}{'last burst TTFT s':>19}")

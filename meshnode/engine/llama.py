@@ -22,7 +22,7 @@ from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
 from meshnode.engine.seqmap import SeqMap
 
 
-CALIBRATION = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # prompt chunk sizes timed at the first start (<= n_batch)
+CALIBRATION = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # prompt chunk sizes timed at the first start (<= n_batch)
 DEPTHS = (2048, 1024, 512, 256)  # how deep one sequence is filled to time attention: the deepest that fits
 MIXED_CHUNKS = (64, 128, 256)  # prompt chunks timed beside decode rows: the first sized ticks' correction
 DEPTH_BUDGET_MS = 3000.0  # ... in about this much start-up time (a big model on few cores gets a shallow one)

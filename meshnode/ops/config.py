@@ -38,7 +38,7 @@ class NodeConfig:
     max_queue: int = _in(0, 1_000_000, 64)
     max_batch: int | None = _in(1, 256)  # sequences per tick (default: n_seq_max)
     prefill_chunk: int | None = _in(1, 1 << 20)  # most prompt tokens per tick (default: n_batch - max_batch; 64 without a tick target)
-    tick_target_ms: float = _in(0, 60_000, 470.0)  # while sessions decode, size prefill to keep ticks this short (0 = fixed chunks)
+    tick_target_ms: float = _in(0, 60_000, 420.0)  # while sessions decode, size prefill to keep ticks this short (0 = fixed chunks)
     kv_budget_mb: float | None = _in(1e-3, 1e9)  # default: the whole KV pool
     weight_budget_mb: float | None = _in(1e-3, 1e9)  # default: whatever the model needs
     memory_floor_mb: float = _in(0, 1e9, 0.0)  # reject new sessions below this much available memory
