@@ -55,23 +55,28 @@ class Shape(NamedTuple):
     attn_small: float
 
 
+def llama_calls(items: list, n_tokens, unified: bool) -> list[list]:
+    """The llama_decode calls the engine makes for a tick's chunks (`n_tokens(item)` tokens each). Unified:
+    one. Streams: llama.cpp splits a batch into ubatches of consecutive sequence ids with equal token
+    counts (llama-batch.cpp, split_equal), so every single-token row goes in one call and each longer
+    chunk in a call of its own, instead of being cut into a 1-token piece beside the decode rows."""
+    if unified or len(items) < 2:
+        return [list(items)] if items else []
+    rows = [c for c in items if n_tokens(c) == 1]
+    return ([rows] if rows else []) + [[c] for c in items if n_tokens(c) > 1]
+
+
 def shape(spans, unified_cells: int) -> Shape:
     """A tick of `spans` ((pos, n_tokens) per sequence), `unified_cells` the cells a unified pool holds
-    after it. Unified: one llama_decode call. Streams (0): the single-token rows in one call and each
-    longer chunk in its own, as the engine runs them (meshnode/engine/llama.py, _groups)."""
-    if unified_cells:
-        groups = [spans]
-    else:
-        groups = [[s for s in spans if s[1] == 1]] + [[s] for s in spans if s[1] > 1]
+    after it (0 on streams), in the calls the engine makes."""
     calls, rows, attn, small = 0, 0, 0.0, 0.0
-    for g in groups:
+    for g in llama_calls(spans, lambda s: s[1], bool(unified_cells)):
         n = sum(k for _, k in g)
-        if n:
-            a = attention(g, unified_cells)
-            if n >= TILE_ROWS:  # a partial last tile is computed whole
-                a *= -(-n // TILE_ROWS) * TILE_ROWS / n
-            calls, rows = calls + 1, rows + n
-            attn, small = attn + a, small + (a if n < TILE_ROWS else 0.0)
+        a = attention(g, unified_cells)
+        if n >= TILE_ROWS:  # a partial last tile is computed whole
+            a *= -(-n // TILE_ROWS) * TILE_ROWS / n
+        calls, rows = calls + 1, rows + n
+        attn, small = attn + a, small + (a if n < TILE_ROWS else 0.0)
     return Shape(max(1, calls), rows, attn, small)
 
 

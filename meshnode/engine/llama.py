@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshnode.core.costmodel import shape, sized
+from meshnode.core.costmodel import llama_calls, shape, sized
 from meshnode.core.types import GREEDY, FatalEngineError, InvalidPlan, Keep, Plan, SeqChunk, StepResult
 from meshnode.engine import llamacpp
 from meshnode.engine.base import Engine
@@ -152,14 +152,12 @@ class LlamaEngine(Engine):
         self._batch = b
 
     def _groups(self, plan: Plan) -> list[list]:
-        """The llama_decode calls a tick takes. Unified: one. Streams: llama.cpp splits a batch into
-        ubatches of consecutive sequence ids with equal token counts (llama-batch.cpp, split_equal),
-        so every single-token row goes in one call, ordered by id, and each longer prefill chunk in a
-        call of its own, instead of being cut into a 1-token piece beside the decode rows."""
-        if self.cfg.kv_layout == "unified" or len(plan.chunks) < 2:
-            return [plan.chunks] if plan.chunks else []
-        rows = sorted((c for c in plan.chunks if len(c.tokens) == 1), key=lambda c: self._ids[c.seq_id])
-        return ([rows] if rows else []) + [[c] for c in plan.chunks if len(c.tokens) > 1]
+        """The llama_decode calls a tick takes (core/costmodel.py, llama_calls, which the tick cost model
+        counts too); on streams the single-token rows ordered by stream, so they are one ubatch."""
+        calls = llama_calls(plan.chunks, lambda c: len(c.tokens), self.cfg.kv_layout == "unified")
+        if self._ids is not None and calls and len(calls[0][0].tokens) == 1:
+            calls[0].sort(key=lambda c: self._ids[c.seq_id])
+        return calls
 
     def _run(self, plan: Plan) -> StepResult:
         res = StepResult()
