@@ -24,8 +24,9 @@ from meshnode.engine.seqmap import SeqMap
 
 CALIBRATION = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # prompt chunk sizes timed at the first start (<= n_batch)
 DEPTHS = (2048, 1024, 512, 256)  # how deep one sequence is filled to time attention: the deepest that fits
-MIXED_CHUNKS = (64, 128, 256)  # prompt chunks timed beside decode rows: the first sized ticks' correction
 DEPTH_BUDGET_MS = 3000.0  # ... in about this much start-up time (a big model on few cores gets a shallow one)
+CHUNKS_BUDGET_MS = 4000.0  # the chunk sizes stop growing once their ticks have taken this long
+MIXED_CHUNKS = (64, 128, 256)  # prompt chunks timed beside decode rows: the first sized ticks' correction
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,8 @@ class LlamaEngine(Engine):
             out.append((*shape(spans, res.kv_cells if unified else 0), sized(spans), res.step_ms))
 
         for n in [n for n in CALIBRATION if n <= min(self.n_batch, self.n_ctx_seq - 1)]:
+            if n > 8 and sum(p[-1] for p in out) > CHUNKS_BUDGET_MS:  # a big model on few cores: fewer, smaller
+                break
             timed([SeqChunk(0, 0, toks(n), draw=0)], [0])
         per_token = out[-1][-1] / out[-1][1]  # ms per row of the largest chunk
         depth = next((d for d in DEPTHS if d <= self.n_ctx_seq // 2 and d * per_token <= DEPTH_BUDGET_MS), 0)
