@@ -3,6 +3,7 @@ samples written first and memory figures added, and every way the link ends reac
 from __future__ import annotations
 
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -99,3 +100,36 @@ def test_the_engine_refuses_a_tick_that_did_not_decode_like_any_bad_plan():
     answer, tokens = proc.run(link.MalformedTick(7, "chunk of sequence 0 points outside the arena"))
     assert answer == link.TickRefused(7, False, "chunk of sequence 0 points outside the arena") and tokens is None
     assert proc.followups.refusing  # the ticks queued behind it are refused until the front resyncs
+
+
+def test_the_heartbeat_says_finished_only_once_the_answer_is_sent():
+    """The front never calls a finished tick hung (core/health.py), so "finished" must mean the answer
+    is on its way: an engine stopped after its step but before the send must still look unfinished."""
+    import threading
+
+    class HeldSocket:
+        def __init__(self):
+            self.go, self.sent = threading.Event(), []
+
+        def send(self, data):
+            self.go.wait(5)
+            self.sent.append(data)
+
+    arena = TokenArena.create(*link.arena_shape(16, 4))
+    sock = HeldSocket()
+    io = LinkIO(sock, arena)
+    io._threads[1].start()  # the writer alone: nothing to read
+    try:
+        arena.beat(7, finished=False)
+        io.reply(link.TickRefused(7, False, "x"))
+        time.sleep(0.2)
+        assert arena.heartbeat()[:2] == (7, 0) and not sock.sent  # stepped, not sent: not finished
+        sock.go.set()
+        deadline = time.monotonic() + 5
+        while arena.heartbeat()[1] != 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert arena.heartbeat()[1] == 7 and len(sock.sent) == 1
+    finally:
+        io._outbox.put(None)
+        io._threads[1].join(2)
+        arena.close()

@@ -8,8 +8,8 @@ answer back; the rest runs on two threads while the next decode runs
 - the reader receives and decodes each tick request (its tokens copied out of
   the shared arena) as soon as it arrives;
 - the writer writes each tick's sampled tokens to the arena, adds the latest
-  memory figures to its answer, sends it, and only then re-reads psutil when
-  the figures are older than MEMORY_EVERY_S.
+  memory figures to its answer, sends it, beats the heartbeat's "finished", and
+  only then re-reads psutil when the figures are older than MEMORY_EVERY_S.
 
 Order is kept: ticks reach the main thread in arrival order and answers leave
 in hand-over order, so the front sees exactly the lockstep conversation.
@@ -108,6 +108,10 @@ class LinkIO:
             except OSError:  # the front is gone
                 self._inbox.put(CLOSED)
                 return
+            # only now: the front never calls a finished tick hung, so "finished" must mean the answer
+            # is in the socket. Beaten before the send, an engine stopped in between hung the node
+            # with no deadline to end it (tests/test_stall.py, the stopped engine, failed that way once)
+            self.arena.beat(answer.tick, finished=True)
             if time.monotonic() - self._mem_at >= MEMORY_EVERY_S:
                 self._refresh_memory()
 

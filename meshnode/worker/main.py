@@ -107,8 +107,7 @@ class EngineProcess:
                 return
             self.arena.beat(msg.tick, finished=False)  # the front judges a hang by this, not by its clock
             answer, tokens = self.run(msg)
-            self.arena.beat(msg.tick, finished=True)
-            self.io.reply(answer, getattr(msg, "plan", None), tokens)
+            self.io.reply(answer, getattr(msg, "plan", None), tokens)  # beats "finished" once it is sent
 
     def run(self, req) -> tuple[link.TickDone | link.TickRefused, dict | None]:
         """Run one tick request: its answer, and the sampled tokens the link writes to the arena."""
