@@ -138,7 +138,7 @@ class Scheduler:
         decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
         chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
         prompts = [s for s in self.running if s.pending > 1 and not s.leader][: b.max_batch_size - len(chunks)]
-        sizes = self.fill(self._prefill_room([c for _, c in chunks]), [s.pending for s in prompts], bool(chunks))
+        sizes = self.fill(self._prefill_room([c for _, c in chunks], prompts), [s.pending for s in prompts], bool(chunks))
         for s, n in zip(prompts, sizes):
             chunks.append(self._chunk(s, n))
             self.counters.prefill_tokens += n
@@ -154,11 +154,13 @@ class Scheduler:
             c.occupancy_sum += len(chunks)
         return self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), chunks, reused)
 
-    def _prefill_room(self, decode: list[SeqChunk]) -> int:
-        first = next((s for s in self.running if s.pending > 1), None)
-        top = self.budget.max_prefill_tokens_per_tick
-        return prefill_room(self.cost, self.tick_target_ms, top, [(c.pos, 1) for c in decode] if first else [],
-                            self.cells_planned if self.pool_cells else 0, first.n_cached if first else 0)
+    def _prefill_room(self, decode: list[SeqChunk], prompts: list[Session]) -> int:
+        """The room for `prompts` (in line) beside `decode`, sized at the first one's position."""
+        if not prompts:
+            return 0
+        return prefill_room(self.cost, self.tick_target_ms, self.budget.max_prefill_tokens_per_tick,
+                            [(c.pos, 1) for c in decode], self.cells_planned if self.pool_cells else 0,
+                            prompts[0].n_cached)
 
     @property
     def rows_per_call(self) -> int:

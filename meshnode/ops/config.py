@@ -110,7 +110,7 @@ class NodeConfig:
 
     @property
     def layout(self) -> str:
-        """The KV layout in effect: as set, else streams for deterministic mode (it needs them), else unified."""
+        """The KV layout in effect: as set, else streams for deterministic mode (it needs them), else DEFAULT_LAYOUT."""
         return self.kv_layout or ("streams" if self.deterministic else DEFAULT_LAYOUT)
 
     @property
