@@ -3,6 +3,11 @@
 Events of many sessions interleave on one socket; `recv()` returns them in
 order, and the blocking helpers (`generate`, `status`) keep the events they
 are not waiting for in a buffer so nothing is lost.
+
+The client holds the node to the contract as it reads: a session event
+(`admitted`, `rejected`, `tokens`, `done`) for an id with no submit still
+open raises `ProtocolViolation`, so a second `done`, a token after `done` or
+an answer nobody asked for can never pass unnoticed in a test or a bench.
 """
 from __future__ import annotations
 
@@ -16,6 +21,13 @@ import zmq
 from ipc import protocol as P
 from ipc.transport import client_dealer
 from meshnode.core.types import Sampling
+
+
+SESSION_EVENTS = ("admitted", "rejected", "tokens", "done")
+
+
+class ProtocolViolation(AssertionError):
+    """The node sent a session event the contract does not allow (after the session's final answer)."""
 
 
 @dataclass
@@ -39,9 +51,23 @@ class Client:
         self.sock = client_dealer(self.ctx, endpoint, server_public_key, client_cert)
         self.timeout_s = timeout_s
         self.buffer: deque = deque()
+        self.open: dict[str, int] = {}  # id -> submits not yet answered with their final event
 
     def send(self, req) -> None:
+        if isinstance(req, P.Submit):
+            self.open[req.id] = self.open.get(req.id, 0) + 1
         self.sock.send_multipart(P.encode_request(req))
+
+    def _read(self) -> dict:
+        """One event off the socket, checked against the submits still open."""
+        ev = P.decode_event(self.sock.recv_multipart())
+        sid, kind = ev.get("id"), ev["event"]
+        if kind in SESSION_EVENTS and not self.open.get(sid):
+            raise ProtocolViolation(f"{kind} for {sid!r}, which has no open submit: {ev}")
+        final = kind in ("rejected", "done") or (kind == "error" and ev.get("code") != "UNKNOWN_SESSION")
+        if final and self.open.get(sid):
+            self.open[sid] -= 1
+        return ev
 
     def submit(self, id: str, *, tokens: list[int] | None = None, text: str | None = None, max_tokens: int = 16,
                sampling: Sampling | None = None, stop_tokens: list[int] | None = None, ignore_eos: bool = False,
@@ -60,7 +86,7 @@ class Client:
             return self.buffer.popleft()
         if not self.sock.poll(int(1000 * (self.timeout_s if timeout_s is None else timeout_s))):
             return None
-        return P.decode_event(self.sock.recv_multipart())
+        return self._read()
 
     def wait_for(self, pred, timeout_s: float | None = None, keep: bool = False) -> dict:
         """The first event matching `pred`; others stay buffered, in order (that one too if `keep`)."""
@@ -74,7 +100,7 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
                 raise TimeoutError("no matching event from the node in time")
-            ev = P.decode_event(self.sock.recv_multipart())
+            ev = self._read()
             if pred(ev) and not keep:
                 return ev
             self.buffer.append(ev)
@@ -101,33 +127,42 @@ class Client:
         """
         results: dict[str, Result] = {}
         open_ = set(ids)
+        others: list[dict] = []  # events of other requests, given back to the buffer in order
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        while open_:
-            ev = self.recv(max(0.0, deadline - time.monotonic()))
-            if ev is None:
-                raise TimeoutError(f"sessions still open: {sorted(open_)[:5]}")
-            sid = ev.get("id")
-            if sid not in open_:
-                continue
-            kind = ev["event"]
-            if kind in ("rejected", "done", "error") and on_end:
-                on_end(len(ids) - len(open_) + 1, len(ids))
-            if kind in ("admitted", "rejected"):
-                results[sid] = Result(sid, ev)
-                if kind == "rejected":
-                    open_.discard(sid)
-            elif kind == "tokens":
-                r = results[sid]
-                r.tokens += ev["tokens"]
-                r.token_times.append(time.monotonic())
-                r.events.append(ev)
-            elif kind == "done":
-                results[sid].done = ev
-                open_.discard(sid)
-            elif kind == "error":
-                results[sid] = Result(sid, ev)
-                open_.discard(sid)
+        try:
+            while open_:
+                ev = self.recv(max(0.0, deadline - time.monotonic()))
+                if ev is None:
+                    raise TimeoutError(f"sessions still open: {sorted(open_)[:5]}")
+                if ev.get("id") not in open_:
+                    others.append(ev)
+                    continue
+                self._gather(results, open_, ev, len(ids), on_end)
+        finally:
+            self.buffer.extendleft(reversed(others))
         return results
+
+    @staticmethod
+    def _gather(results: dict, open_: set, ev: dict, n_ids: int, on_end) -> None:
+        sid = ev["id"]
+        kind = ev["event"]
+        if kind in ("rejected", "done", "error") and on_end:
+            on_end(n_ids - len(open_) + 1, n_ids)
+        if kind in ("admitted", "rejected"):
+            results[sid] = Result(sid, ev)
+            if kind == "rejected":
+                open_.discard(sid)
+        elif kind == "tokens":
+            r = results[sid]
+            r.tokens += ev["tokens"]
+            r.token_times.append(time.monotonic())
+            r.events.append(ev)
+        elif kind == "done":
+            results[sid].done = ev
+            open_.discard(sid)
+        elif kind == "error":
+            results[sid] = Result(sid, ev)
+            open_.discard(sid)
 
     def generate(self, id: str, **kw) -> Result:
         self.submit(id, **kw)

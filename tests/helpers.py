@@ -168,6 +168,46 @@ class _NoSlot:
         return StepResult(cache_miss=seqs)
 
 
+# -- what the default mode promises ---------------------------------------------------------------
+TIE = 1e-3  # logprob gap under which two tokens are a numerical tie (batch-dependent numerics: ~1e-5 in f32)
+
+
+def logprob_entries(r) -> list[dict]:
+    """One `{token, logprob, top}` map per generated token of a Result submitted with logprobs."""
+    return [x for e in r.events for x in e.get("logprobs", [])]
+
+
+def assert_consistent(r, n_tokens=None, reason=None):
+    """Exactly what a session's own stream promises: done carries the streamed tokens, and the text
+    is the concatenation of the streamed pieces."""
+    assert r.done is not None, r.admission
+    assert r.done["tokens"] == r.tokens and "".join(e["text"] for e in r.events) == r.done["text"]
+    if n_tokens is not None:
+        assert len(r.tokens) == n_tokens, (len(r.tokens), r.done)
+    if reason is not None:
+        assert r.done["reason"] == reason, r.done
+
+
+def assert_same_or_a_tie(got, want, tol=TIE, prefix=False) -> int | None:
+    """The default mode's promise for a greedy session whose batches differ from the reference run's
+    (an engine restart's re-prefill, a prefix-cache hit, other neighbours): llama.cpp's numbers depend
+    on the batch in the last bits, so the tokens are the same up to a point where the reference's two
+    best tokens were within `tol` of each other, and may take the other branch from there. Both runs
+    must have asked for logprobs >= 2; with `prefix`, `got` may have ended early. Returns where they
+    part, or None."""
+    assert len(got.tokens) == len(want.tokens) or (prefix and len(got.tokens) <= len(want.tokens)), \
+        (len(got.tokens), len(want.tokens))
+    entries = logprob_entries(want)
+    assert len(entries) == len(want.tokens), "the reference run must ask for logprobs"
+    for i, (a, b) in enumerate(zip(got.tokens, want.tokens)):
+        if a != b:
+            top = {t["token"]: t["logprob"] for t in entries[i]["top"]}
+            assert a in top and top[b] - top[a] <= tol, \
+                f"token {i}: {a} instead of {b}, where the reference's logprobs were {entries[i]['top']}: no tie"
+            return i
+    return None
+
+
 # -- nodes ----------------------------------------------------------------------------------------
 def children_of(pid):
     try:
@@ -220,3 +260,15 @@ def serve(model, *args, internal=None, timeout=60, env=None):
     entry = ["meshnode.dev.serve", json.dumps(internal)] if internal else ["meshnode", "serve"]
     return subprocess.run([sys.executable, "-m", *entry, "--model", model, *args], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def assert_continues(got: dict, want: dict, jobs: dict, reason=None, prefix_if=None):
+    """Per session of `jobs`: its own stream is consistent, every requested token came, and a greedy
+    one is the reference's up to a tie (seeded ones part wherever a draw lands near a boundary, which
+    logprobs cannot show). `prefix_if(result)` says which sessions may have been ended early."""
+    for sid, kw in jobs.items():
+        r = got[sid]
+        early = bool(prefix_if and prefix_if(r))
+        assert_consistent(r, None if early else kw["max_tokens"], None if early else reason)
+        if kw.get("sampling") is None:
+            assert_same_or_a_tie(r, want[sid], prefix=early)

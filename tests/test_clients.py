@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from helpers import deaf_client, wait_until
+from helpers import assert_consistent, assert_same_or_a_tie, deaf_client, wait_until
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
@@ -69,8 +69,9 @@ def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
     with NodeProcess(tiny_model, nofile=1024) as n, n.client() as c:
-        want = c.generate("ref", tokens=[3, 4, 5], max_tokens=200, ignore_eos=True).tokens
-        c.submit("live", tokens=[3, 4, 5], max_tokens=200, ignore_eos=True)
+        job = dict(tokens=[3, 4, 5], max_tokens=200, ignore_eos=True, logprobs=2)
+        want = c.generate("ref", **job)
+        c.submit("live", **job)
         c.wait_for(lambda e: e["event"] == "tokens", keep=True)
         idle = []
         for _ in range(1100):
@@ -89,7 +90,8 @@ def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
         for s in idle:
             s.close()
     assert n.proc.returncode == 0, n.log()
-    assert got.tokens == want and got.done["reason"] == R.LENGTH
+    assert_consistent(got, 200, R.LENGTH)
+    assert_same_or_a_tie(got, want)  # re-prefilled in other batches: bitwise only in deterministic mode
     assert t["engine"]["restarts"] == 1 and t["healthy"]
     print(f"idle connections: {t['clients_connected']} held, {t['clients_refused_total']} closed; "
           f"{t['fds_open']} of {t['fds_limit']} descriptors open")
