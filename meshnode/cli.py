@@ -49,6 +49,7 @@ def serve_node(a, internal: dict | None = None) -> int:
     from meshnode.front import signals
 
     signals.install()  # before the heavy imports below: a signal during start-up is a clean stop
+    from meshnode.core.budget import ConfigError
     from meshnode.front.node import serve
     from meshnode.ops import config
 
@@ -65,6 +66,9 @@ def serve_node(a, internal: dict | None = None) -> int:
     logging.getLogger("meshnode.llama").setLevel(logging.WARNING)
     try:
         return serve(cfg)
+    except ConfigError as e:  # a setting that turned out not to work once tried (a port in use)
+        logging.getLogger("meshnode").error("cannot serve: %s", e)
+        return 2
     except Exception as e:  # start-up failures: one clear line, not a traceback
         logging.getLogger("meshnode").error("cannot serve: %s", e)
         return 1
@@ -134,11 +138,18 @@ def cmd_sweep(a) -> int:
     return sweep_main(a)
 
 
+class Parser(argparse.ArgumentParser):
+    """A bad flag is one line naming it, like every other refused setting, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from meshnode.ops.models import PRESETS, QUANTS
 
-    ap = argparse.ArgumentParser(prog="meshnode", description="node-local continuous-batching LLM serving")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = Parser(prog="meshnode", description="node-local continuous-batching LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser)
 
     p = sub.add_parser("make-model", help="write a deterministic demo Llama GGUF")
     p.add_argument("out")
@@ -193,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+        from meshnode.front import signals
+
+        signals.install()  # before the parser's imports: a SIGTERM at any moment of start-up is a clean stop
     a = build_parser().parse_args(argv)
     return a.fn(a)
 

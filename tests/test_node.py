@@ -175,13 +175,16 @@ def test_status_and_ping(node):
         assert c.ping()
         st = c.status()
         cap = c.status(prompt_tokens=300)["capacity"]
+        never = c.status(prompt_tokens=100_000)["capacity"]
     info = st["node"]
     assert info["recipe"].startswith("mn1-") and info["engine_pid"] > 0 and info["version"]
     assert info["budgets"]["max_queue"] == 8 and info["budgets"]["effective_active_cap"] == 4
     assert "active_sessions" in st["telemetry"] and st["capacity"]["estimate_prompt_tokens"] == 512
     # the engine timed ticks at start: a first-token estimate from the first status on
     assert cap["estimate_prompt_tokens"] == 300 and cap["ttft_ms_estimate"] > 0 and cap["free_slots"] == 4
-    assert cap["tick_model"]["samples"] >= 10
+    assert cap["tick_model"]["samples"] >= 10 and "refused" not in cap
+    # a prompt the node would refuse gets no estimate, and the reason it would be refused
+    assert never["ttft_ms_estimate"] is None and never["refused"]["reason"] == R.REJECTED_CONTEXT_TOO_LONG
 
 
 def test_telemetry_pub_publishes_complete_snapshots(node):

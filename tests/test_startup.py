@@ -54,3 +54,45 @@ def test_a_signal_during_start_up_is_a_clean_stop(tiny_model, sig):
     n._log.close()
     assert "Traceback" not in n.log() and "stopped by a signal during start-up" in n.log()
     assert wait_until(lambda: not run_files(n.run_dir), 3) and set(leftover_segments()) <= set(before)
+
+
+# -- settings that only fail once tried: one line, exit 2, at once -------------------------------------
+def test_a_metrics_port_in_use_ends_the_start_in_one_line(tiny_model, tmp_path):
+    """The port is bound before the engine loads the model, and a failed bind closes the sockets
+    already made: it used to leave the zmq context waiting for ever, with no output and no exit."""
+    import socket
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    out = serve(tiny_model, "--metrics-listen", f"127.0.0.1:{port}", "--listen", f"ipc://{tmp_path}/n.sock",
+                "--telemetry", f"ipc://{tmp_path}/t.sock", timeout=60)
+    taken.close()
+    lines = [ln for ln in out.stderr.splitlines() if "cannot serve" in ln]
+    assert out.returncode == 2 and len(lines) == 1 and f"metrics_listen: cannot listen on 127.0.0.1:{port}" in lines[0]
+    assert "Traceback" not in out.stderr and run_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("setting, key", [
+    (["--metrics-listen", "127.0.0.1:99999"], "metrics_listen"),
+    (["--curve-secret-key", "/nonexistent/server.key_secret", "--curve-allow-dir", "/tmp"], "curve_secret_key"),
+    (["--n-batch", "1", "--n-seq-max", "1"], "n_batch"),
+    (["--ctx", "1", "--n-seq-max", "1"], "ctx"),
+    (["--max-active", "x"], "--max-active: invalid int value"),
+    (["--kv-budget-mb", "0.001"], "kv_budget_bytes"),  # a budget too small to hold one token
+])
+def test_a_setting_that_cannot_work_is_one_line_and_exit_2(tiny_model, tmp_path, setting, key):
+    out = serve(tiny_model, *setting, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry",
+                f"ipc://{tmp_path}/t.sock", timeout=60)
+    said = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and key in out.stderr, out.stderr
+    assert len(said) == 1 or (len([ln for ln in said if "cannot serve" in ln]) == 1 and "Traceback" not in out.stderr)
+    assert "usage:" not in out.stderr
+
+
+def test_calibration_fits_the_smallest_batch_the_config_allows(tiny_model):
+    """n_batch 2 with one sequence: every timed chunk fits (it used to send an 8-token chunk)."""
+    from meshnode.engine.llama import EngineConfig, LlamaEngine
+
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=1, n_ctx=256, n_batch=2, n_threads=1)) as e:
+        got = e.calibrate()
+    assert got and max(row[1] for row in got) <= 2

@@ -49,6 +49,22 @@ class Admission:
         if s.recipe is not None and s.recipe != self.recipe:
             return AdmissionDecision(R.REJECTED_RECIPE_MISMATCH,
                                      f"requested recipe {s.recipe!r}, this node serves {self.recipe!r}")
+        never = self.never_fits(s)
+        if never:
+            return never
+        if mem_available is not None and mem_available < b.memory_floor_bytes:
+            return AdmissionDecision(R.REJECTED_MEMORY_PRESSURE,
+                                     f"available memory {mem_available} is below the floor {b.memory_floor_bytes}")
+        if queue_len == 0 and self.can_start(s):
+            return AdmissionDecision(R.ADMITTED, "running")
+        if queue_len < b.max_queue:
+            return AdmissionDecision(R.QUEUED, f"queued at position {queue_len + 1}")
+        return AdmissionDecision(R.REJECTED_QUEUE_FULL,
+                                 f"queue is full ({b.max_queue} waiting); retry later or elsewhere")
+
+    def never_fits(self, s: Ask) -> AdmissionDecision | None:
+        """The refusal for a size this node can never take, whatever else it is running; else None."""
+        b = self.budget
         if s.kv_tokens > b.n_ctx_seq:
             return AdmissionDecision(R.REJECTED_CONTEXT_TOO_LONG,
                                      f"prompt + max_tokens = {s.kv_tokens} exceeds the per-sequence "
@@ -60,15 +76,7 @@ class Admission:
             return AdmissionDecision(R.REJECTED_SCRATCH_BUDGET,
                                      f"needs {self.scratch_need(s)} scratch bytes, the envelope is "
                                      f"{b.scratch_envelope_bytes}")
-        if mem_available is not None and mem_available < b.memory_floor_bytes:
-            return AdmissionDecision(R.REJECTED_MEMORY_PRESSURE,
-                                     f"available memory {mem_available} is below the floor {b.memory_floor_bytes}")
-        if queue_len == 0 and self.can_start(s):
-            return AdmissionDecision(R.ADMITTED, "running")
-        if queue_len < b.max_queue:
-            return AdmissionDecision(R.QUEUED, f"queued at position {queue_len + 1}")
-        return AdmissionDecision(R.REJECTED_QUEUE_FULL,
-                                 f"queue is full ({b.max_queue} waiting); retry later or elsewhere")
+        return None
 
     def kv_need(self, s: Ask) -> int:
         return s.kv_tokens * self.budget.kv_bytes_per_token

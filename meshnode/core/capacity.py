@@ -11,6 +11,7 @@ the cost model has seen enough ticks.
 from __future__ import annotations
 
 from meshnode.core.costmodel import prefill_room, shape
+from meshnode.core.session import Ask
 
 MAX_TICKS = 10_000  # the replay's bound: beyond it the estimate is unknown
 
@@ -25,6 +26,10 @@ def capacity(sched, prompt_tokens: int = 0) -> dict:
            "queue_room": max(0, b.max_queue - len(sched.waiting)),
            "decoding": len(decoding), "tick_target_ms": sched.tick_target_ms,
            "decode_tokens_per_s": None, "ttft_ms_estimate": None, "tick_model": cost.describe()}
+    never = a.never_fits(Ask(None, prompt_tokens, 1)) if prompt_tokens > 0 else None
+    if never:  # no estimate for a prompt that would be refused: say so instead
+        out["refused"] = {"reason": never.reason, "detail": never.detail}
+        return out
     if not cost.ready:
         return out
     unified = sched.cells_planned if sched.pool_cells else 0

@@ -182,7 +182,8 @@ class LlamaEngine(Engine):
         ((*costmodel.Shape, sized, ms), ...)"""
         unified = self.cfg.kv_layout == "unified"
         toks = lambda n: (np.arange(n) % (self.n_vocab - 3) + 3).astype(np.int32)  # noqa: E731
-        self.step(Plan([SeqChunk(0, 0, toks(8), draw=0)], [0]))  # not timed: pages the weights in
+        largest = max(1, min(self.n_batch, self.n_ctx_seq - 1))  # a chunk and the token sampled after it
+        self.step(Plan([SeqChunk(0, 0, toks(min(8, largest)), draw=0)], [0]))  # not timed: pages the weights in
         out = []
 
         def timed(chunks: list, release=()) -> None:
@@ -190,7 +191,7 @@ class LlamaEngine(Engine):
             spans = [(c.pos, len(c.tokens)) for c in chunks]
             out.append((*shape(spans, res.kv_cells if unified else 0), sized(spans), res.step_ms))
 
-        for n in [n for n in CALIBRATION if n <= min(self.n_batch, self.n_ctx_seq - 1)]:
+        for n in [n for n in CALIBRATION if n <= largest]:
             if n > 8 and sum(p[-1] for p in out) > CHUNKS_BUDGET_MS:  # a big model on few cores: fewer, smaller
                 break
             timed([SeqChunk(0, 0, toks(n), draw=0)], [0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import time
 
+from meshnode.core.budget import ConfigError
 from meshnode.core.telemetry import to_prometheus
 
 MAX_CONNECTIONS = 16  # beyond, a new connection is closed at once
@@ -22,7 +23,10 @@ MAX_REQUEST_BYTES = 8192
 class MetricsServer:
     def __init__(self, listen: str):
         host, _, port = listen.rpartition(":")
-        self.sock = socket.create_server((host or "127.0.0.1", int(port)), backlog=MAX_CONNECTIONS)
+        try:
+            self.sock = socket.create_server((host or "127.0.0.1", int(port)), backlog=MAX_CONNECTIONS)
+        except OSError as e:  # a port in use is the most ordinary operator mistake: say which setting
+            raise ConfigError(f"metrics_listen: cannot listen on {listen}: {e.strerror or e}") from None
         self.sock.setblocking(False)
         self._conns: dict[int, tuple[socket.socket, bytearray, float]] = {}
         self._body = b""

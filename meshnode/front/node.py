@@ -83,6 +83,10 @@ class Front:
         self.tok = Tokenizer(cfg.model)
         self.texts = TextJobs(self.tok.encode)
         self.zctx = zmq.Context()
+        # bound before the engine loads the model: a port in use fails the start in a second, not after it
+        curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
+        self.clients = Clients(self.zctx, self.listen, self.telemetry_ep, curve=curve, insecure=cfg.insecure,
+                               max_clients=max_clients, metrics_listen=cfg.metrics_listen)
         self.arena = TokenArena.create(*wire.arena_shape(cfg.n_batch, cfg.n_seq_max))
         self.reaper.claim(f"/dev/shm/{self.arena.name}")
         self.health = EngineHealth(cfg.tick_deadline_s, cfg.start_timeout_s, cfg.restart_timeout_min_s)
@@ -90,9 +94,6 @@ class Front:
         self.recipe = self.link.info.recipe
         self.telemetry = Telemetry(self.sched)
         self.events = Events(self.tok, end_session=self.sched.end)
-        curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
-        self.clients = Clients(self.zctx, self.listen, self.telemetry_ep, curve=curve, insecure=cfg.insecure,
-                               max_clients=max_clients, metrics_listen=cfg.metrics_listen)
         self.report = Report(self)
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, reply=self._reply,
                                  send_events=self._send, status=self.report.status, opened=self.events.opened)
@@ -271,8 +272,10 @@ class Front:
         """Release everything initialize() got this far, in reverse dependency order."""
         if self.sched is not None and self.sched.live and self.clients is not None:
             self._send(self.sched.end_all(R.DRAINED))
+        # destroy, not term: a start that failed half-way (a port in use) leaves sockets no owner closes,
+        # and term would wait for them for ever
         steps = [(self.link, "stop"), (self.texts, "close"), (self.clients, "close"), (self.arena, "close"),
-                 (self.zctx, "term"), *((lock, "release") for lock in self._locks), (self.tok, "close"),
+                 (self.zctx, "destroy"), *((lock, "release") for lock in self._locks), (self.tok, "close"),
                  (self.notifier, "close"), (self.reaper, "done")]
         for obj, method in steps:
             if obj is not None:

@@ -87,6 +87,15 @@ class NodeConfig:
             raise ConfigError(f"model: no such file {self.model}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
             raise ConfigError("curve_secret_key and curve_allow_dir must be given together")
+        if self.curve_secret_key is not None and not os.path.isfile(self.curve_secret_key):
+            raise ConfigError(f"curve_secret_key: no such file {self.curve_secret_key}")
+        if self.curve_allow_dir is not None and not os.path.isdir(self.curve_allow_dir):
+            raise ConfigError(f"curve_allow_dir: no such directory {self.curve_allow_dir}")
+        if self.metrics_listen is not None:
+            host, _, port = self.metrics_listen.rpartition(":")
+            if not (host and port.isdigit() and 1 <= int(port) <= 65535):
+                raise ConfigError(f"metrics_listen: must be HOST:PORT with a port in [1, 65535], "
+                                  f"got {self.metrics_listen!r}")
         from ipc.transport import EndpointError, check_private
 
         for key, ep, what in (("listen", self.listen, "client"), ("telemetry", self.telemetry, "telemetry"),
@@ -102,6 +111,11 @@ class NodeConfig:
             raise ConfigError(f"prefix_cache: must be one of {', '.join(SCOPES)}, got {self.prefix_cache!r}")
         if self.engine_kind not in ("llama", "fake"):
             raise ConfigError(f"engine_kind: unknown {self.engine_kind!r}")
+        rows = self.max_batch or self.n_seq_max  # decode rows a tick may carry; llama.cpp caps n_batch at ctx
+        if min(self.n_batch, self.ctx or self.n_batch) <= rows:
+            raise ConfigError(f"n_batch and ctx: must both exceed max_batch ({rows}): a tick carries up to that "
+                              f"many decode rows and needs room for a prompt token beside them; got n_batch "
+                              f"{self.n_batch}, ctx {self.ctx}")
         if self.engine_kind == "llama":
             try:  # what llama.cpp would refuse or assert on, or cannot promise, refused here first
                 self.engine_config(self.model or "").validate(need_file=False)
