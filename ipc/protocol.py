@@ -29,6 +29,7 @@ MAX_STOP_TOKENS = 64
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 MAX_LOGPROBS = 20
 MAX_MESSAGES = 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")  # a role reaches the template as is: no free text
 _UNPACK = dict(max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
                max_array_len=MAX_LIST, max_map_len=64, max_ext_len=0, strict_map_key=True, raw=False,
                use_list=True)
@@ -141,7 +142,20 @@ def _messages(v, id) -> list[dict]:
         f"messages must be a list of 1 to {MAX_MESSAGES} maps with string role and content", id)
     _check(sum(len(m["content"]) + len(m["role"]) for m in v) <= MAX_TEXT_BYTES,
            f"messages hold more than {MAX_TEXT_BYTES} characters", id)
+    bad = next((m["role"] for m in v if m["role"] not in ROLES), None)
+    _check(bad is None, f"role {bad!r} is not one of {', '.join(ROLES)}", id)
     return [{"role": m["role"], "content": m["content"]} for m in v]
+
+
+def request_id(frames: list[bytes]) -> str | None:
+    """The request's id when it can be read, for answering a request the node will not decode (it
+    waited behind too many others): the client then learns which one failed."""
+    try:
+        msg = unpack(frames[1]) if len(frames) == 2 and frames[0] == VERSION else None
+    except Exception:
+        return None
+    raw = msg.get("id") if isinstance(msg, dict) else None
+    return raw if isinstance(raw, str) and 1 <= len(raw) <= MAX_ID_CHARS else None
 
 
 def decode_request(frames: list[bytes], n_vocab: int):

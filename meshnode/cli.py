@@ -35,6 +35,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", choices=["unified", "streams"], help="one KV pool, or a stream per sequence")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="a session's tokens the same whatever shares its ticks (refused where it cannot hold)")
+    p.add_argument("--chat-special-in-content", action="store_true", default=None,
+                   help="parse special-token text inside chat messages, as llama-server does (lets a client "
+                        "inject template turns: trusted clients only)")
     p.add_argument("--prefix-cache", choices=["client", "node", "off"],
                    help="reuse finished sessions' KV: the same client's only (default), anyone's, or not at all")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")

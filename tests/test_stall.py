@@ -57,29 +57,65 @@ def test_worst_texts_tokenize_exactly_and_fast(tok, name):
 
 
 # -- tokenization off the loop ----------------------------------------------------------------
+def finish(jobs, n):
+    got, deadline = [], time.monotonic() + 30
+    while len(got) < n and time.monotonic() < deadline:
+        got += jobs.finished()
+        time.sleep(0.001)
+    return got
+
+
 def test_text_jobs_run_off_the_caller_in_order_and_bound_their_backlog():
     import threading
 
     release = threading.Event()
 
-    def slow_encode(text, special=False):
+    def slow_slices(text):
         release.wait(5)
-        return [len(text)]
+        yield [len(text)]
 
-    jobs = TextJobs(slow_encode, max_backlog_bytes=10)
+    jobs = TextJobs(slow_slices, max_backlog_chars=10)
     try:
         assert jobs.submit("a", "xxxx") and jobs.submit("b", "yyyy")
         assert not jobs.submit("c", "zzz")  # 8 + 3 > 10: refused at once, nothing queued
         assert jobs.finished() == []  # the caller never waits for the worker
         release.set()
-        got = []
-        deadline = time.monotonic() + 5
-        while len(got) < 2 and time.monotonic() < deadline:
-            got += jobs.finished()
-        assert [(j.key, j.tokens) for j in got] == [("a", [4]), ("b", [4])]
-        assert jobs.backlog_bytes == 0
+        assert [(j.key, j.tokens) for j in finish(jobs, 2)] == [("a", [4]), ("b", [4])]
+        assert jobs.backlog_chars == 0 and jobs.jobs_total == 2
     finally:
         jobs.close()
+
+
+def test_a_short_text_waits_for_one_slice_of_each_long_one_not_for_all_of_them():
+    """Ten slices each from two clients, then a one-slice text from a third: the worker takes turns,
+    so the third is done after at most two turns of each (its slice, then its end), whatever the
+    others' length; one client's own texts still finish in order."""
+    import threading
+
+    gate, log = threading.Event(), []
+
+    def slices(text):
+        if text == "gate":
+            gate.wait(5)
+        for k in range(len(text)):
+            log.append(text[0])
+            yield [k]
+
+    jobs = TextJobs(slices)
+    try:
+        jobs.submit("g", "gate", owner="G")  # holds the worker until everything below has arrived
+        jobs.submit("a1", "a" * 10, owner="A")
+        jobs.submit("a2", "aa", owner="A")
+        jobs.submit("b", "b" * 10, owner="B")
+        jobs.submit("c", "c", owner="C")
+        gate.set()
+        order = [j.key for j in finish(jobs, 5)]
+    finally:
+        jobs.close()
+    assert order.index("c") < order.index("a1") and order.index("c") < order.index("b")
+    assert order.index("a1") < order.index("a2")
+    before_c = log[:log.index("c")]
+    assert before_c.count("a") <= 2 and before_c.count("b") <= 2
 
 
 # -- the hang rule, by the engine's heartbeat ---------------------------------------------------
@@ -134,10 +170,14 @@ def test_huge_texts_do_not_stall_a_streaming_session(tiny_model):
 
 def test_a_text_that_cannot_fit_is_refused_without_tokenizing(tiny_model):
     with NodeProcess(tiny_model) as n, n.client() as c:
-        t0 = time.monotonic()
         c.submit("big", text="\t" * 262144, max_tokens=1)
-        rej = c.wait_for(lambda e: e["event"] == "rejected")
-    assert rej["reason"] == R.REJECTED_CONTEXT_TOO_LONG and time.monotonic() - t0 < 1.0
+        c.submit("chat", messages=[{"role": "user", "content": "\t" * 200000}], max_tokens=1)
+        rejected = [c.wait_for(lambda e: e["event"] == "rejected") for _ in range(2)]
+        c.submit("small", text="hello", max_tokens=1)
+        c.collect(["small"])
+        t = c.status()["telemetry"]
+    assert [r["reason"] for r in rejected] == [R.REJECTED_CONTEXT_TOO_LONG] * 2
+    assert t["tokenizer_jobs_total"] == 1  # only the text that could fit went to the tokenizer
 
 
 def test_a_clients_requests_are_answered_in_order_behind_its_text(tiny_model):

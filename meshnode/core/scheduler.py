@@ -96,7 +96,7 @@ class Scheduler:
         d = self.precheck(s.ask)
         if not d.accepted:
             return d
-        s.t_submit = self.clock()
+        s.t_submit = s.t_submit or self.clock()  # the front stamps arrival, before any tokenizer wait
         self.live[s.key] = s
         if d.reason == R.ADMITTED:
             self._start(s)

@@ -81,7 +81,7 @@ class Front:
                 self.reaper.claim(self._locks[-1].path)
                 self.reaper.claim(self._locks[-1].path + ".lock")
         self.tok = Tokenizer(cfg.model)
-        self.texts = TextJobs(self.tok.encode)
+        self.texts = TextJobs(self.tok.prompt_slices)
         self.zctx = zmq.Context()
         # bound before the engine loads the model: a port in use fails the start in a second, not after it
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
@@ -96,7 +96,8 @@ class Front:
         self.events = Events(self.tok, end_session=self.sched.end)
         self.report = Report(self)
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, reply=self._reply,
-                                 send_events=self._send, status=self.report.status, opened=self.events.opened)
+                                 send_events=self._send, status=self.report.status, opened=self.events.opened,
+                                 special_in_content=cfg.chat_special_in_content)
         self.poller = zmq.Poller()
         self.clients.register(self.poller)
         self.poller.register(self.texts.fileno(), zmq.POLLIN)

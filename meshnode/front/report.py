@@ -32,6 +32,7 @@ class Report:
         snap["engine"].update(pid=n.link.pid, restarts=n.health.restarts, healthy=n.health.healthy)
         snap.update(n.clients.stats())
         snap["front_rss_bytes"], snap["fds_open"], snap["fds_limit"] = self.front_rss, self.fds_open, n.fd_limit
+        snap["tokenizer_jobs_total"], snap["tokenizer_backlog_chars"] = n.texts.jobs_total, n.texts.backlog_chars
         snap["healthy"] = n.health.healthy
         snap["model"], snap["recipe"] = os.path.basename(n.cfg.model), n.recipe
         snap["deterministic"], snap["kv_layout"] = n.cfg.deterministic, n.cfg.layout

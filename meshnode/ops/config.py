@@ -51,6 +51,7 @@ class NodeConfig:
     flash_attn: str = "auto"  # auto, on, off (off = f32 attention numerics)
     kv_layout: str | None = None  # unified: one KV pool; streams: ctx / n_seq_max cells per sequence (default below)
     deterministic: bool = False  # a session's tokens the same whatever shares its ticks (docs/determinism.md)
+    chat_special_in_content: bool = False  # chat content may spell special tokens (llama-server's way; trusted clients only)
     prefix_cache: str = "client"  # reuse finished sessions' KV: client (same client only), node (anyone), off
     tick_deadline_s: float = _in(0.5, DAY, 30.0)  # an engine tick longer than this is a hung engine
     start_timeout_s: float = _in(1.0, DAY, 300.0)  # the first engine start (model load) may take this long

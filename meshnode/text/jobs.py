@@ -4,33 +4,42 @@ The front's loop plans ticks and streams tokens for everyone; a text of 256 KiB
 costs tens of milliseconds to tokenize even on the linear path, which the loop
 must not pay. llama_tokenize is a ctypes call that releases the GIL, so the
 loop runs on while the worker tokenizes. The worker wakes the loop through a
-pipe the loop's poller watches. The backlog is bounded in bytes: past it, new
-texts are refused at once rather than queued behind minutes of work.
+pipe the loop's poller watches. The backlog is bounded in characters: past it,
+new texts are refused at once rather than queued behind minutes of work.
+
+The worker takes turns between owners (client identities) a slice of text at a
+time, so ten clients' long texts cannot make an eleventh client's `hello` wait
+behind all of them: it waits for one slice of each, its own share. One owner's
+texts finish in the order they came.
 """
 from __future__ import annotations
 
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
-MAX_BACKLOG_BYTES = 8 << 20  # text waiting for the worker, all clients together
+MAX_BACKLOG_CHARS = 8 << 20  # text waiting for the worker, all clients together
 
 
 @dataclass
 class TextJob:
     key: object  # the caller's handle (the front: client identity and request)
-    text: str
-    special: bool = False  # parse special-token text (a chat template's markers) as those tokens
-    tokens: list[int] | None = None
+    prompt: object  # what the `slices` function given to TextJobs takes: a text or a chat prompt
+    owner: Hashable = None  # whose turn it is tokenized in
+    tokens: list[int] = field(default_factory=list)
     error: str = ""
 
 
 class TextJobs:
-    def __init__(self, encode, max_backlog_bytes: int = MAX_BACKLOG_BYTES):
-        self._encode = encode
-        self.max_backlog_bytes = max_backlog_bytes
-        self.backlog_bytes = 0  # owned by the caller's thread: added in submit, removed in finished
+    def __init__(self, slices, max_backlog_chars: int = MAX_BACKLOG_CHARS):
+        """`slices(prompt)` yields the prompt's tokens a slice at a time (Tokenizer.prompt_slices)."""
+        self._slices = slices
+        self.max_backlog_chars = max_backlog_chars
+        self.backlog_chars = 0  # owned by the caller's thread: added in submit, removed in finished
+        self.jobs_total = 0  # texts taken for tokenizing, for telemetry
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -42,17 +51,18 @@ class TextJobs:
         """Readable when jobs have finished (for the caller's poller)."""
         return self._wake_r
 
-    def submit(self, key, text: str, special: bool = False) -> bool:
-        """Queue a text; False (nothing queued) when the backlog is full."""
-        size = len(text)
-        if self.backlog_bytes + size > self.max_backlog_bytes:
+    def submit(self, key, prompt, owner: Hashable = None) -> bool:
+        """Queue a prompt; False (nothing queued) when the backlog is full."""
+        size = len(prompt)
+        if self.backlog_chars + size > self.max_backlog_chars:
             return False
-        self.backlog_bytes += size
-        self._todo.put(TextJob(key, text, special))
+        self.backlog_chars += size
+        self.jobs_total += 1
+        self._todo.put(TextJob(key, prompt, owner))
         return True
 
     def finished(self) -> list[TextJob]:
-        """Jobs done since the last call, in submission order."""
+        """Jobs done since the last call, in the order they finished (one owner's in submission order)."""
         try:
             while os.read(self._wake_r, 4096):
                 pass
@@ -64,16 +74,44 @@ class TextJobs:
                 job = self._done.get_nowait()
             except queue.Empty:
                 break
-            self.backlog_bytes -= len(job.text)
+            self.backlog_chars -= len(job.prompt)
             out.append(job)
         return out
 
     def _work(self) -> None:
-        while (job := self._todo.get()) is not None:
+        owners: dict[Hashable, deque] = {}  # owner -> its jobs, oldest first, each with its slice iterator
+        turns: deque = deque()  # owners with work, in turn order
+        while True:
+            block = not owners
+            while True:  # take what has arrived; wait only when there is nothing to do
+                try:
+                    job = self._todo.get(block=block)
+                except queue.Empty:
+                    break
+                if job is None:
+                    return
+                if job.owner not in owners:
+                    owners[job.owner] = deque()
+                    turns.append(job.owner)
+                owners[job.owner].append([job, None])
+                block = False
+            owner = turns[0]
+            turns.rotate(-1)
+            entry = owners[owner][0]
+            job = entry[0]
             try:
-                job.tokens = self._encode(job.text, special=job.special)
+                if entry[1] is None:
+                    entry[1] = iter(self._slices(job.prompt))
+                job.tokens += next(entry[1])
+                continue
+            except StopIteration:
+                pass
             except Exception as e:  # a text llama.cpp refuses is the client's problem, not the node's
                 job.error = f"text did not tokenize: {e}"
+            owners[owner].popleft()
+            if not owners[owner]:
+                del owners[owner]
+                turns.remove(owner)
             self._done.put(job)
             os.write(self._wake_w, b"x")
 

@@ -21,8 +21,11 @@ import codecs
 import ctypes
 import math
 import re
+from collections.abc import Iterator
 
 from meshnode.engine import llamacpp
+from meshnode.text import chat
+from meshnode.text.chat import ChatPrompt
 
 SPM = 1  # llama_vocab_type
 SLICE_BYTES = 1024  # cut a text at most this often (at a character that never merges) to stay linear
@@ -47,6 +50,10 @@ class Tokenizer:
         # no token covers more input bytes than its own text has (SPM's U+2581 stands for one space)
         self.max_token_bytes = max(1, max(len(t) for t in texts))
         self._never_merges = self._spm_foreign(texts)
+        self.add_bos, self.bos = lc.llama_vocab_get_add_bos(self._vocab), lc.llama_vocab_bos(self._vocab)
+        special = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_USER_DEFINED | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+        self._specials = chat.Specials({texts[t].decode("utf-8", "replace"): t for t in range(self.n_vocab)
+                                        if texts[t] and lc.llama_vocab_get_attr(self._vocab, t) & special})
 
     def _spm_foreign(self, texts: list[bytes]) -> re.Pattern | None:
         """A pattern matching any character no token's text contains, when the linear SPM path applies."""
@@ -59,20 +66,26 @@ class Tokenizer:
         chars = {ch for t in texts for ch in t.decode("utf-8", "replace")} | {" "}  # a space is U+2581 to SPM
         return re.compile("[^" + "".join(re.escape(ch) for ch in sorted(chars)) + "]")
 
-    def min_tokens(self, text: str) -> int:
-        """A lower bound on len(encode(text)) that costs nothing: no token covers more bytes."""
-        return math.ceil(len(text.encode("utf-8")) / self.max_token_bytes)
+    def min_tokens(self, prompt: str | ChatPrompt) -> int:
+        """A lower bound on the prompt's token count that costs nothing: no token covers more bytes."""
+        if isinstance(prompt, str):
+            return math.ceil(len(prompt.encode("utf-8")) / self.max_token_bytes)
+        return sum(1 if isinstance(p, int) else self.min_tokens(p) for p in prompt.parts)
 
-    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
-        """Exactly llama.cpp's tokens for `text`, in time linear in its length. `special`: text such as
-        <|im_start|> becomes that special token (a chat template's output), as llama-server does; such
-        text is tokenized whole, since a cut could split a marker."""
-        if special:
-            return self._tokenize(text, add_bos, True)
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Exactly llama.cpp's tokens for `text` (special-token text such as </s> stays plain text), in
+        time linear in its length."""
+        return [t for part in self.slices(text, add_bos) for t in part]
+
+    def slices(self, text: str, add_bos: bool = True) -> Iterator[list[int]]:
+        """`encode(text)` a slice at a time (about SLICE_BYTES of text each), so a worker can take turns
+        between clients' texts instead of finishing the longest first."""
         cuts = self._cuts(text) if self._never_merges is not None else []
         if not cuts:
-            return self._tokenize(text, add_bos)
-        out, start = self._tokenize(text[:cuts[0]], add_bos), cuts[0]
+            yield self._tokenize(text, add_bos)
+            return
+        yield self._tokenize(text[:cuts[0]], add_bos)
+        start = cuts[0]
         for end in cuts[1:] + [len(text)]:
             # the piece follows a character that never merges: tokenize it behind that same
             # character, whose own tokens (and the space prefix SPM adds at the start) come off
@@ -80,10 +93,22 @@ class Tokenizer:
             head = self._tokenize(lead, False)
             got = self._tokenize(lead + text[start:end], False)
             if got[:len(head)] != head:  # cannot happen for an SPM vocab; never guess
-                return self._tokenize(text, add_bos)
-            out += got[len(head):]
+                raise ValueError("a cut changed the tokens")
+            yield got[len(head):]
             start = end
-        return out
+
+    def prompt_slices(self, prompt: str | ChatPrompt) -> Iterator[list[int]]:
+        """A submit's prompt, text or chat, a slice at a time (see `slices`)."""
+        if isinstance(prompt, str):
+            yield from self.slices(prompt)
+            return
+        if self.add_bos:
+            yield [self.bos]
+        for part in prompt.parts:
+            if isinstance(part, int):
+                yield [part]
+            else:  # plain text after a special token or at the start: llama.cpp tokenizes it on its own
+                yield from self.slices(part, add_bos=False)
 
     def _cuts(self, text: str) -> list[int]:
         """Positions right after a never-merging character, at least SLICE_BYTES characters apart."""
@@ -94,6 +119,7 @@ class Tokenizer:
         return cuts
 
     def _tokenize(self, text: str, add_bos: bool, special: bool = False) -> list[int]:
+        """llama_tokenize itself (quadratic on some texts: tests and short strings only)."""
         data = text.encode("utf-8")
         n_max = len(data) + 8
         out = (self._lc.llama_token * n_max)()
@@ -103,19 +129,28 @@ class Tokenizer:
         return list(out[:n])
 
     def format_chat(self, messages: list[dict]) -> str:
-        """The messages in the model's own chat template (GGUF `tokenizer.chat_template`, through llama.cpp's
-        template engine), the assistant's turn opened. ValueError, in a sentence, when there is none."""
+        """The messages in the model's own chat template, as one text (what llama-server tokenizes)."""
+        return chat.render(self._apply_template, messages)
+
+    def chat_prompt(self, messages: list[dict], special_in_content: bool = False) -> ChatPrompt:
+        """The messages in the model's chat template, its own markers as special tokens and the clients'
+        content as plain text (meshnode/text/chat.py says why)."""
+        return chat.prompt(self._apply_template, self._specials, messages, special_in_content)
+
+    def _apply_template(self, messages: list[tuple[str, str]]) -> str:
+        """llama.cpp's template engine over (role, content) pairs with the GGUF's `tokenizer.chat_template`,
+        the assistant's turn opened. ValueError, in a sentence, when there is none."""
         lc = self._lc
         tmpl = lc.llama_model_chat_template(self._model, None)
         if not tmpl:
             raise ValueError("the model has no chat template (tokenizer.chat_template); send text or tokens")
-        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]  # alive while C reads them
-        chat = (lc.llama_chat_message * len(keep))(*(lc.llama_chat_message(r, c) for r, c in keep))
-        n = lc.llama_chat_apply_template(tmpl, chat, len(keep), True, None, 0)
+        keep = [(r.encode(), c.encode()) for r, c in messages]  # alive while C reads them
+        msgs = (lc.llama_chat_message * len(keep))(*(lc.llama_chat_message(r, c) for r, c in keep))
+        n = lc.llama_chat_apply_template(tmpl, msgs, len(keep), True, None, 0)
         if n < 0:
             raise ValueError("the model's chat template is not one llama.cpp can apply; send text or tokens")
         buf = ctypes.create_string_buffer(n + 1)
-        lc.llama_chat_apply_template(tmpl, chat, len(keep), True, buf, n + 1)
+        lc.llama_chat_apply_template(tmpl, msgs, len(keep), True, buf, n + 1)
         return buf.raw[:n].decode("utf-8", "replace")
 
     def piece(self, token: int) -> bytes:
