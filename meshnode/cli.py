@@ -17,7 +17,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         ("ctx", "KV cells in all; streams: ctx / n-seq-max each (default: 4096 a session)"), ("n-seq-max", "llama.cpp sequence slots"),
                         ("n-batch", "most tokens per llama_decode"), ("threads", "CPU threads (0 = all)"),
                         ("pipeline-depth", "ticks in flight: 2 = plan ahead (default), 1 = lockstep"),
-                        ("max-clients", "client connections; beyond, new ones are refused")]:
+                        ("max-clients", "client connections; at the cap a new one replaces the idlest idle one"),
+                        ("max-clients-per-host", "connections from one remote tcp address (0 = no cap)")]:
         p.add_argument(f"--{name}", type=int, help=help_)
     for name, help_ in [("kv-budget-mb", "KV byte budget"), ("weight-budget-mb", "refuse to start above this"),
                         ("memory-floor-mb", "reject new sessions below this available memory"),
@@ -25,7 +26,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         ("tick-deadline-s", "a tick longer than this is a hung engine"),
                         ("tick-target-ms", "while sessions decode, size prefill so a tick takes this (0 = fixed chunks)"),
                         ("start-timeout-s", "how long the first engine start may take"),
-                        ("restart-timeout-min-s", "a restart may take max(this, 5 x the first start)")]:
+                        ("restart-timeout-min-s", "a restart may take max(this, 5 x the first start)"),
+                        ("client-idle-timeout-s", "close a connection with no session silent this long (0 = never)")]:
         p.add_argument(f"--{name}", type=float, help=help_)
     p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
     p.add_argument("--curve-secret-key", help="server certificate (zmq.auth format) for CURVE")

@@ -61,8 +61,8 @@ def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model):
 # -- descriptors ------------------------------------------------------------------------------------
 def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
     """At systemd's default limit of 1024, 1,100 idle connections used to abort the front inside
-    libzmq: now the ones beyond the cap are closed, the live session goes on, and an engine restart
-    still finds the descriptors it needs."""
+    libzmq: now the ones beyond the cap are closed (none of those held has been quiet long enough to
+    give way), the live session goes on, and an engine restart still finds the descriptors it needs."""
     import resource
     import socket
 
@@ -128,3 +128,46 @@ def test_a_vanishing_temperature_is_greedy_without_numeric_warnings(temperature)
         warnings.simplefilter("error")  # numpy's overflow / invalid-value warnings fail the test
         got = {sample(logits, Sampling(temperature, 0, 1.0, seed), draw) for seed, draw in [(1, 0), (2, 7), (9, 3)]}
     assert got == {int(np.argmax(logits))}
+
+
+def test_idle_clients_give_way_to_new_ones_and_busy_ones_never_do(tiny_model):
+    """Twenty connections fill the cap: one streams a long session, nineteen said one ping and went
+    quiet. New clients still get in, each in the place of the longest-idle connection; the streaming
+    session is never the one given up, and an idle client that was given up reconnects when it speaks.
+    A new client that finds no connection quiet long enough is closed and retries by itself (ZeroMQ
+    keeps its request), so none is lost while the quiet ones age."""
+    from meshnode.client import Client
+
+    with NodeProcess(tiny_model, "--max-clients", "20", internal={"evict_after_s": 1.0}) as n:
+        busy = n.client()
+        busy.submit("long", tokens=[3, 4, 5], max_tokens=1500, ignore_eos=True)
+        busy.wait_for(lambda e: e["event"] == "tokens", keep=True)
+        idle = [Client(n.listen, timeout_s=30) for _ in range(19)]
+        for c in idle:
+            assert c.ping()
+        new = [Client(n.listen, timeout_s=30) for _ in range(5)]  # they stay: each needs a place of its own
+        for k, c in enumerate(new):
+            # a connection closed at the cap right after its handshake loses what it had sent: a new
+            # client probes with pings (idempotent) until one is answered, then works
+            assert wait_until(lambda: c.ping(timeout_s=1), 60)
+            assert c.generate(f"new{k}", tokens=[3, 4], max_tokens=2).done["reason"] == R.LENGTH
+        t = new[-1].status()["telemetry"]
+        long = busy.collect(["long"], timeout_s=120)["long"]
+        assert idle[0].ping(timeout_s=10)  # given up long ago: its socket connects again
+        for c in idle + new + [busy]:
+            c.close()
+    assert long.done["reason"] == R.LENGTH and len(long.tokens) == 1500
+    assert t["clients_evicted_total"] >= 5 and t["clients_connected"] <= 20
+
+
+def test_a_connection_silent_past_the_idle_timeout_is_closed(tiny_model):
+    from meshnode.client import Client
+
+    with NodeProcess(tiny_model, "--client-idle-timeout-s", "1") as n, n.client() as watcher:
+        quiet = Client(n.listen, timeout_s=30)
+        assert quiet.ping()
+        t = wait_until(lambda: (lambda t: t if t["clients_evicted_total"] >= 1 else None)(watcher.status()["telemetry"]),
+                       30)
+        assert t, "the quiet connection was never closed"
+        assert quiet.ping(timeout_s=10)  # and it comes back by itself when it speaks
+        quiet.close()

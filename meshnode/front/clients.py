@@ -16,7 +16,7 @@ import zmq
 from ipc import protocol as P
 from ipc.transport import Curve, client_router, telemetry_pub
 from meshnode.core.cpushare import RECEIVE_S_PER_BYTE, CpuShare
-from meshnode.front.gate import Gate
+from meshnode.front.gate import EVICT_AFTER_S, Gate
 from meshnode.front.metrics import MetricsServer
 from meshnode.front.outbox import Outbox
 
@@ -26,12 +26,17 @@ TELEMETRY_SUBSCRIBERS = 64  # connections the telemetry PUB accepts
 
 class Clients:
     def __init__(self, zctx: zmq.Context, listen: str, telemetry: str, *, curve: Curve | None, insecure: bool,
-                 max_clients: int, metrics_listen: str | None = None):
+                 max_clients: int, metrics_listen: str | None = None, busy=None, idle_s: float = 0.0,
+                 per_host: int = 0, evict_after_s: float = EVICT_AFTER_S):
+        """`busy()`: the client identities with a live session (their connections are never given up)."""
         self._auth: list = []
         self.router = client_router(zctx, listen, curve, insecure, self._auth)
         self.pub = telemetry_pub(zctx, telemetry, curve, insecure, self._auth)
         self.outbox = Outbox(self.router)
-        self.gates = [Gate(self.router, listen, max_clients), Gate(self.pub, telemetry, TELEMETRY_SUBSCRIBERS)]
+        waiting = lambda: (busy() if busy else set()) | set(self.outbox.pending)  # noqa: E731  (answers kept for them)
+        self.gates = [Gate(self.router, listen, max_clients, busy=waiting, idle_s=idle_s, per_host=per_host,
+                           evict_after_s=evict_after_s),
+                      Gate(self.pub, telemetry, TELEMETRY_SUBSCRIBERS)]
         self.metrics = MetricsServer(metrics_listen) if metrics_listen else None
         self.share = CpuShare(time.perf_counter())
         self._watching, self._metrics_fds = True, set()
@@ -61,9 +66,8 @@ class Clients:
         """Yield (identity, frames) of requests waiting, within one slice of the CPU share (scrapes are
         answered on the way); what is left waits for the next turn. `ready`: the client sockets the
         poll found readable."""
-        for gate in self.gates:
-            if ready.get(gate.monitor):
-                gate.on_events()
+        for gate in self.gates:  # every turn: a connection is known before its first request is read
+            gate.on_events()
         if not ready.get(self.router) and not any(ready.get(fd) for fd in self._metrics_fds):
             return
         # a time slice, not a count: a flood of valid but costly requests (maximal token lists,
@@ -77,9 +81,11 @@ class Clients:
                     self.metrics.on_ready(fd)
             while time.perf_counter() < until:
                 try:
-                    frames = self.router.recv_multipart(zmq.NOBLOCK)
+                    parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                frames = [p.bytes for p in parts]
+                self.gates[0].heard(parts[0].get(zmq.SRCFD), frames[0])
                 received += sum(map(len, frames))
                 yield frames[0], frames[1:]
         finally:
@@ -95,6 +101,7 @@ class Clients:
     def publish(self, snapshot: dict) -> None:
         """Once a second: the snapshot out, and /metrics connections past their time closed."""
         self.pub.send_multipart(P.telemetry(snapshot))
+        self.gates[0].expire()
         if self.metrics is not None:
             self.metrics.publish(snapshot)
             self.metrics.expire(time.monotonic())
@@ -104,7 +111,7 @@ class Clients:
         router, pub = self.gates
         return {"clients_stalled": len(self.outbox.pending), "undeliverable_total": self.outbox.dropped_total,
                 "clients_connected": router.connected, "subscribers_connected": pub.connected,
-                "clients_refused_total": router.refused_total}
+                "clients_refused_total": router.refused_total, "clients_evicted_total": router.evicted_total}
 
     def close(self) -> None:
         for gate in self.gates:

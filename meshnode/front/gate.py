@@ -15,10 +15,13 @@ connection's arrival and its shutdown.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import resource
 import socket
+import time
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -27,6 +30,7 @@ log = logging.getLogger("meshnode.front")
 
 RESERVE_FDS = 256  # the node's own: engine restarts, metrics, logs, libzmq internals, a burst of accepts
 HANDSHAKE_S = 10.0  # a connection silent this long after connecting is dropped
+EVICT_AFTER_S = 10.0  # at the cap, only a connection silent this long makes room for a new one
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
@@ -50,38 +54,125 @@ def open_descriptors() -> int:
         return 0
 
 
-class Gate:
-    """One listening socket's connections: counted, and closed at once beyond `cap`."""
+@dataclass
+class Conn:
+    since: float  # accepted, then last heard from
+    ident: bytes | None = None  # the ROUTER identity its last request came with
+    host: str | None = None  # the peer's address on tcp://
 
-    def __init__(self, sock: zmq.Socket, endpoint: str, cap: int):
+
+class Gate:
+    """One listening socket's connections: counted, capped, and the idle ones given up first.
+
+    At the cap, a new connection takes the place of the longest-idle one that has no session and no
+    answer waiting (`busy()` names the identities that do) and has been silent for `evict_after_s`;
+    when there is none, the new one is closed instead, and its client's ZeroMQ socket keeps its
+    requests and connects again until there is room. The silence matters: a request already on its
+    way on a connection being closed is lost, so only a connection quiet for a while is taken. With `idle_s`, such a connection is also closed once it has been silent
+    that long. A ZeroMQ client reconnects by itself when it next sends, so closing an idle one costs
+    it nothing but a handshake. `per_host` caps the connections of one remote tcp:// address (loopback
+    is the node's own machine, and ipc:// has no address)."""
+
+    def __init__(self, sock: zmq.Socket, endpoint: str, cap: int, *, busy=None, idle_s: float = 0.0,
+                 per_host: int = 0, evict_after_s: float = EVICT_AFTER_S, clock=time.monotonic):
         self.sock, self.endpoint, self.cap = sock, endpoint, cap
+        self.busy, self.idle_s, self.per_host, self.clock = busy, idle_s, per_host, clock
+        self.evict_after_s = evict_after_s
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self.monitor = sock.get_monitor_socket(_EVENTS)
-        self.connected = 0
-        self.refused_total = 0
+        self.conns: dict[int, Conn] = {}  # by descriptor
+        self.refused_total = self.evicted_total = 0
         self._local = _local_address(endpoint)
-        self._refused_fds: set[int] = set()
+        self._closing: set[int] = set()  # shut down by us: their DISCONNECTED is no news
+
+    @property
+    def connected(self) -> int:
+        return len(self.conns)
 
     def on_events(self) -> None:
-        """Count what the monitor saw; shut down each connection accepted beyond the cap."""
+        """Follow what the monitor saw: take each accepted connection in, or make room, or close it."""
         while self.monitor.poll(0):
             ev = recv_monitor_message(self.monitor)
+            fd = int(ev["value"])
             if ev["event"] == zmq.EVENT_ACCEPTED:
-                if self.connected >= self.cap and _shut_down(int(ev["value"]), self._local):
-                    self.refused_total += 1  # its DISCONNECTED follows, which is not counted then
-                    self._refused_fds.add(int(ev["value"]))
-                else:
-                    self.connected += 1
+                self._accept(fd)
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                fd = int(ev["value"])
-                if fd in self._refused_fds:
-                    self._refused_fds.discard(fd)
+                if fd in self._closing:
+                    self._closing.discard(fd)
                 else:
-                    self.connected = max(0, self.connected - 1)
+                    self.conns.pop(fd, None)
+
+    def _accept(self, fd: int) -> None:
+        if fd in self.conns:  # heard from before this event came: taken in already
+            return
+        host = _peer_host(fd) if self.per_host and self._local is not None and not isinstance(self._local, str) \
+            else None
+        crowded = host is not None and sum(c.host == host for c in self.conns.values()) >= self.per_host
+        if not crowded and len(self.conns) >= self.cap:
+            victim = self._idlest()
+            if victim is not None and self._close(victim):
+                self.evicted_total += 1
+        if crowded or len(self.conns) >= self.cap:
+            if self._close(fd, known=False):
+                self.refused_total += 1
+            return
+        self.conns[fd] = Conn(self.clock(), host=host)
+
+    def heard(self, fd: int | None, ident: bytes) -> None:
+        """A request came on `fd` (its SRCFD) from `ident`: the connection is in use."""
+        if fd is None or fd in self._closing:
+            return
+        conn = self.conns.get(fd)
+        if conn is None:  # its request overtook the monitor's ACCEPTED (two pipes, no order between them)
+            self.conns[fd] = Conn(self.clock(), ident)
+        else:
+            conn.since, conn.ident = self.clock(), ident
+
+    def expire(self) -> None:
+        """Close the connections idle past `idle_s` (called once a second)."""
+        if not self.idle_s:
+            return
+        limit, busy = self.clock() - self.idle_s, self._busy()
+        for fd in [fd for fd, c in self.conns.items() if c.since < limit and c.ident not in busy]:
+            if self._close(fd):
+                self.evicted_total += 1
+
+    def _idlest(self) -> int | None:
+        if self.busy is None:
+            return None
+        busy, limit = self._busy(), self.clock() - self.evict_after_s
+        idle = [(c.since, fd) for fd, c in self.conns.items() if c.since <= limit and c.ident not in busy]
+        return min(idle)[1] if idle else None
+
+    def _busy(self) -> set:
+        return self.busy() if self.busy is not None else set()
+
+    def _close(self, fd: int, known: bool = True) -> bool:
+        if not _shut_down(fd, self._local):
+            return False
+        self._closing.add(fd)
+        if known:
+            self.conns.pop(fd, None)
+        return True
 
     def close(self) -> None:
         self.sock.disable_monitor()
         self.monitor.close(0)
+
+
+def _peer_host(fd: int) -> str | None:
+    """The remote address of a tcp connection, None for loopback (the node's own machine)."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        host = s.getpeername()[0]
+        return None if ipaddress.ip_address(host).is_loopback else host
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        s.detach()
 
 
 def _local_address(endpoint: str):

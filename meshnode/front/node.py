@@ -56,7 +56,7 @@ class Front:
         self.notifier = Notifier()
         self._locks: list[EndpointLock] = []
         # set by initialize(); shutdown() releases whichever of them exist
-        self.sched = self.link = self.clients = self.arena = self.zctx = self.tok = self.texts = None
+        self.sched = self.link = self.clients = self.arena = self.zctx = self.tok = self.texts = self.requests = None
         self.reaper = None
 
     # -- initialize ------------------------------------------------------------------------
@@ -86,7 +86,9 @@ class Front:
         # bound before the engine loads the model: a port in use fails the start in a second, not after it
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
         self.clients = Clients(self.zctx, self.listen, self.telemetry_ep, curve=curve, insecure=cfg.insecure,
-                               max_clients=max_clients, metrics_listen=cfg.metrics_listen)
+                               max_clients=max_clients, metrics_listen=cfg.metrics_listen, busy=self._busy_clients,
+                               idle_s=cfg.client_idle_timeout_s, per_host=cfg.max_clients_per_host,
+                               evict_after_s=cfg.evict_after_s)
         self.arena = TokenArena.create(*wire.arena_shape(cfg.n_batch, cfg.n_seq_max))
         self.reaper.claim(f"/dev/shm/{self.arena.name}")
         self.health = EngineHealth(cfg.tick_deadline_s, cfg.start_timeout_s, cfg.restart_timeout_min_s)
@@ -208,6 +210,11 @@ class Front:
             self._link_fd = fd
 
     # -- clients ---------------------------------------------------------------------------------
+    def _busy_clients(self) -> set:
+        """Client identities with a live session or a text being tokenized: their connections stay."""
+        busy = {key[0] for key in self.sched.live} if self.sched is not None else set()
+        return busy | set(self.requests.held) if self.requests is not None else busy
+
     def _send(self, events: list[Event]) -> None:
         for ev in events:
             for ident, frames, final in self.events.frames(ev):

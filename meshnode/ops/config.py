@@ -58,7 +58,9 @@ class NodeConfig:
     restart_timeout_min_s: float = _in(0.5, DAY, 10.0)  # a restart may take max(this, 5 x the first start)
     pipeline_depth: int = _in(1, 2, 2)  # ticks in flight: 2 plans the next tick while the engine runs one
     drain_timeout_s: float = _in(0, DAY, 30.0)  # on SIGTERM, sessions get this long to finish
-    max_clients: int = _in(1, 1_000_000, 1024)  # client connections; beyond, new ones are refused
+    max_clients: int = _in(1, 1_000_000, 1024)  # client connections; at the cap a new one replaces the idlest idle one
+    client_idle_timeout_s: float = _in(0, DAY, 300.0)  # a connection with no session silent this long is closed (0 = never)
+    max_clients_per_host: int = _in(0, 1_000_000, 256)  # connections from one remote tcp address (0 = no cap; loopback exempt)
     metrics_listen: str | None = None  # host:port for Prometheus /metrics; None = off
     curve_secret_key: str | None = None
     curve_allow_dir: str | None = None
@@ -68,6 +70,7 @@ class NodeConfig:
     engine_kind: str = field(default="llama", metadata={"internal": True})
     faults: list | None = field(default=None, metadata={"internal": True})  # one per incarnation
     fake: dict | None = field(default=None, metadata={"internal": True})
+    evict_after_s: float = _in(0, DAY, 10.0, internal=True)  # at the cap, silence that makes a connection give way
 
     def validate(self) -> None:
         for f in fields(self):
