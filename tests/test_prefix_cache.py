@@ -148,6 +148,25 @@ def test_sessions_sent_one_system_prompt_at_once_compute_it_once():
     assert all(u.usage()["cached_tokens"] == 80 for u in users[1:])
 
 
+def test_a_session_that_arrives_while_the_opening_is_half_computed_waits_for_all_of_it():
+    """Arrivals straddle ticks on a real node: the leader has computed 64 of 80 shared tokens when the
+    next user comes. Copying those 64 at once and computing the other 16 beside the leader would
+    compute part of the opening twice; it waits for the 80 instead (found by the node test below)."""
+    engine, sched = scheduler(prefix_cache="node", max_prefill_tokens_per_tick=32)
+    system = prompt(80)
+    lead = Session(1, system + prompt(10, salt=1), 6)
+    assert sched.submit(lead).accepted
+    for _ in range(2):
+        step(sched, engine, sched.plan())
+    assert lead.n_cached == 64
+    late = Session(2, system + prompt(10, salt=2), 6)
+    assert sched.submit(late).accepted and late.leader == (lead, 80)
+    run_to_completion(sched, engine)
+    for s in (lead, late):
+        assert s.reason == R.LENGTH and engine.expected(s.tokens, len(s.prompt))
+    assert late.usage()["cached_tokens"] == 80 and sched.counters.prefill_tokens == 80 + 2 * 10
+
+
 def test_a_follower_computes_its_own_prompt_when_its_leader_is_cancelled():
     engine, sched = scheduler(prefix_cache="node", max_prefill_tokens_per_tick=16)
     lead, follow = Session(1, prompt(64) + [7], 3), Session(2, prompt(64) + [8], 3)
@@ -157,3 +176,31 @@ def test_a_follower_computes_its_own_prompt_when_its_leader_is_cancelled():
     finish(sched, engine)
     assert follow.reason == R.LENGTH and follow.n_reused == 0
     assert engine.expected(follow.tokens, len(follow.prompt))
+
+
+@pytest.mark.slow
+def test_four_sessions_sent_one_200_token_system_prompt_compute_it_once_on_llama_cpp(tiny_model):
+    """The same as above through a node on the real model: the opening is prefilled once and copied,
+    and each session's tokens are a cold run's (up to a numerical tie: bitwise only in deterministic
+    mode)."""
+    from helpers import assert_same_or_a_tie
+    from meshnode.dev.nodeproc import NodeProcess
+
+    system = prompt(200)
+    jobs = {f"u{i}": dict(tokens=system + prompt(10, salt=i + 1), max_tokens=12, ignore_eos=True, logprobs=2)
+            for i in range(4)}
+    with NodeProcess(tiny_model, "--tick-target-ms", "0", "--prefill-chunk", "64") as n:
+        with n.client() as c:
+            before = c.status()["telemetry"]["prefill_tokens_total"]
+            for sid, kw in jobs.items():
+                c.submit(sid, **kw)
+            shared = c.collect(list(jobs))
+            computed = c.status()["telemetry"]["prefill_tokens_total"] - before
+        cold = {}
+        for sid, kw in jobs.items():
+            with n.client() as c:  # a client each: nothing of the others' KV is theirs to reuse
+                cold[sid] = c.generate(sid, **kw)
+    assert computed == 200 + 4 * 10, ("the shared opening was computed more than once", [r.done["usage"] for r in shared.values()])
+    assert sorted(r.done["usage"]["cached_tokens"] for r in shared.values()) == [0, 200, 200, 200]
+    for sid in jobs:
+        assert_same_or_a_tie(shared[sid], cold[sid])

@@ -290,7 +290,14 @@ class Scheduler:
     # -- internals ----------------------------------------------------------------------
     def _start(self, s: Session) -> None:
         self.admission.reserve(s.ask)
-        hit = self.cache.find(s.prompt, s.owner, self._live_prefixes()) if self.cache.on else None
+        hit = lead = None
+        if self.cache.on:
+            hit = self.cache.find(s.prompt, s.owner, self._live_prefixes())
+            lead = self.cache.leader(s.prompt, s.owner, [(r, r.prompt, r.owner) for r in self.running if not r.leader])
+            if lead and hit and lead[1] <= hit.n:
+                lead = None  # what is computed already covers it
+            elif lead:
+                hit = None  # a running prompt is still computing more of this opening: wait, copy it once
         seq_id = None if hit and hit.takeover else self._free_seq(keep=hit.seq_id if hit and hit.entry else None)
         if seq_id is None and hit:  # the hit's own sequence is the only room: take it over
             hit = Hit(hit.seq_id, hit.n, True, True)
@@ -303,8 +310,7 @@ class Scheduler:
                 self.kv_ops.append(Share(hit.seq_id, seq_id, hit.n))
             s.n_cached = s.n_reused = hit.n
             self._reused.append(s)
-        elif self.cache.on:
-            s.leader = self.cache.leader(s.prompt, s.owner, [(r, r.prompt, r.owner) for r in self.running if not r.leader])
+        s.leader = lead
         s.seq_id = seq_id
         s.state, s.t_start = RUNNING, self.clock()
         self.running.append(s)
