@@ -4,7 +4,8 @@ Four sessions stream steadily to one client (each a chain of sessions, the
 next submitted as one ends). A second process holds abusers that fire, with a
 few requests in flight each, the largest valid request of every kind: 256 KiB
 texts of characters the vocab lacks (the tokenizer's worst case) and the
-largest text the context bound cannot refuse unread, 65,536-token prompts,
+largest text the context bound cannot refuse unread, the same as chat messages
+from ten identities, 65,536-token prompts,
 status floods, cancels of unknown ids, /metrics scrapes, and a client that
 submits sessions and stops reading. The abusers are switched on and off in
 short alternating phases, so both conditions see the streams at the same
@@ -12,7 +13,9 @@ context lengths (a tick's cost grows with them); their requests are packed
 once, so their own CPU stays small next to what they cost the node. The
 streams' token gaps under abuse are compared with the steady ones in the same
 run: target worst gap <= 2x the steady p99, no engine restart, and every
-admitted session (the abusers' too) gets exactly one `done`.
+admitted session (the abusers' too) gets exactly one `done`. A client of its
+own sends a small text every quarter second: how long its first token waits,
+steady and under abuse, says whether anyone's tokenization holds it up.
 """
 from __future__ import annotations
 
@@ -27,15 +30,18 @@ import zmq
 
 from ipc import protocol as P
 from ipc.transport import free_tcp_port
-from meshnode.bench import model_path, token_gaps
+from meshnode.bench import llama_build, model_path, token_gaps
 from meshnode.dev.clients import deaf_client
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.engine.llamacpp import system_info
 
 STREAMS = 4
 PAIRS = 5  # steady + abuse phase pairs per round
-STREAM_TOKENS = 1000  # per session of a stream; 4 streams + the slow reader's sessions fit --ctx 8192
+STREAM_TOKENS = 1000  # per session of a stream
 WORST_TEXT = "\t" * (256 * 1024)
-KINDS = ("text", "tokens", "status", "cancel", "metrics", "slow_reader")
+KINDS = ("text", "chat", "tokens", "status", "cancel", "metrics", "slow_reader")
+CHAT_IDENTITIES = 10  # the chat abuse: ten clients, each with one 256 KiB message of tabs in flight
+PROBE_EVERY_S = 0.25  # a small `text` request from a client of its own, steady and under abuse
 
 
 WINDOW = 8  # requests an abuser keeps in flight: the node always has its next one queued
@@ -49,6 +55,9 @@ def _frames(kind: str, n_ctx_seq: int) -> list[list[bytes]]:
                 P.encode_request(P.Submit("u", 1, text="\t" * (n_ctx_seq + 1)))]
     if kind == "tokens":
         return [P.encode_request(P.Submit("k", 1, [3 + i % 500 for i in range(65536)]))]
+    if kind == "chat":  # the largest message (tabs: llama.cpp's quadratic case) and the largest one unread
+        return [P.encode_request(P.Submit("m", 1, messages=[{"role": "user", "content": WORST_TEXT[:-4]}])),
+                P.encode_request(P.Submit("n", 1, messages=[{"role": "user", "content": "\t" * (n_ctx_seq + 1)}]))]
     if kind == "status":
         return [P.encode_request(P.Status())]
     return [P.encode_request(P.Cancel("no-such-session"))]
@@ -68,21 +77,30 @@ def _abuser(kind: str, endpoint: str, metrics_url: str, n_ctx_seq: int, on, stop
         return
     frames = _frames(kind, n_ctx_seq)
     ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    sent = answered = 0
+    n_sockets, window = (CHAT_IDENTITIES, 1) if kind == "chat" else (1, WINDOW)
+    socks = []
+    poller = zmq.Poller()
+    for _ in range(n_sockets):  # an identity each: what one client sends is answered in order
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        socks.append([s, 0, 0])  # socket, sent, answered
+        poller.register(s, zmq.POLLIN)
     while not stop.is_set():
-        while sent - answered < WINDOW and on.is_set():
-            s.send_multipart(frames[sent % len(frames)], copy=False)
-            sent += 1
-        if s.poll(200):
-            ev = P.decode_event(s.recv_multipart())
-            answered += 1
-            key = ev.get("reason") or ev.get("code") or ev["event"]
-            counts[key] = counts.get(key, 0) + 1
-    counts["sent"] = sent
-    s.close()
+        for entry in socks:
+            while entry[1] - entry[2] < window and on.is_set():
+                entry[0].send_multipart(frames[entry[1] % len(frames)], copy=False)
+                entry[1] += 1
+        ready = dict(poller.poll(200))
+        for entry in socks:
+            if ready.get(entry[0]):
+                ev = P.decode_event(entry[0].recv_multipart())
+                entry[2] += 1
+                key = ev.get("reason") or ev.get("code") or ev["event"]
+                counts[key] = counts.get(key, 0) + 1
+    counts["sent"] = sum(e[1] for e in socks)
+    for e in socks:
+        e[0].close()
     ctx.term()
 
 
@@ -159,8 +177,10 @@ def main(a) -> int:
     path = model_path(a)
     port = free_tcp_port()
     phase_s, rounds = a.phase_s, a.rounds
-    args = ["--max-active", "8", "--ctx", "8192", "--threads", str(a.threads), "--metrics-listen", f"127.0.0.1:{port}",
-            "--log-level", "WARNING"]
+    # one unified pool of 65,536 cells: the largest texts and chat messages pass the free bound on their token
+    # count and are really tokenized (and refused only then), the tokenizer's worst case
+    args = ["--max-active", "8", "--kv-layout", "unified", "--ctx", "65536", "--threads", str(a.threads),
+            "--metrics-listen", f"127.0.0.1:{port}", "--log-level", "WARNING"]
     rows, ctx = [], mp.get_context("spawn")
     with NodeProcess(path, *args) as node, node.client(timeout_s=120) as c:
         # each stream is a chain of sessions, the next submitted as one ends, so streams outlast any
@@ -196,6 +216,9 @@ def main(a) -> int:
         with node.client() as s:
             st = s.status()
             restarts0, n_ctx_seq = st["telemetry"]["engine"]["restarts"], st["node"]["budgets"]["n_ctx_seq"]
+        probes: list[tuple[float, float, float]] = []  # (sent, first token wall ms, node-side ttft_ms)
+        probe = threading.Thread(target=_probe, args=(node, stop, probes), daemon=True)
+        probe.start()
         q, on, stop_abuse = ctx.Queue(), ctx.Event(), ctx.Event()
         p = ctx.Process(target=_abuse_process, args=(node.listen, f"http://127.0.0.1:{port}/metrics", n_ctx_seq,
                                                      on, stop_abuse, q, a.kinds.split(",") if a.kinds else KINDS))
@@ -220,24 +243,35 @@ def main(a) -> int:
             rows.append({"round": r + 1, "steady_p50_ms": float(np.percentile(steady, 50)),
                          "steady_p99_ms": float(np.percentile(steady, 99)), "steady_max_ms": float(max(steady)),
                          "abuse_p50_ms": float(np.percentile(abused, 50)),
-                         "abuse_p99_ms": float(np.percentile(abused, 99)), "abuse_max_ms": float(max(abused))})
+                         "abuse_p99_ms": float(np.percentile(abused, 99)), "abuse_max_ms": float(max(abused)),
+                         **_probe_row(probes, phases, r)})
         stop.set()
         for sid in list(live):
             c.cancel(sid)
         reader.join(30)
+        probe.join(30)
         with node.client() as s:
             t = s.status()["telemetry"]
     restarts = t["engine"]["restarts"] - restarts0
     slow = counts.get("slow_reader", {})
     lost = slow.get("admitted", 0) - slow.get("done", 0) + sum(sid not in ended for sid in times)
     print(f"model {os.path.basename(path)}: {STREAMS} streams; per round {PAIRS} x ({phase_s:g} s steady, "
-          f"{phase_s:g} s abuse); abusers: {', '.join(counts)}")
+          f"{phase_s:g} s abuse); abusers: {', '.join(counts)}; {llama_build()}")
+    print(f"llama.cpp system info: {system_info()}")
     print(f"{'round':>6}{'steady p50':>12}{'steady p99':>12}{'steady max':>12}{'abuse p50':>11}{'abuse p99':>11}"
           f"{'abuse max':>11}{'max / steady p99':>18}")
     for r in rows:
         print(f"{r['round']:>6}{r['steady_p50_ms']:12.1f}{r['steady_p99_ms']:12.1f}{r['steady_max_ms']:12.1f}"
               f"{r['abuse_p50_ms']:11.1f}{r['abuse_p99_ms']:11.1f}{r['abuse_max_ms']:11.1f}"
               f"{r['abuse_max_ms'] / r['steady_p99_ms']:17.2f}x")
+    print(f"a small text ('hello', 1 token) from a client of its own every {PROBE_EVERY_S:g} s, first token "
+          "in ms (wall; node-side ttft_ms, which counts the tokenizer wait):")
+    print(f"{'round':>6}{'steady p50':>12}{'steady max':>12}{'abuse p50':>11}{'abuse max':>11}"
+          f"{'node ttft max':>15}{'probes':>8}")
+    for r in rows:
+        print(f"{r['round']:>6}{r['probe_steady_p50_ms']:12.1f}{r['probe_steady_max_ms']:12.1f}"
+              f"{r['probe_abuse_p50_ms']:11.1f}{r['probe_abuse_max_ms']:11.1f}{r['probe_abuse_node_ttft_max_ms']:15.1f}"
+              f"{r['probes']:>8}")
     print("requests answered, by kind: " + "; ".join(
         f"{k} {v['sent']} sent" + "".join(f", {kk} {vv}" for kk, vv in v.items() if kk != "sent")
         for k, v in counts.items()))
@@ -247,8 +281,32 @@ def main(a) -> int:
           f"sessions without their done {lost}: {'met' if ok else 'NOT met'}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": path, "phase_s": phase_s, "pairs_per_round": PAIRS, "rows": rows, "requests": counts,
+            json.dump({"model": path, "build": llama_build(), "system_info": system_info(), "phase_s": phase_s, "pairs_per_round": PAIRS, "rows": rows, "requests": counts,
                        "restarts": restarts, "lost": lost, "worst_ratio": worst,
                        "undeliverable_total": t.get("undeliverable_total"), "bad_frames_total": t["bad_frames_total"],
                        "rejected_by_reason": t["rejected_by_reason"]}, f, indent=2)
     return 0
+
+
+def _probe(node, stop: threading.Event, out: list) -> None:
+    """A small request from a client of its own, again and again: how long its first token waits."""
+    with node.client(timeout_s=120) as c:
+        k = 0
+        while not stop.is_set():
+            t0 = time.monotonic()
+            r = c.generate(f"probe{k}", text="hello", max_tokens=1, ignore_eos=True)
+            if r.token_times:
+                out.append((t0, (r.token_times[0] - t0) * 1e3, r.done["usage"]["ttft_ms"]))
+            k += 1
+            stop.wait(PROBE_EVERY_S)
+
+
+def _probe_row(probes: list, phases: list, r: int) -> dict:
+    def within(kind):
+        return [p for p in probes for k, rr, lo, hi in phases if k == kind and rr == r and lo <= p[0] < hi]
+
+    steady, abused = within("steady"), within("abuse")
+    q = lambda rows, i, f: float(f([p[i] for p in rows])) if rows else float("nan")  # noqa: E731
+    return {"probe_steady_p50_ms": q(steady, 1, np.median), "probe_steady_max_ms": q(steady, 1, max),
+            "probe_abuse_p50_ms": q(abused, 1, np.median), "probe_abuse_max_ms": q(abused, 1, max),
+            "probe_abuse_node_ttft_max_ms": q(abused, 2, max), "probes": len(steady) + len(abused)}

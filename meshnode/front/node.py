@@ -81,7 +81,7 @@ class Front:
                 self.reaper.claim(self._locks[-1].path)
                 self.reaper.claim(self._locks[-1].path + ".lock")
         self.tok = Tokenizer(cfg.model)
-        self.texts = TextJobs(self.tok.prompt_slices)
+        self.texts = TextJobs(self.tok.prompt_slices, decoding=lambda: self.sched is not None and bool(self.sched.running))
         self.zctx = zmq.Context()
         # bound before the engine loads the model: a port in use fails the start in a second, not after it
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None

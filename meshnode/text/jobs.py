@@ -11,15 +11,24 @@ The worker takes turns between owners (client identities) a slice of text at a
 time, so ten clients' long texts cannot make an eleventh client's `hello` wait
 behind all of them: it waits for one slice of each, its own share. One owner's
 texts finish in the order they came.
+
+While sessions decode (`decoding()`), the worker's CPU is metered like the rest
+of the client work (meshnode/core/cpushare.py): llama.cpp's threads spin at every
+barrier, so a tokenizer taking a core stalls every stream (ten clients' 256 KiB
+chat messages made 390 ms gaps in 3 ms ticks, `meshnode bench abuse`). An idle
+node tokenizes at full speed.
 """
 from __future__ import annotations
 
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+
+from meshnode.core.cpushare import CpuShare
 
 MAX_BACKLOG_CHARS = 8 << 20  # text waiting for the worker, all clients together
 
@@ -34,9 +43,11 @@ class TextJob:
 
 
 class TextJobs:
-    def __init__(self, slices, max_backlog_chars: int = MAX_BACKLOG_CHARS):
-        """`slices(prompt)` yields the prompt's tokens a slice at a time (Tokenizer.prompt_slices)."""
-        self._slices = slices
+    def __init__(self, slices, max_backlog_chars: int = MAX_BACKLOG_CHARS, decoding=None):
+        """`slices(prompt)` yields the prompt's tokens a slice at a time (Tokenizer.prompt_slices);
+        `decoding()`: whether sessions are decoding now (then the worker keeps to its CPU share)."""
+        self._slices, self._decoding = slices, decoding
+        self._share = CpuShare(time.monotonic())
         self.max_backlog_chars = max_backlog_chars
         self.backlog_chars = 0  # owned by the caller's thread: added in submit, removed in finished
         self.jobs_total = 0  # texts taken for tokenizing, for telemetry
@@ -102,7 +113,9 @@ class TextJobs:
             try:
                 if entry[1] is None:
                     entry[1] = iter(self._slices(job.prompt))
+                cpu = time.thread_time()
                 job.tokens += next(entry[1])
+                self._keep_to_share(time.thread_time() - cpu)
                 continue
             except StopIteration:
                 pass
@@ -114,6 +127,16 @@ class TextJobs:
                 turns.remove(owner)
             self._done.put(job)
             os.write(self._wake_w, b"x")
+
+    def _keep_to_share(self, cpu_s: float) -> None:
+        if self._decoding is None or not self._decoding():
+            return
+        now = time.monotonic()
+        self._share.available(now)
+        self._share.spend(cpu_s)
+        wait = self._share.wait_s(now)
+        if wait:
+            time.sleep(wait)
 
     def close(self) -> None:
         self._todo.put(None)
