@@ -171,3 +171,58 @@ def test_a_connection_silent_past_the_idle_timeout_is_closed(tiny_model):
         assert t, "the quiet connection was never closed"
         assert quiet.ping(timeout_s=10)  # and it comes back by itself when it speaks
         quiet.close()
+
+
+def test_a_stalled_client_gets_what_was_kept_and_the_overflow_is_counted(tiny_model):
+    """3,000 requests from a client that reads nothing: its queue fills (1000), then up to 1024 final
+    answers are kept, and each one beyond is dropped and counted; when it reads again it gets every
+    answer that was not counted as undeliverable, in order, each once."""
+    from meshnode.front.outbox import MAX_PENDING
+
+    with NodeProcess(tiny_model) as n, n.client() as watcher:
+        ctx, s = deaf_client(n.listen)
+        n_sent = 3000
+        for i in range(n_sent):
+            s.send_multipart(P.encode_request(P.Cancel(f"x{i}")))
+        t = wait_until(lambda: (lambda t: t if t["undeliverable_total"] > 0 and t["clients_stalled"] else None)(
+            watcher.status()["telemetry"]), 60)
+        assert t, "the client never stalled"
+        got = []
+        while s.poll(2000):
+            got.append(P.decode_event(s.recv_multipart())["id"])
+        dropped = watcher.status()["telemetry"]["undeliverable_total"]
+        s.close()
+        ctx.term()
+    assert len(got) + dropped == n_sent and len(set(got)) == len(got)
+    assert got == sorted(got, key=lambda i: int(i[1:]))  # in the order the requests came
+    assert MAX_PENDING <= len(got) < n_sent
+
+
+def test_the_telemetry_pub_holds_64_subscribers_and_a_silent_connection_is_dropped(tiny_model):
+    import socket
+
+    import zmq
+
+    from meshnode.front.clients import TELEMETRY_SUBSCRIBERS
+    from meshnode.front.gate import HANDSHAKE_S
+
+    with NodeProcess(tiny_model) as n, n.client() as c:
+        ctx = zmq.Context()
+        subs = []
+        for _ in range(TELEMETRY_SUBSCRIBERS + 6):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(n.telemetry)
+            subs.append(sub)
+        t = wait_until(lambda: (lambda t: t if t["subscribers_connected"] == TELEMETRY_SUBSCRIBERS else None)(
+            c.status()["telemetry"]), 30)
+        assert t and t["subscribers_connected"] == TELEMETRY_SUBSCRIBERS
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # connects, never speaks ZMTP
+        silent.connect(n.listen[len("ipc://"):])
+        silent.settimeout(HANDSHAKE_S + 30)
+        while silent.recv(4096):  # the node's greeting, then the end once the handshake deadline passes
+            pass
+        silent.close()
+        for sub in subs:
+            sub.close()
+        ctx.term()

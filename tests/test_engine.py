@@ -219,7 +219,11 @@ def test_reused_kv_continues_like_a_cold_prefill(tiny_model, layout):
             np.testing.assert_allclose(a, b, atol=1e-2)
 
 
-def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model):
+def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, monkeypatch):
+    from meshnode.engine import llama
+
+    monkeypatch.setattr(llama, "CHUNKS_BUDGET_MS", 1e12)  # the time bounds, tested below, out of the way:
+    monkeypatch.setattr(llama, "DEPTH_BUDGET_MS", 1e12)  # the schedule is the same on a busy machine
     with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
         points = e.calibrate()
         # chunks at 0, then seq 0 filled to half its context (512) and decode rows beside it there
@@ -240,3 +244,16 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model):
         points = e.calibrate()  # 256 cells a stream: too shallow to fill; the chunk beside decode rows is a 2nd call
         assert [p[:2] for p in points[-5:]] == [(1, 2), (1, 4), (2, 66), (2, 130), (2, 257)]
         assert all(e.seq_pos_max(s) < 0 for s in range(4))
+
+
+def test_calibration_stops_growing_chunks_and_stays_shallow_when_its_time_is_spent(tiny_model, monkeypatch):
+    """A big model on few cores: past CHUNKS_BUDGET_MS of ticks no larger chunk is timed (8 rows are
+    always), and the deep fill takes the deepest of DEPTHS that fits DEPTH_BUDGET_MS, or none."""
+    from meshnode.engine import llama
+
+    monkeypatch.setattr(llama, "CHUNKS_BUDGET_MS", 0.0)
+    monkeypatch.setattr(llama, "DEPTH_BUDGET_MS", 0.0)
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
+        points = e.calibrate()
+    # chunks of 1-8 rows, no deep fill, then 2 and 4 decode rows at position 0 and chunks beside 2 of them
+    assert [p[1] for p in points] == [1, 2, 4, 8, 2, 4, 66, 130, 258]

@@ -112,10 +112,9 @@ def test_front_death_takes_the_engine_and_leaves_nothing(tiny_model):
     n.proc.kill()
     n.proc.wait()
     t0 = time.monotonic()
-    gone = wait_until(lambda: not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == "zombie", 5)
-    took = time.monotonic() - t0
-    print(f"engine exited {took:.2f} s after the front was killed")
-    assert gone and took < 2.0
+    gone = wait_until(lambda: not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == "zombie", 30)
+    print(f"engine exited {time.monotonic() - t0:.2f} s after the front was killed")
+    assert gone  # it watches the front itself: nothing else would ever stop it
     assert wait_until(lambda: set(leftover_segments()) <= set(before), 3)
     def left():
         return [f for f in os.listdir(n.run_dir) if f.endswith((".sock", ".lock"))]
@@ -127,11 +126,10 @@ def test_front_death_takes_the_engine_and_leaves_nothing(tiny_model):
 @pytest.mark.parametrize("setting", [["--ctx", "1"], ["--n-batch", "1"], ["--tick-deadline-s", "0"],
                                      ["--tick-deadline-s", "nan"], ["--threads", "-1"]])
 def test_a_value_llama_cpp_would_refuse_stops_the_start_with_exit_2(tiny_model, tmp_path, setting):
-    t0 = time.monotonic()
     out = serve(tiny_model, *setting, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock")
     key = setting[0][2:].replace("-", "_")
-    assert out.returncode == 2 and key.replace("ctx", "ctx") in out.stderr, out.stderr
-    assert time.monotonic() - t0 < 10
+    assert out.returncode == 2 and key in out.stderr, out.stderr
+    assert out.stderr.startswith("meshnode serve: ")  # refused by the config check, before anything started
 
 
 def test_a_quantized_v_cache_without_flash_attention_stops_the_start_with_exit_2(tiny_model, tmp_path):
@@ -146,10 +144,9 @@ def test_an_engine_that_dies_before_hello_ends_the_start_at_once_with_its_words(
     """A GGML_ASSERT while loading: the start ends in seconds, with the exit status and llama.cpp's
     message, instead of the front spinning on a closed link until its start timeout."""
     monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
-    t0 = time.monotonic()
     out = serve(tiny_model, "--listen", f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock",
-                internal={"faults": [{"abort_at_start": True}]})
-    assert out.returncode == 1 and time.monotonic() - t0 < 20
+                "--start-timeout-s", "3600", internal={"faults": [{"abort_at_start": True}]}, timeout=300)
+    assert out.returncode == 1  # at once: a start that waited for its timeout would outlive `serve`'s
     line = next(ln for ln in out.stderr.splitlines() if "cannot serve" in ln)
     assert "exited (code -6)" in line and "llama.cpp aborted" in line and "GGML_ASSERT(injected) failed" in line
     assert "#0 " not in out.stderr  # no gdb backtrace dumped into the log

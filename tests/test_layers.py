@@ -48,16 +48,34 @@ def modules():
         yield name, path
 
 
+def absolute(node: ast.ImportFrom, path: pathlib.Path) -> str:
+    """The module a `from` import names, relative ones (`from . import x`, `from ..core import y`) resolved."""
+    if not node.level:
+        return node.module
+    package = path.relative_to(ROOT).parent.parts
+    base = package[:len(package) - (node.level - 1)]
+    return ".".join(base + ((node.module,) if node.module else ()))
+
+
 def imports(path: pathlib.Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            pkg = ROOT.joinpath(*node.module.split("."))
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute(node, path)
+            pkg = ROOT.joinpath(*module.split("."))
             if pkg.is_dir():  # `from meshnode.engine import llamacpp` imports meshnode.engine.llamacpp
-                yield from (f"{node.module}.{a.name}" for a in node.names)
+                yield from (f"{module}.{a.name}" for a in node.names)
             else:
-                yield node.module
+                yield module
+
+
+def test_relative_imports_are_resolved_and_checked():
+    """`from ..front import node` inside meshnode/core would be a violation like its absolute spelling."""
+    core = ROOT / "meshnode" / "core" / "scheduler.py"
+    tree = ast.parse("from ..front import node\nfrom . import reasons\nfrom .types import Plan\n")
+    got = [absolute(n, core) for n in tree.body]
+    assert got == ["meshnode.front", "meshnode.core", "meshnode.core.types"]
 
 
 CASES = [(name, path) for name, path in modules() if layer_of(name)]

@@ -109,10 +109,11 @@ def test_the_heartbeat_says_finished_only_once_the_answer_is_sent():
 
     class HeldSocket:
         def __init__(self):
-            self.go, self.sent = threading.Event(), []
+            self.entered, self.go, self.sent = threading.Event(), threading.Event(), []
 
         def send(self, data):
-            self.go.wait(5)
+            self.entered.set()
+            self.go.wait(30)
             self.sent.append(data)
 
     arena = TokenArena.create(*link.arena_shape(16, 4))
@@ -122,7 +123,7 @@ def test_the_heartbeat_says_finished_only_once_the_answer_is_sent():
     try:
         arena.beat(7, finished=False)
         io.reply(link.TickRefused(7, False, "x"))
-        time.sleep(0.2)
+        assert sock.entered.wait(30)  # the writer is inside its send
         assert arena.heartbeat()[:2] == (7, 0) and not sock.sent  # stepped, not sent: not finished
         sock.go.set()
         deadline = time.monotonic() + 5

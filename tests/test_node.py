@@ -1,7 +1,6 @@
 """The deployable node: real front and engine processes on the tiny model, over ipc://."""
 import os
 import signal
-import time
 
 import msgpack
 import pytest
@@ -257,8 +256,7 @@ def test_shutdown_leaves_no_process_segment_or_socket(tiny_model):
     kids = children_of(n.proc.pid)
     assert kids
     assert n.stop() == 0
-    assert wait_until(lambda: all(not k.is_running() or k.status() == "zombie" for k in kids), 5)
-    time.sleep(0.1)
+    assert wait_until(lambda: all(not k.is_running() or k.status() == "zombie" for k in kids), 30)
     assert_clean(n, before)
 
 
@@ -321,3 +319,28 @@ def test_pipelined_and_lockstep_nodes_give_the_same_tokens(tiny_model):
             assert pipelined[sid].tokens[-1] == stops[sid][0] and pipelined[sid].tokens[-1] == stops[sid][0]
         else:
             assert_consistent(pipelined[sid], jobs[sid]["max_tokens"], R.LENGTH)
+
+
+def test_a_request_wrong_in_several_ways_gets_the_first_reason_of_the_documented_order(tiny_model):
+    """draining, duplicate, recipe, context, then the queue: a client learns what to fix first."""
+    import signal as sig
+
+    with NodeProcess(tiny_model, "--max-active", "1", "--max-queue", "0", "--drain-timeout-s", "120") as n, \
+            n.client() as c:
+        c.submit("a", tokens=prompt(3), max_tokens=4000, ignore_eos=True)
+        c.wait_for(lambda e: e["event"] == "tokens", keep=True)
+        asks = [("a", dict(recipe="mn1-other", max_tokens=99_999), R.REJECTED_DUPLICATE),
+                ("b", dict(recipe="mn1-other", max_tokens=99_999), R.REJECTED_RECIPE_MISMATCH),
+                ("c", dict(max_tokens=99_999), R.REJECTED_CONTEXT_TOO_LONG),
+                ("d", dict(max_tokens=4), R.REJECTED_QUEUE_FULL)]
+        for sid, kw, _ in asks:
+            c.submit(sid, tokens=prompt(3), **kw)
+        got = [c.wait_for(lambda e, sid=sid: e["event"] == "rejected" and e["id"] == sid)["reason"]
+               for sid, _, _ in asks]
+        n.proc.send_signal(sig.SIGTERM)
+        assert wait_until(lambda: c.status()["telemetry"]["draining"], 30)
+        c.submit("a", tokens=prompt(3), max_tokens=99_999, recipe="mn1-other")
+        draining = c.wait_for(lambda e: e["event"] == "rejected")["reason"]
+        c.cancel("a")
+        assert c.collect(["a"])["a"].done["reason"] == R.CANCELLED
+    assert got == [want for _, _, want in asks] and draining == R.REJECTED_DRAINING

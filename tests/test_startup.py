@@ -2,7 +2,6 @@
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -47,8 +46,7 @@ def test_a_signal_during_start_up_is_a_clean_stop(tiny_model, sig):
     n = NodeProcess(tiny_model, internal={"faults": [{"sleep_at_start": 30}]})
     n._log = open(n.log_path, "w")
     n.proc = subprocess.Popen(n.args, env=n.env, stdout=n._log, stderr=subprocess.STDOUT)
-    assert wait_until(lambda: children_of(n.proc.pid), 20)  # the engine is loading the model
-    time.sleep(0.5)
+    assert wait_until(lambda: children_of(n.proc.pid), 20)  # the engine is loading (for 30 s): the front waits
     n.proc.send_signal(sig)
     assert n.proc.wait(15) == 0, n.log()
     n._log.close()
