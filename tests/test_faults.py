@@ -162,3 +162,56 @@ def test_an_abort_mid_generation_is_reported_and_the_engine_restarts(tiny_model,
         log = n.log()
     assert_continues(got, reference_tokens, JOBS, R.LENGTH)
     assert t["engine"]["restarts"] == 1 and "llama.cpp aborted: injected:0: GGML_ASSERT(injected) failed" in log
+
+
+def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnects(tiny_model):
+    """Every event the node sends, counted per id: one admission each, tokens only between it and the
+    done, exactly one done per admitted session and nothing after it, while the engine is killed,
+    sessions are cancelled mid-stream and another client vanishes with sessions of its own."""
+    from collections import defaultdict
+
+    import zmq
+
+    from ipc import protocol as P
+
+    internal = {"faults": [{"kind": "kill", "at_tick": 40}, {}]}
+    with NodeProcess(tiny_model, "--max-active", "4", "--max-queue", "64", internal=internal) as n:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(n.listen)
+        gone = ctx.socket(zmq.DEALER)  # a client that leaves with sessions running and queued
+        gone.setsockopt(zmq.LINGER, 0)
+        gone.connect(n.listen)
+        for i in range(4):
+            gone.send_multipart(P.encode_request(P.Submit(f"g{i}", 300, [3 + i, 4], ignore_eos=True)))
+        ids = [f"s{i}" for i in range(12)]
+        for i, sid in enumerate(ids):
+            s.send_multipart(P.encode_request(P.Submit(sid, 40 + 20 * i, [3 + i, 5, 7], ignore_eos=True)))
+        events, cancelled = defaultdict(list), set()
+        while sum(e["event"] == "done" for evs in events.values() for e in evs) < len(ids):
+            assert s.poll(60_000), f"no done for {[i for i in ids if not any(e['event'] == 'done' for e in events[i])]}"
+            ev = P.decode_event(s.recv_multipart())
+            events[ev["id"]].append(ev)
+            if ev["event"] == "tokens" and len(events[ev["id"]]) == 3 and ev["id"] in ("s2", "s7", "s11"):
+                s.send_multipart(P.encode_request(P.Cancel(ev["id"])))  # mid-stream
+                cancelled.add(ev["id"])
+            if ev["event"] == "tokens" and not gone.closed:
+                gone.close()
+        while s.poll(1000):  # anything more would be a second answer
+            ev = P.decode_event(s.recv_multipart())
+            events[ev["id"]].append(ev)
+        with n.client() as c:
+            t = c.status()["telemetry"]
+        s.close()
+        ctx.term()
+    assert set(events) == set(ids)
+    for sid, evs in events.items():
+        kinds = [e["event"] for e in evs]
+        assert kinds[0] == "admitted" and kinds[-1] == "done" and kinds.count("done") == 1, (sid, kinds)
+        assert set(kinds[1:-1]) <= {"tokens"}, (sid, kinds)
+        assert evs[-1]["tokens"] == [t for e in evs[1:-1] for t in e["tokens"]]
+    reasons = {sid: evs[-1]["reason"] for sid, evs in events.items()}
+    assert {reasons[sid] for sid in cancelled} == {R.CANCELLED}
+    assert all(reasons[sid] == R.LENGTH for sid in ids if sid not in cancelled)
+    assert t["engine"]["restarts"] == 1 and t["active_sessions"] == 0 and t["client_faults_total"] >= 1
