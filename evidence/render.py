@@ -130,6 +130,7 @@ def main() -> int:
                f"{peers['node_tok_s']:.1f} tok/s: **{peers['ratio']:.2f}x** (target >= 2.0x). "
                f"Greedy tokens identical for {peers['identical_jobs']}/{peers['jobs']} jobs.", ""]
     md += sections.burst() + sections.ticks() + sections.layout() + sections.chat() + sections.sampling()
+    md += sections.abuse()
     md += sections.deterministic_sweeps()
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:
@@ -147,21 +148,6 @@ def main() -> int:
                 "identical" if at is None else str(at) for at in v["first_difference"].values()) + " |"
                 for k, v in cont.items()]
         md.append("")
-    abuse = load("abuse-bench.json")
-    if abuse:
-        md += ["## Abuse: the largest valid request of every kind against 4 streams (bench model)", "",
-               "`meshnode bench abuse --preset bench --json evidence/abuse-bench.json`: abusers switched on and off "
-               f"in alternating {abuse['phase_s']:g} s phases, {abuse['pairs_per_round']} pairs per round.", "",
-               "| round | steady p50 ms | steady p99 | steady max | abuse p50 | abuse p99 | abuse max | "
-               "max / steady p99 |", "|---|---|---|---|---|---|---|---|"]
-        md += [f"| {r['round']} | {r['steady_p50_ms']:.1f} | {r['steady_p99_ms']:.1f} | {r['steady_max_ms']:.1f} | "
-               f"{r['abuse_p50_ms']:.1f} | {r['abuse_p99_ms']:.1f} | {r['abuse_max_ms']:.1f} | "
-               f"{r['abuse_max_ms'] / r['steady_p99_ms']:.2f}x |" for r in abuse["rows"]]
-        md += ["", "Requests answered, by kind: " + "; ".join(
-            f"{k} {v['sent']}" + "".join(f", {kk} {vv}" for kk, vv in v.items() if kk != "sent")
-            for k, v in abuse["requests"].items()) + ".", "",
-            f"Worst gap under abuse / steady p99: **{abuse['worst_ratio']:.2f}x** (target <= 2x); engine restarts "
-            f"**{abuse['restarts']}**; sessions without their done **{abuse['lost']}**.", ""]
     ipc_path = os.path.join(HERE, "ipc.txt")
     if os.path.exists(ipc_path):
         md += ["## Engine-link transport round trip (diagnostic)", "",

@@ -162,3 +162,36 @@ def _sweep_verdict(r: dict) -> str:
     levels = ", ".join(str(lv["concurrency"]) for lv in r.get("levels", []))
     return (f"concurrency {levels}: corruption-free **{r['corruption_free']}**, {len(r['mismatches'])} job(s) whose "
             f"tokens differ from concurrency {r['reference_concurrency']}")
+
+
+def abuse() -> list[str]:
+    """bench abuse before and after issue 23's fixes, side by side (evidence/abuse.sh)."""
+    md = []
+    for preset in ("bench", "tiny"):
+        after, before = load(f"abuse-{preset}.json"), load(f"abuse-{preset}-before.json")
+        if not after:
+            continue
+        if not md:
+            md = ["## Abuse: the largest valid requests of every kind against 4 streams", "",
+                  "`evidence/abuse.sh` runs `meshnode bench abuse --rounds 3` on this tree and on the node before "
+                  "issue 23 (commit 144f411, with this tree's bench laid over it: the same load). Abusers: 256 KiB "
+                  "texts and chat messages of tabs (ten chat identities), 65,536-token prompts, status floods, "
+                  "unknown cancels, /metrics scrapes, a client that stops reading; a one-pool node of 65,536 cells, "
+                  "so the largest texts are really tokenized. Gaps are between tokens of the 4 streams; the probe "
+                  "is a client of its own sending `hello` (1 token) every 0.25 s: its first token, wall ms.", ""]
+        md += [f"**{preset} model** ({after.get('system_info', '').strip() or 'system info not recorded'})", "",
+               "| node | round | steady p99 | abuse p99 | abuse max | max / steady p99 | probe steady p50 | "
+               "probe abuse p50 | probe abuse max | probes |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, d in (("before", before), ("after", after)):
+            for r in (d or {}).get("rows", []):
+                md.append(f"| {name} | {r['round']} | {r['steady_p99_ms']:.1f} | {r['abuse_p99_ms']:.1f} | "
+                          f"{r['abuse_max_ms']:.1f} | {r['abuse_max_ms'] / r['steady_p99_ms']:.2f}x | "
+                          f"{r['probe_steady_p50_ms']:.1f} | {r['probe_abuse_p50_ms']:.1f} | "
+                          f"{r['probe_abuse_max_ms']:.1f} | {r['probes']} |")
+        md += [""] + [f"{name}: worst gap under abuse / steady p99 **{d['worst_ratio']:.2f}x** (target <= 2x), engine "
+                      f"restarts {d['restarts']}, sessions without their done {d['lost']}; requests answered: "
+                      + "; ".join(f"{k} {v['sent']}" + "".join(f", {kk} {vv}" for kk, vv in v.items() if kk != "sent")
+                                  for k, v in d["requests"].items()) + "." for name, d in (("before", before),
+                                                                                      ("after", after)) if d]
+        md.append("")
+    return md

@@ -68,10 +68,11 @@ class Gate:
     answer waiting (`busy()` names the identities that do) and has been silent for `evict_after_s`;
     when there is none, the new one is closed instead, and its client's ZeroMQ socket keeps its
     requests and connects again until there is room. The silence matters: a request already on its
-    way on a connection being closed is lost, so only a connection quiet for a while is taken. With `idle_s`, such a connection is also closed once it has been silent
-    that long. A ZeroMQ client reconnects by itself when it next sends, so closing an idle one costs
-    it nothing but a handshake. `per_host` caps the connections of one remote tcp:// address (loopback
-    is the node's own machine, and ipc:// has no address)."""
+    way on a connection being closed is lost, so only a connection quiet for a while is taken. With
+    `idle_s`, such a connection is also closed once it has been silent that long. A ZeroMQ client
+    reconnects by itself, so closing an idle one costs it a handshake. A gate without `busy` (the
+    telemetry PUB, whose subscribers never speak) only refuses. `per_host` caps the connections of one
+    remote tcp:// address (loopback is the node's own machine, and ipc:// has no address)."""
 
     def __init__(self, sock: zmq.Socket, endpoint: str, cap: int, *, busy=None, idle_s: float = 0.0,
                  per_host: int = 0, evict_after_s: float = EVICT_AFTER_S, clock=time.monotonic):
@@ -105,8 +106,7 @@ class Gate:
     def _accept(self, fd: int) -> None:
         if fd in self.conns:  # heard from before this event came: taken in already
             return
-        host = _peer_host(fd) if self.per_host and self._local is not None and not isinstance(self._local, str) \
-            else None
+        host = _peer_host(fd) if self.per_host and self.endpoint.startswith("tcp://") else None
         crowded = host is not None and sum(c.host == host for c in self.conns.values()) >= self.per_host
         if not crowded and len(self.conns) >= self.cap:
             victim = self._idlest()
