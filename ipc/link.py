@@ -100,7 +100,8 @@ class EngineProcessConfig:
     engine_kind: str  # "llama" (the engine's EngineConfig fields in engine_params) or "fake" (tests)
     engine_params: dict
     log_level: str = "WARNING"
-    faults: dict | None = None  # tests only: what meshnode/dev/faulty.py injects into this incarnation
+    faults: dict | None = None  # tests only: what `wrapper` injects into this incarnation
+    wrapper: str = ""  # tests only: "module:callable" that wraps the engine with the faults (named by the caller)
     calibrate: bool = False  # time ticks of known shapes before the hello (the first incarnation only)
 
 

@@ -13,7 +13,6 @@ exchange whole msgpack messages (ipc/link.py); a closed link reads as None.
 """
 from __future__ import annotations
 
-import select
 import socket
 import struct
 
@@ -48,9 +47,6 @@ class LinkSocket:
         if flags & socket.MSG_TRUNC:
             raise ValueError(f"engine link message over {MAX_MESSAGE} bytes")
         return memoryview(self._buf)[:n] if n else None
-
-    def poll(self, timeout_s: float) -> bool:
-        return bool(select.select([self.sock], [], [], timeout_s)[0])
 
     def close(self) -> None:
         self.sock.close()

@@ -226,3 +226,38 @@ def test_the_telemetry_pub_holds_64_subscribers_and_a_silent_connection_is_dropp
         for sub in subs:
             sub.close()
         ctx.term()
+
+
+def test_one_remote_address_holds_at_most_its_share_of_connections(monkeypatch):
+    """The per-host cap on a tcp listener, with the peer address a real remote client would have
+    (this machine's connections are loopback, which is exempt): the third from one host is closed,
+    another host's still gets in."""
+    import zmq
+
+    from ipc.transport import free_tcp_port
+    from meshnode.front import gate as G
+
+    hosts = iter(["10.0.0.7", "10.0.0.7", "10.0.0.7", "10.0.0.8"])
+    monkeypatch.setattr(G, "_peer_host", lambda fd: next(hosts))
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    router.bind(ep)
+    g = G.Gate(router, ep, cap=100, per_host=2)
+    dealers = []
+    try:
+        for k in range(4):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.RECONNECT_IVL, 60_000)  # a refused one stays out while we look
+            d.connect(ep)
+            dealers.append(d)
+            assert wait_until(lambda k=k: (g.on_events(), g.connected + g.refused_total)[1] == k + 1, 30)
+        assert g.refused_total == 1 and g.connected == 3
+        assert sorted(c.host for c in g.conns.values()) == ["10.0.0.7", "10.0.0.7", "10.0.0.8"]
+    finally:
+        g.close()
+        for d in dealers:
+            d.close()
+        router.close()
+        ctx.term()

@@ -17,10 +17,10 @@ ALLOWED = {
     "meshnode.engine": ["meshnode.core", "meshnode.engine"],
     "meshnode.text": ["meshnode.core", "meshnode.engine.llamacpp", "meshnode.text"],
     "ipc": ["meshnode.core", "ipc"],
-    "meshnode.worker": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops.memory", "meshnode.worker",
-                        "meshnode.dev.faulty"],
+    # production never imports test helpers (meshnode.dev), and the front spawns the worker by module path
+    "meshnode.worker": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops.memory", "meshnode.worker"],
     "meshnode.front": ["meshnode.core", "meshnode.text", "ipc", "meshnode.ops", "meshnode.front",
-                       "meshnode.worker.main", "meshnode.__version__", "meshnode.engine.llamacpp"],
+                       "meshnode.__version__", "meshnode.engine.llamacpp"],
     "meshnode.ops": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops"],
     "meshnode.client": ["meshnode.core", "ipc"],
 }

@@ -107,12 +107,12 @@ class PrefixCache:
                 n = min(common_prefix(p, e.tokens), cap)
                 whole = n >= len(e.tokens) - 1  # nothing of value beyond what is reused: take it over
                 if (n > 0 if whole else n >= MIN_SHARE) and (best is None or n > best.n):
-                    best = Hit(e.seq_id, n, True, whole)
+                    best = Hit(e.seq_id, n, entry=True, takeover=whole)
         for seq_id, tokens, other in live:
             if self._mine(owner, other) and len(tokens) >= MIN_SHARE:
                 n = min(common_prefix(p, np.asarray(tokens, np.int32)), cap)
                 if n >= MIN_SHARE and (best is None or n > best.n):
-                    best = Hit(seq_id, n, False, False)
+                    best = Hit(seq_id, n, entry=False, takeover=False)
         return best
 
     def leader(self, prompt: list[int], owner: Hashable, running) -> tuple[object, int] | None:

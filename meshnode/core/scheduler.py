@@ -300,7 +300,7 @@ class Scheduler:
                 hit = None  # a running prompt is still computing more of this opening: wait, copy it once
         seq_id = None if hit and hit.takeover else self._free_seq(keep=hit.seq_id if hit and hit.entry else None)
         if seq_id is None and hit:  # the hit's own sequence is the only room: take it over
-            hit = Hit(hit.seq_id, hit.n, True, True)
+            hit = Hit(hit.seq_id, hit.n, entry=True, takeover=True)
         if hit:
             self.cache.take(hit)
             if hit.takeover:
@@ -328,7 +328,7 @@ class Scheduler:
             s.leader = None
         elif leader.n_cached >= n:
             s.leader = None
-            self.cache.take(Hit(leader.seq_id, n, False, False))
+            self.cache.take(Hit(leader.seq_id, n, entry=False, takeover=False))
             self.kv_ops.append(Share(leader.seq_id, s.seq_id, n))
             s.n_cached = s.n_reused = n
             self._reused.append(s)

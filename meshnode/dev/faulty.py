@@ -1,8 +1,9 @@
 """An engine that fails on purpose, the way a test asked: chosen when the engine is built, never in production.
 
 The engine process wraps its engine in `Faulty` only when its configuration
-carries faults (only the test and drill entry, meshnode/dev/serve.py, can put
-them there). Start-up faults happen while it is built, before the engine
+carries faults and names this class as their wrapper (only the test and drill
+entry, meshnode/dev/serve.py, can put them there; the worker imports it by that
+name, so no production module imports this one). Start-up faults happen while it is built, before the engine
 says hello; a tick fault happens inside the `at_tick`-th step.
 """
 from __future__ import annotations

@@ -12,8 +12,13 @@ import sys
 from meshnode.cli import build_parser, serve_node
 
 
+FAULTY = "meshnode.dev.faulty:Faulty"  # what injects `faults`: named here, so no production module imports it
+
+
 def main(argv: list[str]) -> int:
     internal = json.loads(argv[0])
+    if internal.get("faults"):
+        internal.setdefault("engine_wrapper", FAULTY)
     return serve_node(build_parser().parse_args(["serve", *argv[1:]]), internal)
 
 

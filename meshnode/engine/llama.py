@@ -1,10 +1,13 @@
-"""The llama.cpp batch engine: one model, one context, one llama_decode per tick.
+"""The llama.cpp batch engine: one model, one context, a tick in as few llama_decode calls as it can.
 
-Every tick's prefill chunks and decode tokens go into ONE llama_batch, so the
-weights are read once for all sequences; that is where continuous batching
-gets its throughput. The batch's arrays are numpy buffers we own (filled with
-vectorised copies, no per-row ctypes calls) and the KV cache is unified, so a
-byte budget over the pool means something and admission can reserve cells.
+Every decoding sequence's next token goes into ONE llama_decode, so the weights
+are read once for all of them; that is where continuous batching gets its
+throughput. On a unified KV the tick's prompt chunks ride in the same call; on
+per-sequence streams (the default) llama.cpp cuts a batch into one ubatch per
+run of consecutive streams, so each prompt chunk is a call of its own
+(`_groups`, from core/costmodel.py's `llama_calls`, which the cost model counts
+too). The batch's arrays are numpy buffers we own (filled with vectorised
+copies, no per-row ctypes calls).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ the process and socket work those two decide about.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -22,7 +23,6 @@ from ipc.shm import TokenArena
 from meshnode.core.health import READY, STARTING, EngineHealth, model_problem
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.types import EngineInfo, StepResult
-from meshnode.worker.main import engine_main
 
 log = logging.getLogger("meshnode.front")
 LIVENESS_EVERY_S = 0.02  # how often the process itself is checked, besides its link closing
@@ -52,14 +52,23 @@ class Death:
     why: str
 
 
+ENGINE_MODULE = "meshnode.worker.main"  # the engine process's code, found by name in the child only
+
+
+def engine_process(cfg: link.EngineProcessConfig) -> None:
+    """Spawn target: the engine process's main, imported in the child by module path, so the front
+    never imports the worker (its layer sits beside the front's, not under it)."""
+    importlib.import_module(ENGINE_MODULE).engine_main(cfg)
+
+
 class EngineLink:
     def __init__(self, run_dir: str, arena: TokenArena, pipeline: TickPipeline, health: EngineHealth, *,
                  engine_kind: str, engine_params: dict, n_vocab: int, model_path: str, log_level: str = "WARNING",
-                 faults: list | None = None, claim=lambda path: None):
+                 faults: list | None = None, wrapper: str = "", claim=lambda path: None):
         self.run_dir, self.arena, self.pipeline, self.health = run_dir, arena, pipeline, health
         self.engine_kind, self.engine_params, self.log_level = engine_kind, engine_params, log_level
         self.n_vocab, self.model_path = n_vocab, model_path
-        self.faults = faults  # tests only: one entry per incarnation, the last one for all after it
+        self.faults, self.wrapper = faults, wrapper  # tests only: one entry per incarnation, the last for all after
         self.claim = claim  # tells the front's reaper of each socket file made here
         self.info: EngineInfo | None = None  # the first incarnation's: every later one must match it
         self.proc = None
@@ -98,8 +107,8 @@ class EngineLink:
         faults = self.faults[min(self.generation, len(self.faults)) - 1] if self.faults else None
         cfg = link.EngineProcessConfig(self.path, os.getpid(), self.arena.name, self.arena.n_input,
                                        self.arena.n_output, self.engine_kind, self.engine_params, self.log_level,
-                                       faults, calibrate=self.info is None)
-        self.proc = mp.get_context("spawn").Process(target=engine_main, args=(cfg,), daemon=True,
+                                       faults, self.wrapper, calibrate=self.info is None)
+        self.proc = mp.get_context("spawn").Process(target=engine_process, args=(cfg,), daemon=True,
                                                    name=f"meshnode-engine-{self.generation}")
         self.proc.start()
         self.health.starting(time.monotonic())

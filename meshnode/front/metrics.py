@@ -30,11 +30,6 @@ class MetricsServer:
         self.sock.setblocking(False)
         self._conns: dict[int, tuple[socket.socket, bytearray, float]] = {}
         self._body = b""
-        self.served_total = self.refused_total = 0
-
-    @property
-    def port(self) -> int:
-        return self.sock.getsockname()[1]
 
     def fds(self) -> list[int]:
         """What the loop's poller watches for this server."""
@@ -74,7 +69,6 @@ class MetricsServer:
             except BlockingIOError:
                 return
             if len(self._conns) >= MAX_CONNECTIONS:
-                self.refused_total += 1
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -83,7 +77,6 @@ class MetricsServer:
     def _answer(self, conn: socket.socket, path: bytes) -> None:
         if path == b"/metrics":
             status, body, kind = b"200 OK", self._body, b"text/plain; version=0.0.4; charset=utf-8"
-            self.served_total += 1
         else:
             status, body, kind = b"404 Not Found", b"only /metrics lives here\n", b"text/plain"
         head = b"HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (

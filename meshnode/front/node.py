@@ -135,7 +135,8 @@ class Front:
         pipeline = TickPipeline(cfg.pipeline_depth)
         self.link = EngineLink(self.run_dir, self.arena, pipeline, self.health, engine_kind=cfg.engine_kind,
                                engine_params=params, n_vocab=self.tok.n_vocab, model_path=cfg.model,
-                               log_level=cfg.log_level, faults=cfg.faults, claim=self.reaper.claim)
+                               log_level=cfg.log_level, faults=cfg.faults, wrapper=cfg.engine_wrapper,
+                               claim=self.reaper.claim)
         self.link.start()
         info = self.link.wait_ready(lambda: signals.received > 0)
         if info is None:

@@ -69,6 +69,7 @@ class NodeConfig:
     # test and drill knobs: not in the example file, not for production
     engine_kind: str = field(default="llama", metadata={"internal": True})
     faults: list | None = field(default=None, metadata={"internal": True})  # one per incarnation
+    engine_wrapper: str = field(default="", metadata={"internal": True})  # "module:callable" that injects them
     fake: dict | None = field(default=None, metadata={"internal": True})
     evict_after_s: float = _in(0, DAY, 10.0, internal=True)  # at the cap, silence that makes a connection give way
 

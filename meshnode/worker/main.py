@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import logging
 import os
 import signal
@@ -52,10 +53,11 @@ def build_engine(cfg: EngineProcessConfig, report_abort=None):
         if report_abort is not None:
             llamacpp.on_abort(report_abort)
         engine = LlamaEngine(EngineConfig(**cfg.engine_params))
-    if cfg.faults:  # tests and drills only
-        from meshnode.dev.faulty import Faulty
-
-        engine = Faulty(engine, cfg.faults)
+    if cfg.faults:  # tests and drills only: the wrapper is named by the test entry, never imported here
+        module, _, name = cfg.wrapper.partition(":")
+        if not name:
+            raise ValueError("faults were given without a wrapper to inject them")
+        engine = getattr(importlib.import_module(module), name)(engine, cfg.faults)
     return engine
 
 
