@@ -114,7 +114,8 @@ def _token_list(v, name: str, n_vocab: int, id, limit: int = MAX_LIST) -> list[i
 def _sampling(v, id, logprobs: int) -> Sampling:
     _check(isinstance(v, dict), "sampling must be a map", id)
     d = Sampling()
-    t, k, p, seed = (v.get("temperature", 0.0), v.get("top_k", 0), v.get("top_p", 1.0), v.get("seed", 0))
+    t, k, p, seed = (v.get("temperature", d.temperature), v.get("top_k", d.top_k), v.get("top_p", d.top_p),
+                     v.get("seed", d.seed))
     _check(_is_num(t) and 0 <= t <= 100, "sampling.temperature must be a number in [0, 100]", id)
     _check(_is_int(k) and 0 <= k <= MAX_LIST, "sampling.top_k must be an int >= 0", id)
     _check(_is_num(p) and 0 < p <= 1, "sampling.top_p must be a number in (0, 1]", id)

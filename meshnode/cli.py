@@ -2,47 +2,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    from meshnode.ops import config
+
     p.add_argument("--config", help="TOML file with any serve setting; flags override it")
-    p.add_argument("--model", help="GGUF to serve (default: the tiny demo model, generated once)")
-    p.add_argument("--listen", help="client ROUTER endpoint (default ipc:// in the run dir)")
-    p.add_argument("--telemetry", help="telemetry PUB endpoint (default ipc:// in the run dir)")
-    for name, help_ in [("max-active", "sessions running at once"), ("max-queue", "sessions waiting"),
-                        ("max-batch", "sequences per tick"), ("prefill-chunk", "prompt tokens per tick"),
-                        ("ctx", "KV cells in all; streams: ctx / n-seq-max each (default: 4096 a session)"), ("n-seq-max", "llama.cpp sequence slots"),
-                        ("n-batch", "most tokens per llama_decode"), ("threads", "CPU threads (0 = all)"),
-                        ("pipeline-depth", "ticks in flight: 2 = plan ahead (default), 1 = lockstep"),
-                        ("max-clients", "client connections; at the cap a new one replaces the idlest idle one"),
-                        ("max-clients-per-host", "connections from one remote tcp address (0 = no cap)")]:
-        p.add_argument(f"--{name}", type=int, help=help_)
-    for name, help_ in [("kv-budget-mb", "KV byte budget"), ("weight-budget-mb", "refuse to start above this"),
-                        ("memory-floor-mb", "reject new sessions below this available memory"),
-                        ("drain-timeout-s", "how long SIGTERM lets sessions finish"),
-                        ("tick-deadline-s", "a tick longer than this is a hung engine"),
-                        ("tick-target-ms", "while sessions decode, size prefill so a tick takes this (0 = fixed chunks)"),
-                        ("start-timeout-s", "how long the first engine start may take"),
-                        ("restart-timeout-min-s", "a restart may take max(this, 5 x the first start)"),
-                        ("client-idle-timeout-s", "close a connection with no session silent this long (0 = never)")]:
-        p.add_argument(f"--{name}", type=float, help=help_)
-    p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
-    p.add_argument("--curve-secret-key", help="server certificate (zmq.auth format) for CURVE")
-    p.add_argument("--curve-allow-dir", help="directory of allowed client public keys")
-    p.add_argument("--insecure", action="store_true", default=None,
-                   help="allow binding a non-loopback TCP address without CURVE")
-    p.add_argument("--kv-layout", choices=["unified", "streams"], help="one KV pool, or a stream per sequence")
-    p.add_argument("--deterministic", action="store_true", default=None,
-                   help="a session's tokens the same whatever shares its ticks (refused where it cannot hold)")
-    p.add_argument("--chat-special-in-content", action="store_true", default=None,
-                   help="parse special-token text inside chat messages, as llama-server does (lets a client "
-                        "inject template turns: trusted clients only)")
-    p.add_argument("--prefix-cache", choices=["client", "node", "off"],
-                   help="reuse finished sessions' KV: the same client's only (default), anyone's, or not at all")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    config.add_flags(p)  # every setting, from the one list of them
+
+
+def cmd_config_example(a) -> int:
+    from meshnode.ops.config import example_file
+
+    sys.stdout.write(example_file())
+    return 0
 
 
 def cmd_serve(a) -> int:
@@ -98,8 +75,7 @@ def cmd_generate(a) -> int:
     if a.messages:
         with open(a.messages) as f:
             messages = json.load(f)
-    sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed, a.min_p, a.repeat_penalty, a.repeat_last_n,
-                        a.presence_penalty, a.frequency_penalty)
+    sampling = Sampling(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Sampling) if f.name != "logprobs"})
     as_text = tokens is None
     with Client(a.connect or default_listen(), timeout_s=a.timeout,
                 **client_curve(a.curve_server_key, a.curve_client_cert)) as c:
@@ -167,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(p)
     p.set_defaults(fn=cmd_serve)
 
+    p = sub.add_parser("config-example", help="print every serve setting as a commented TOML file")
+    p.set_defaults(fn=cmd_config_example)
+
     p = sub.add_parser("generate", help="stream one generation from a node")
     p.add_argument("--connect", help="node endpoint (default: the default serve endpoint)")
     g = p.add_mutually_exclusive_group(required=True)
@@ -176,15 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--stop", action="append", help="a stop string (repeat for up to 8)")
     p.add_argument("--logprobs", type=int, default=0, help="print each token's logprob and this many alternatives")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--repeat-last-n", type=int, default=64)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    from meshnode.core.types import Sampling
+
+    for f in dataclasses.fields(Sampling):  # the sampling fields and their defaults, from their one home
+        if f.name != "logprobs":
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--curve-server-key", help="the node's public certificate, for a CURVE node")

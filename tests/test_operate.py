@@ -57,6 +57,22 @@ def test_defaults_let_every_session_reach_4096_tokens():
     assert config.NodeConfig(ctx=1000, n_seq_max=4).n_ctx == 1000
 
 
+def test_the_example_file_and_the_flags_come_from_the_one_list_of_settings():
+    """tools/meshnode.toml.example is what `meshnode config-example` writes, and every setting has a flag
+    whose value overrides the file's; regenerate the file after changing a setting."""
+    from meshnode.cli import build_parser
+
+    assert open(os.path.join(ROOT, "tools", "meshnode.toml.example")).read() == config.example_file()
+    a = build_parser().parse_args(["serve", "--type-v", "q8_0", "--max-clients-per-host", "3", "--insecure",
+                                   "--log-level", "debug"])
+    flags = {k: getattr(a, k) for k in config.public_keys()}
+    assert flags["type_v"] == "q8_0" and flags["max_clients_per_host"] == 3 and flags["insecure"] is True
+    cfg = config.load(None, {k: v for k, v in flags.items() if k != "model"})
+    assert cfg.type_v == "q8_0" and cfg.log_level == "DEBUG" and cfg.max_queue == 64  # unset flags: defaults
+    with pytest.raises(ConfigError, match="type_k: must be one of f32, f16"):
+        config.load(None, {"type_k": "q2_k"})
+
+
 def test_example_file_documents_every_key_and_only_real_ones():
     example = open(os.path.join(ROOT, "tools", "meshnode.toml.example")).read()
     keys = {m.group(1) for m in re.finditer(r"^#? ?([a-z_]+) *=", example, re.M)}

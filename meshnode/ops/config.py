@@ -19,61 +19,109 @@ from meshnode.core.budget import ConfigError
 from meshnode.core.prefix import SCOPES
 
 
+def setting(default=None, help: str = "", *, range: tuple | None = None, choices: tuple | None = None,
+            example=None, internal: bool = False):
+    """One setting: its default, the one line that documents it (the example file's comment and the
+    flag's --help), the finite range a number must lie in or the values a string may take, and, for a
+    default that is derived (None), an example value the example file shows commented out."""
+    meta = {"help": help, "internal": internal, "example": example}
+    if range is not None:
+        meta["range"] = range
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
 def _in(lo: float, hi: float, default=None, internal: bool = False):
-    """A numeric setting and the finite range it must lie in (checked at start, exit 2)."""
-    return field(default=default, metadata={"range": (lo, hi), "internal": internal})
+    """A numeric knob for tests and drills only (not in the example file, no flag)."""
+    return setting(default, range=(lo, hi), internal=internal)
 
 
 DAY = 86400.0
 DEFAULT_LAYOUT = "streams"  # chosen by `meshnode bench burst` and `bench layout` (README, "KV layout")
 SESSION_CELLS = 4096  # with no ctx set, every session may reach this many tokens (fewer if the model's trained context is)
+KV_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # llama.cpp's cache types the node accepts
 
 
 @dataclass
 class NodeConfig:
-    model: str | None = None  # GGUF path; None = generate and serve the tiny demo model
-    listen: str | None = None  # client ROUTER endpoint; None = ipc:// in the run dir
-    telemetry: str | None = None  # telemetry PUB endpoint; None = ipc:// in the run dir
-    max_active: int | None = _in(1, 256)  # sessions decoding at once (default: n_seq_max)
-    max_queue: int = _in(0, 1_000_000, 64)
-    max_batch: int | None = _in(1, 256)  # sequences per tick (default: n_seq_max)
-    prefill_chunk: int | None = _in(1, 1 << 20)  # most prompt tokens per tick (default: n_batch - max_batch; 64 without a tick target)
-    tick_target_ms: float = _in(0, 60_000, 420.0)  # while sessions decode, size prefill to keep ticks this short (0 = fixed chunks)
-    kv_budget_mb: float | None = _in(1e-3, 1e9)  # default: the whole KV pool
-    weight_budget_mb: float | None = _in(1e-3, 1e9)  # default: whatever the model needs
-    memory_floor_mb: float = _in(0, 1e9, 0.0)  # reject new sessions below this much available memory
-    ctx: int | None = _in(1, 1 << 26)  # KV cells in all (streams: ctx / n_seq_max each); default: SESSION_CELLS a session
-    n_seq_max: int = _in(1, 256, 8)  # llama.cpp sequence slots
-    n_batch: int = _in(1, 1 << 20, 512)
-    threads: int = _in(0, 4096, 0)  # 0 = all cores
-    type_k: str = "f16"
-    type_v: str = "f16"
-    flash_attn: str = "auto"  # auto, on, off (off = f32 attention numerics)
-    kv_layout: str | None = None  # unified: one KV pool; streams: ctx / n_seq_max cells per sequence (default below)
-    deterministic: bool = False  # a session's tokens the same whatever shares its ticks (docs/determinism.md)
-    chat_special_in_content: bool = False  # chat content may spell special tokens (llama-server's way; trusted clients only)
-    prefix_cache: str = "client"  # reuse finished sessions' KV: client (same client only), node (anyone), off
-    tick_deadline_s: float = _in(0.5, DAY, 30.0)  # an engine tick longer than this is a hung engine
-    start_timeout_s: float = _in(1.0, DAY, 300.0)  # the first engine start (model load) may take this long
-    restart_timeout_min_s: float = _in(0.5, DAY, 10.0)  # a restart may take max(this, 5 x the first start)
-    pipeline_depth: int = _in(1, 2, 2)  # ticks in flight: 2 plans the next tick while the engine runs one
-    drain_timeout_s: float = _in(0, DAY, 30.0)  # on SIGTERM, sessions get this long to finish
-    max_clients: int = _in(1, 1_000_000, 1024)  # client connections; at the cap a new one replaces the idlest idle one
-    client_idle_timeout_s: float = _in(0, DAY, 300.0)  # a connection with no session silent this long is closed (0 = never)
-    max_clients_per_host: int = _in(0, 1_000_000, 256)  # connections from one remote tcp address (0 = no cap; loopback exempt)
-    metrics_listen: str | None = None  # host:port for Prometheus /metrics; None = off
-    curve_secret_key: str | None = None
-    curve_allow_dir: str | None = None
-    insecure: bool = False
-    log_level: str = "INFO"
-    # test and drill knobs: not in the example file, not for production
-    engine_kind: str = field(default="llama", metadata={"internal": True})
-    faults: list | None = field(default=None, metadata={"internal": True})  # one per incarnation
-    engine_wrapper: str = field(default="", metadata={"internal": True})  # "module:callable" that injects them
-    fake: dict | None = field(default=None, metadata={"internal": True})
+    model: str | None = setting(None, "GGUF to serve; unset = generate and serve the tiny demo model",
+                                example="/var/lib/meshnode/models/model.gguf")
+    listen: str | None = setting(None, "client ROUTER endpoint; unset = ipc://$RUNTIME_DIRECTORY/node.sock",
+                                 example="tcp://127.0.0.1:5555")
+    telemetry: str | None = setting(None, "telemetry PUB endpoint; unset = ipc://$RUNTIME_DIRECTORY/telemetry.sock",
+                                    example="tcp://127.0.0.1:5556")
+    max_active: int | None = setting(None, "sessions running at once; unset = n_seq_max", range=(1, 256), example=8)
+    max_queue: int = setting(64, "sessions waiting for a slot; beyond it submits get REJECTED_QUEUE_FULL",
+                             range=(0, 1_000_000))
+    max_batch: int | None = setting(None, "sequences per tick (decode rows in one llama_decode); unset = n_seq_max",
+                                    range=(1, 256), example=8)
+    prefill_chunk: int | None = setting(None, "most prompt tokens per tick; unset = n_batch - max_batch (64 with "
+                                        "tick_target_ms = 0)", range=(1, 1 << 20), example=504)
+    tick_target_ms: float = setting(420.0, "while sessions decode, prefill is sized by measured tick cost to keep "
+                                    "ticks under this; 0 = fixed chunks", range=(0, 60_000))
+    kv_budget_mb: float | None = setting(None, "KV bytes admission may reserve; unset = the whole KV pool",
+                                         range=(1e-3, 1e9), example=32.0)
+    weight_budget_mb: float | None = setting(None, "refuse to start when the model's weights are larger; unset = no "
+                                             "limit", range=(1e-3, 1e9), example=4096.0)
+    memory_floor_mb: float = setting(0.0, "reject new sessions while available (cgroup) memory is below this",
+                                     range=(0, 1e9))
+    ctx: int | None = setting(None, "KV cells in all (streams: ctx / n_seq_max each); unset = 4096 a session "
+                              "(x n_seq_max on streams)", range=(1, 1 << 26), example=32768)
+    n_seq_max: int = setting(8, "llama.cpp sequence slots (most sessions that can run at once)", range=(1, 256))
+    n_batch: int = setting(512, "most tokens one llama_decode may carry (> max_batch)", range=(1, 1 << 20))
+    threads: int = setting(0, "CPU threads for llama.cpp; 0 = all cores", range=(0, 4096))
+    type_k: str = setting("f16", "KV cache type for K", choices=KV_TYPE_NAMES)
+    type_v: str = setting("f16", "KV cache type for V (a quantized one needs flash attention)", choices=KV_TYPE_NAMES)
+    flash_attn: str = setting("auto", "llama.cpp flash attention: auto, on, off (off = f32 attention numerics)",
+                              choices=("auto", "on", "off"))
+    kv_layout: str | None = setting(None, "streams: ctx / n_seq_max cells per sequence; unified: one KV pool for "
+                                    "all; unset = streams", choices=("streams", "unified"), example="streams")
+    deterministic: bool = setting(False, "a session's tokens bitwise the same whatever shares its ticks "
+                                  "(docs/determinism.md; refused where the build cannot hold it)")
+    chat_special_in_content: bool = setting(False, "text like </s> or <|im_start|> in chat content becomes that "
+                                            "special token (llama-server's way: a client can inject turns; trusted "
+                                            "clients only)")
+    prefix_cache: str = setting("client", "reuse finished sessions' KV for prompts that start the same: client "
+                                "(same client identity only), node (anyone: a hit is a timing signal), off",
+                                choices=SCOPES)
+    tick_deadline_s: float = setting(30.0, "an engine tick running longer is a hung engine: killed and restarted",
+                                     range=(0.5, DAY))
+    start_timeout_s: float = setting(300.0, "the first engine start (loading the model) may take this long",
+                                     range=(1.0, DAY))
+    restart_timeout_min_s: float = setting(10.0, "a restarted engine must say hello within max(this, 5 x the first "
+                                           "start)", range=(0.5, DAY))
+    pipeline_depth: int = setting(2, "ticks in flight: 2 plans the next tick while the engine runs one; 1 = lockstep",
+                                  range=(1, 2))
+    drain_timeout_s: float = setting(30.0, "on SIGTERM, how long running and queued sessions get to finish",
+                                     range=(0, DAY))
+    max_clients: int = setting(1024, "client connections at once; at the cap a new one takes the place of the "
+                               "longest-idle one with no session, and is refused only when all are busy",
+                               range=(1, 1_000_000))
+    client_idle_timeout_s: float = setting(300.0, "a client connection with no session and no request for this long "
+                                           "is closed (0 = never); its ZeroMQ socket reconnects when it next sends",
+                                           range=(0, DAY))
+    max_clients_per_host: int = setting(256, "connections from one remote tcp:// address (0 = no cap; loopback and "
+                                        "ipc:// are exempt)", range=(0, 1_000_000))
+    metrics_listen: str | None = setting(None, "serve Prometheus /metrics on HOST:PORT; unset = off",
+                                         example="127.0.0.1:9108")
+    curve_secret_key: str | None = setting(None, "CURVE server certificate (zmq.auth format)",
+                                           example="/etc/meshnode/server.key_secret")
+    curve_allow_dir: str | None = setting(None, "directory of allowed client public keys (*.key)",
+                                          example="/etc/meshnode/clients")
+    insecure: bool = setting(False, "allow an endpoint others can reach without CURVE")
+    log_level: str = setting("INFO", "DEBUG also shows llama.cpp's own log", choices=("DEBUG", "INFO", "WARNING",
+                                                                                        "ERROR"))
+    # test and drill knobs: not in the example file, no flag, not for production
+    engine_kind: str = setting("llama", choices=("llama", "fake"), internal=True)
+    faults: list | None = setting(None, internal=True)  # one per incarnation
+    engine_wrapper: str = setting("", internal=True)  # "module:callable" that injects them
+    fake: dict | None = setting(None, internal=True)
     evict_after_s: float = _in(0, DAY, 10.0, internal=True)  # at the cap, silence that makes a connection give way
 
     def validate(self) -> None:
+        if isinstance(self.log_level, str):
+            self.log_level = self.log_level.upper()
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None:
@@ -88,6 +136,8 @@ class NodeConfig:
                 lo, hi = f.metadata["range"]
                 if not (math.isfinite(v) and lo <= v <= hi):  # nan and inf fail here too
                     raise ConfigError(f"{f.name}: must be between {lo:g} and {hi:g}, got {v!r}")
+            if "choices" in f.metadata and v not in f.metadata["choices"]:
+                raise ConfigError(f"{f.name}: must be one of {', '.join(f.metadata['choices'])}, got {v!r}")
         if self.model is not None and not os.path.isfile(self.model):
             raise ConfigError(f"model: no such file {self.model}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
@@ -110,12 +160,6 @@ class NodeConfig:
                     check_private(ep, what, self.curve_secret_key is not None and what != "metrics", self.insecure)
             except EndpointError as e:
                 raise ConfigError(f"{key}: {e}") from None
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"log_level: must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
-        if self.prefix_cache not in SCOPES:
-            raise ConfigError(f"prefix_cache: must be one of {', '.join(SCOPES)}, got {self.prefix_cache!r}")
-        if self.engine_kind not in ("llama", "fake"):
-            raise ConfigError(f"engine_kind: unknown {self.engine_kind!r}")
         rows = self.max_batch or self.n_seq_max  # decode rows a tick may carry; llama.cpp caps n_batch at ctx
         if min(self.n_batch, self.ctx or self.n_batch) <= rows:
             raise ConfigError(f"n_batch and ctx: must both exceed max_batch ({rows}): a tick carries up to that "
@@ -156,6 +200,52 @@ def _type_of(f) -> type:
 
 def public_keys() -> list[str]:
     return [f.name for f in fields(NodeConfig) if not f.metadata.get("internal")]
+
+
+def _public():
+    return [f for f in fields(NodeConfig) if not f.metadata.get("internal")]
+
+
+def _toml(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else repr(v)
+
+
+EXAMPLE_HEADER = """# /etc/meshnode/node.toml: every `meshnode serve` setting (flags override the file). Values shown are
+# the defaults, except where a key is commented out (then the default is derived as described).
+# Written by `meshnode config-example` from meshnode/ops/config.py, the one list of settings.
+"""
+
+
+def _help(f) -> str:
+    """The setting's line, its choices added unless it names them all."""
+    m = f.metadata
+    if "choices" not in m or all(c in m["help"] for c in m["choices"]):
+        return m["help"]
+    return f"{m['help']}: {', '.join(m['choices'])}"
+
+
+def example_file() -> str:
+    """tools/meshnode.toml.example, from the settings themselves: every key, its default, its line."""
+    lines = [EXAMPLE_HEADER]
+    for f in _public():
+        m = f.metadata
+        line = f"{f.name} = {_toml(f.default)}" if f.default is not None else f"# {f.name} = {_toml(m['example'])}"
+        lines.append(f"{line:<49} # {_help(f)}")
+    return "\n".join(lines) + "\n"
+
+
+def add_flags(parser) -> None:
+    """A `--flag` for every setting, with its type, choices and one line of help; unset flags stay None,
+    so the config file's value (or the default) holds."""
+    for f in _public():
+        m, flag = f.metadata, f"--{f.name.replace('_', '-')}"
+        want = _type_of(f)
+        if want is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=m["help"])
+            continue
+        rng = f" [{m['range'][0]:g}, {m['range'][1]:g}]" if "range" in m else ""
+        # choices are checked with the file's values (one line naming the key, case-insensitive log level)
+        parser.add_argument(flag, type=want, metavar=f.name.upper(), help=_help(f) + rng)
 
 
 def load(path: str | None = None, overrides: dict | None = None) -> NodeConfig:
