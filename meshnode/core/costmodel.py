@@ -192,6 +192,36 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         cols.pop(int(np.argmin(c)))
 
 
+def fill(room: int, pending: list[int], decoding: bool, streams: bool, per_call: int) -> list[int]:
+    """The prompt tokens each prompt in line (`pending` tokens left each) computes in a tick with
+    `room`, in order, the first taking what it can. On streams each chunk is a llama_decode call of
+    its own, and llama.cpp's CPU flash attention works in tiles of TILE_ROWS rows: a call under
+    TILE_ROWS rows attends row by row, several times slower per cell deep in a prompt, and a last,
+    partial tile costs a whole one (`meshnode bench ticks`). So there a chunk that does not finish
+    its prompt leaves at least TILE_ROWS behind and no mostly empty last tile, and a prompt starts
+    beside another only with room for a tile. `decoding`: decode rows share the tick, and a second
+    call costs `per_call` rows of the room (rows_per_call)."""
+    out: list[int] = []
+    for p in pending:
+        if out:
+            room -= per_call if decoding else 0
+            if room <= 0 or (streams and room < min(TILE_ROWS, p)):
+                break
+        n = min(p, room)
+        if n <= 0:
+            break
+        if n < p and streams:
+            if p - n < TILE_ROWS <= p - TILE_ROWS:  # leave a whole tile, not a sliver
+                n = p - TILE_ROWS
+            elif n > TILE_ROWS and n % TILE_ROWS < TILE_ROWS // 2:
+                n -= n % TILE_ROWS
+        out.append(n)
+        room -= n
+        if n < p:
+            break
+    return out
+
+
 def prefill_room(cost: TickCost, target_ms: float, top: int, decode: list, unified_cells: int, pos: int) -> int:
     """Prompt tokens for a tick beside the `decode` rows ((pos, 1) each), the next prompt at position
     `pos`, `unified_cells` the cells a unified pool holds before the prompt rows (0 on streams). With

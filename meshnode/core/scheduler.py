@@ -35,7 +35,7 @@ import numpy as np
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget
-from meshnode.core.costmodel import TILE_ROWS, TickCost, prefill_room, rows_per_call, shape, sized
+from meshnode.core.costmodel import TickCost, fill, prefill_room, rows_per_call, shape, sized
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
@@ -162,39 +162,11 @@ class Scheduler:
                             [(c.pos, 1) for c in decode], self.cells_planned if self.pool_cells else 0,
                             prompts[0].n_cached)
 
-    @property
-    def rows_per_call(self) -> int:
-        """What a second prompt chunk in a tick costs before its first row: on streams it is a call."""
-        return 0 if self.pool_cells else rows_per_call(self.cost)
-
     def fill(self, room: int, pending: list[int], decoding: bool) -> list[int]:
-        """The prompt tokens each prompt in line (`pending` tokens left each) computes in a tick with
-        `room`, in order, the first taking what it can. On streams each chunk is a llama_decode call of
-        its own, and llama.cpp's CPU flash attention works in tiles of TILE_ROWS rows: a call under
-        TILE_ROWS rows attends row by row, several times slower per cell deep in a prompt, and a last,
-        partial tile costs a whole one (`meshnode bench ticks`). So there a chunk that does not finish
-        its prompt leaves at least TILE_ROWS behind and no mostly empty last tile, and a prompt
-        starts beside another only with room for a tile. `decoding`: decode rows share the tick, and
-        a second call costs rows_per_call of the room."""
-        out: list[int] = []
-        for p in pending:
-            if out:
-                room -= self.rows_per_call if decoding else 0
-                if room <= 0 or (not self.pool_cells and room < min(TILE_ROWS, p)):
-                    break
-            n = min(p, room)
-            if n <= 0:
-                break
-            if n < p and not self.pool_cells:
-                if p - n < TILE_ROWS <= p - TILE_ROWS:  # leave a whole tile, not a sliver
-                    n = p - TILE_ROWS
-                elif n > TILE_ROWS and n % TILE_ROWS < TILE_ROWS // 2:
-                    n -= n % TILE_ROWS
-            out.append(n)
-            room -= n
-            if n < p:
-                break
-        return out
+        """The prompt tokens each prompt in line computes in a tick with `room` (costmodel.fill: the
+        tile rules hold on streams, where each chunk is a call of its own)."""
+        streams = not self.pool_cells
+        return fill(room, pending, decoding, streams, rows_per_call(self.cost) if streams else 0)
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
