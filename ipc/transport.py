@@ -185,22 +185,26 @@ def telemetry_pub(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, i
     return s
 
 
-def client_dealer(ctx: zmq.Context, endpoint: str, server_public_key: bytes | None = None,
-                  client_cert: tuple[bytes, bytes] | None = None) -> zmq.Socket:
-    s = _base(ctx.socket(zmq.DEALER))
+def _client(ctx: zmq.Context, kind: int, server_public_key: bytes | None,
+            client_cert: tuple[bytes, bytes] | None) -> zmq.Socket:
+    """A connecting socket, CURVE client of the node when both keys are given."""
+    s = _base(ctx.socket(kind))
     if server_public_key is not None and client_cert is not None:
         s.curve_serverkey = server_public_key
         s.curve_publickey, s.curve_secretkey = client_cert
+    return s
+
+
+def client_dealer(ctx: zmq.Context, endpoint: str, server_public_key: bytes | None = None,
+                  client_cert: tuple[bytes, bytes] | None = None) -> zmq.Socket:
+    s = _client(ctx, zmq.DEALER, server_public_key, client_cert)
     s.connect(endpoint)
     return s
 
 
 def telemetry_sub(ctx: zmq.Context, endpoint: str, server_public_key: bytes | None = None,
                   client_cert: tuple[bytes, bytes] | None = None) -> zmq.Socket:
-    s = _base(ctx.socket(zmq.SUB))
-    if server_public_key is not None and client_cert is not None:
-        s.curve_serverkey = server_public_key
-        s.curve_publickey, s.curve_secretkey = client_cert
+    s = _client(ctx, zmq.SUB, server_public_key, client_cert)
     s.setsockopt(zmq.SUBSCRIBE, TELEMETRY_TOPIC)
     s.setsockopt(zmq.RCVHWM, 10)
     s.connect(endpoint)
