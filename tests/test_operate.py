@@ -216,3 +216,8 @@ def test_metrics_endpoint_serves_prometheus_text(tiny_model):
     assert samples, "the scrape never showed the generated tokens"
     assert samples['meshnode_requests_rejected_total{reason="REJECTED_CONTEXT_TOO_LONG"}'] == 1
     assert "meshnode_kv_cache_usage_ratio" in samples and "meshnode_engine_restarts_total" in samples
+    # what clients feel, as histograms: one session's first token, its two gaps, its queue and its whole time
+    assert samples["meshnode_time_to_first_token_seconds_count"] == 1
+    assert samples["meshnode_inter_token_latency_seconds_count"] == 2
+    assert samples["meshnode_request_queue_time_seconds_count"] == samples["meshnode_e2e_request_latency_seconds_count"] == 1
+    assert samples['meshnode_time_to_first_token_seconds_bucket{le="+Inf"}'] == 1

@@ -4,7 +4,12 @@ import re
 
 from helpers import Clock, run_tick, run_to_completion, scheduler
 from meshnode.core.session import Session
-from meshnode.core.telemetry import Telemetry, to_prometheus
+from meshnode.core.telemetry import Telemetry
+from meshnode.front.prom import Exposition
+
+
+def to_prometheus(snap):
+    return Exposition().render(snap).decode()
 
 # every key shared/protocol.md lists
 PROTOCOL_KEYS = """active_sessions queue_depth batch_occupancy_last batch_occupancy_avg batch_occupancy_max
@@ -66,9 +71,9 @@ def test_prometheus_exposition_parses():
         if line.startswith("#"):
             assert re.match(r"# (HELP|TYPE) meshnode_\w+ .+", line)
             continue
-        m = re.match(r'^(meshnode_\w+)(\{reason="(\w+)"\})? (-?[0-9.e+-]+)$', line)
+        m = re.match(r'^(meshnode_\w+)(\{(reason|le)="([\w.+]+)"\})? (-?[0-9.e+-]+)$', line)
         assert m, line
-        samples[(m.group(1), m.group(3))] = float(m.group(4))
+        samples[(m.group(1), m.group(4))] = float(m.group(5))
     for name in ("meshnode_requests_running", "meshnode_requests_waiting", "meshnode_kv_cache_usage_ratio",
                  "meshnode_prompt_tokens_total", "meshnode_generation_tokens_total", "meshnode_batch_occupancy",
                  "meshnode_engine_restarts_total"):

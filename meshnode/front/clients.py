@@ -19,6 +19,7 @@ from meshnode.core.cpushare import RECEIVE_S_PER_BYTE, CpuShare
 from meshnode.front.gate import EVICT_AFTER_S, Gate
 from meshnode.front.metrics import MetricsServer
 from meshnode.front.outbox import Outbox
+from meshnode.front.prom import Exposition
 
 CLIENT_SLICE_S = 0.004  # client work per loop turn, at most: then the engine link's turn
 TELEMETRY_SUBSCRIBERS = 64  # connections the telemetry PUB accepts
@@ -27,8 +28,9 @@ TELEMETRY_SUBSCRIBERS = 64  # connections the telemetry PUB accepts
 class Clients:
     def __init__(self, zctx: zmq.Context, listen: str, telemetry: str, *, curve: Curve | None, insecure: bool,
                  max_clients: int, metrics_listen: str | None = None, busy=None, idle_s: float = 0.0,
-                 per_host: int = 0, evict_after_s: float = EVICT_AFTER_S):
-        """`busy()`: the client identities with a live session (their connections are never given up)."""
+                 per_host: int = 0, evict_after_s: float = EVICT_AFTER_S, exposition: Exposition | None = None):
+        """`busy()`: the client identities with a live session (their connections are never given up);
+        `exposition`: what /metrics shows (front/prom.py)."""
         self._auth: list = []
         self.router = client_router(zctx, listen, curve, insecure, self._auth)
         self.pub = telemetry_pub(zctx, telemetry, curve, insecure, self._auth)
@@ -38,6 +40,7 @@ class Clients:
                            evict_after_s=evict_after_s),
                       Gate(self.pub, telemetry, TELEMETRY_SUBSCRIBERS)]
         self.metrics = MetricsServer(metrics_listen) if metrics_listen else None
+        self.exposition = exposition or Exposition()
         self.share = CpuShare(time.perf_counter())
         self._watching, self._metrics_fds = True, set()
 
@@ -103,7 +106,7 @@ class Clients:
         self.pub.send_multipart(P.telemetry(snapshot))
         self.gates[0].expire()
         if self.metrics is not None:
-            self.metrics.publish(snapshot)
+            self.metrics.publish(self.exposition.render(snapshot))
             self.metrics.expire(time.monotonic())
 
     def stats(self) -> dict:

@@ -9,6 +9,8 @@ there (`end_session`) and its text is cut before the match.
 """
 from __future__ import annotations
 
+import time
+
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.scheduler import Event
@@ -17,11 +19,13 @@ from meshnode.text.tokenizer import TextStream, Tokenizer
 
 
 class Events:
-    def __init__(self, tok: Tokenizer, end_session=None):
-        """`end_session(key, reason) -> Event | None`: ends a live session (the scheduler's `end`)."""
-        self.tok, self.end_session = tok, end_session
+    def __init__(self, tok: Tokenizer, end_session=None, latency=None, clock=time.monotonic):
+        """`end_session(key, reason) -> Event | None`: ends a live session (the scheduler's `end`);
+        `latency`: told each gap between a session's tokens and each done's usage (front/prom.py)."""
+        self.tok, self.end_session, self.latency, self.clock = tok, end_session, latency, clock
         self.streams: dict = {}
         self.stops: dict = {}
+        self.last_token: dict = {}  # key -> when its last tokens went out
 
     def opened(self, key, stops: list[str] = ()) -> None:
         self.streams[key] = TextStream(self.tok)
@@ -34,6 +38,11 @@ class Events:
         key = ev.session.key
         ident, sid = key
         if ev.kind == "tokens":
+            if self.latency is not None:
+                now, last = self.clock(), self.last_token.get(key)
+                if last is not None:
+                    self.latency.observe_gap(now - last)
+                self.last_token[key] = now
             stream, stop = self.streams.get(key), self.stops.get(key)
             text = stream.feed(ev.tokens) if stream else ""
             hit = False
@@ -46,6 +55,7 @@ class Events:
             return out
         out = []
         stream, stop = self.streams.pop(key, None), self.stops.pop(key, None)
+        self.last_token.pop(key, None)
         tail = stream.end() if stream else ""
         if stop:
             tail = stop.end(tail)
@@ -54,5 +64,8 @@ class Events:
         s = ev.session
         text = stop.text if stop else self.tok.decode(s.generated)
         reason = R.STOP if stop and stop.matched else ev.reason  # the matching token was also its last
-        out.append((ident, P.done(sid, reason, s.generated, text, s.usage(), ev.detail), True))
+        usage = s.usage()
+        if self.latency is not None:
+            self.latency.observe_done(usage)
+        out.append((ident, P.done(sid, reason, s.generated, text, usage, ev.detail), True))
         return out

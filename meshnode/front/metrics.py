@@ -13,7 +13,6 @@ import socket
 import time
 
 from meshnode.core.budget import ConfigError
-from meshnode.core.telemetry import to_prometheus
 
 MAX_CONNECTIONS = 16  # beyond, a new connection is closed at once
 TIMEOUT_S = 2.0  # a connection that has not sent its request by then is closed
@@ -35,9 +34,9 @@ class MetricsServer:
         """What the loop's poller watches for this server."""
         return [self.sock.fileno(), *self._conns]
 
-    def publish(self, snapshot: dict) -> None:
-        """The text every scrape gets until the next publication."""
-        self._body = to_prometheus(snapshot).encode()
+    def publish(self, body: bytes) -> None:
+        """The text every scrape gets until the next publication (front/prom.py renders it)."""
+        self._body = body
 
     def on_ready(self, fd: int) -> None:
         if fd == self.sock.fileno():

@@ -34,6 +34,7 @@ from meshnode.front.events import Events
 from meshnode.front.gate import RESERVE_FDS, descriptors
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.outbox import GONE, STALLED
+from meshnode.front.prom import Exposition
 from meshnode.front.reaper import Reaper
 from meshnode.front.report import Report
 from meshnode.front.requests import Requests
@@ -83,19 +84,20 @@ class Front:
         self.tok = Tokenizer(cfg.model)
         self.texts = TextJobs(self.tok.prompt_slices, decoding=lambda: self.sched is not None and bool(self.sched.running))
         self.zctx = zmq.Context()
+        self.exposition = Exposition()
         # bound before the engine loads the model: a port in use fails the start in a second, not after it
         curve = Curve(cfg.curve_secret_key, cfg.curve_allow_dir) if cfg.curve_secret_key else None
         self.clients = Clients(self.zctx, self.listen, self.telemetry_ep, curve=curve, insecure=cfg.insecure,
                                max_clients=max_clients, metrics_listen=cfg.metrics_listen, busy=self._busy_clients,
                                idle_s=cfg.client_idle_timeout_s, per_host=cfg.max_clients_per_host,
-                               evict_after_s=cfg.evict_after_s)
+                               evict_after_s=cfg.evict_after_s, exposition=self.exposition)
         self.arena = TokenArena.create(*wire.arena_shape(cfg.n_batch, cfg.n_seq_max))
         self.reaper.claim(f"/dev/shm/{self.arena.name}")
         self.health = EngineHealth(cfg.tick_deadline_s, cfg.start_timeout_s, cfg.restart_timeout_min_s)
         self.sched = self._start_engine()
         self.recipe = self.link.info.recipe
         self.telemetry = Telemetry(self.sched)
-        self.events = Events(self.tok, end_session=self.sched.end)
+        self.events = Events(self.tok, end_session=self.sched.end, latency=self.exposition)
         self.report = Report(self)
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, reply=self._reply,
                                  send_events=self._send, status=self.report.status, opened=self.events.opened,
