@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from ipc.protocol import MAX_MESSAGE_BYTES, pack, unpack
+from ipc import seqpacket
+from ipc.protocol import pack, unpack
 from meshnode.core.types import EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share
 
 HALVES = 2
@@ -179,7 +180,7 @@ def _tick_map(msg: TickRequest, arena) -> dict:
 def decode(data, arena=None) -> Message:
     """A message from its bytes; ValueError names what is malformed. A TickRequest's tokens are copied
     out of `arena`."""
-    m = unpack(data, max_bytes=16 * MAX_MESSAGE_BYTES)
+    m = unpack(data, max_bytes=seqpacket.MAX_MESSAGE)  # no link message can be larger than the socket carries
     if not isinstance(m, dict):
         raise ValueError("engine link message is not a map")
     kind = m.get("kind")

@@ -158,7 +158,7 @@ def test_a_session_that_arrives_while_the_opening_is_half_computed_waits_for_all
     assert sched.submit(lead).accepted
     for _ in range(2):
         step(sched, engine, sched.plan())
-    assert lead.n_cached == 64
+    assert lead.n_planned == 64
     late = Session(2, system + prompt(10, salt=2), 6)
     assert sched.submit(late).accepted and late.leader == (lead, 80)
     run_to_completion(sched, engine)

@@ -33,15 +33,15 @@ def capacity(sched, prompt_tokens: int = 0) -> dict:
     if not cost.ready:
         return out
     unified = sched.cells_planned if sched.pool_cells else 0
-    decode_ms = cost.predict(shape([(s.n_cached, 1) for s in decoding], unified)) if decoding else 0.0
+    decode_ms = cost.predict(shape([(s.n_planned, 1) for s in decoding], unified)) if decoding else 0.0
     out["decode_tokens_per_s"] = round(len(decoding) * 1e3 / decode_ms, 1) if decoding else 0.0
     if prompt_tokens > 0:
         wait_ms = 0.0
         if free_slots <= len(sched.waiting):  # no slot for it: the running session closest to its end frees one
             wait_ms = min((s.max_tokens - s.n_generated for s in sched.running), default=0) * decode_ms
-        prompts = [(s.n_cached, s.pending) for s in sched.running if s.pending > 1]
+        prompts = [(s.n_planned, s.pending) for s in sched.running if s.pending > 1]
         prompts += [(0, len(s.prompt)) for s in sched.waiting] + [(0, prompt_tokens)]
-        decoders = [(s.n_cached, s.max_tokens - s.n_generated) for s in decoding]
+        decoders = [(s.n_planned, s.max_tokens - s.n_generated) for s in decoding]
         out["ttft_ms_estimate"] = _replay(sched, prompts, decoders, unified, wait_ms)
     return out
 

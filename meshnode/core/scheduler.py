@@ -160,7 +160,7 @@ class Scheduler:
             return 0
         return prefill_room(self.cost, self.tick_target_ms, self.budget.max_prefill_tokens_per_tick,
                             [(c.pos, 1) for c in decode], self.cells_planned if self.pool_cells else 0,
-                            prompts[0].n_cached)
+                            prompts[0].n_planned)
 
     def fill(self, room: int, pending: list[int], decoding: bool) -> list[int]:
         """The prompt tokens each prompt in line computes in a tick with `room` (costmodel.fill: the
@@ -170,13 +170,13 @@ class Scheduler:
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
-        start, known = s.n_cached, s.tokens[s.n_cached:s.n_cached + n]
+        start, known = s.n_planned, s.tokens[s.n_planned:s.n_planned + n]
         follow = len(known) < n  # its last token is the sample of the tick still in flight
         end = start + n == len(s.tokens) + s.draws_in_flight
         chunk = SeqChunk(s.seq_id, start, np.asarray(known + [-1] * (n - len(known)), dtype=np.int32),
                          draw=s.n_generated + s.draws_in_flight if end else -1,
                          sampling=s.sampling if start == s.n_reused else None, follow=follow)
-        s.n_cached += n
+        s.n_planned += n
         s.draws_in_flight += end
         return s, chunk
 
@@ -238,11 +238,11 @@ class Scheduler:
             release += tk.plan.release + [op.seq_id for op in tk.plan.kv if isinstance(op, Release)]
             for s, c in tk.chunks if tk is not tick else ():
                 if s.state == RUNNING and s.seq_id == c.seq_id:
-                    s.n_cached = min(s.n_cached, c.pos)
+                    s.n_planned = min(s.n_planned, c.pos)
                     s.draws_in_flight -= c.draw >= 0
             for s in tk.reused:  # its Keep or Share did not run: start it over from position 0
                 if s.state == RUNNING:
-                    s.n_cached = s.n_reused = 0
+                    s.n_planned = s.n_reused = 0
                     release.append(s.seq_id)
         cached = self.cache.clear()  # what the refused ticks did to cached sequences is unknown
         for seq_id in cached:
@@ -257,7 +257,7 @@ class Scheduler:
         for seq_id in self.cache.clear():
             bisect.insort(self.free_seqs, seq_id)
         for s in self.running:
-            s.n_cached = s.draws_in_flight = s.n_reused = 0
+            s.n_planned = s.draws_in_flight = s.n_reused = 0
 
     # -- internals ----------------------------------------------------------------------
     def _start(self, s: Session) -> None:
@@ -280,7 +280,7 @@ class Scheduler:
                 self.kv_ops.append(Keep(seq_id, hit.n))
             else:
                 self.kv_ops.append(Share(hit.seq_id, seq_id, hit.n))
-            s.n_cached = s.n_reused = hit.n
+            s.n_planned = s.n_reused = hit.n
             self._reused.append(s)
         s.leader = lead
         s.seq_id = seq_id
@@ -298,11 +298,11 @@ class Scheduler:
         leader, n = s.leader
         if leader.state != RUNNING:
             s.leader = None
-        elif leader.n_cached >= n:
+        elif leader.n_planned >= n:
             s.leader = None
             self.cache.take(Hit(leader.seq_id, n, entry=False, takeover=False))
             self.kv_ops.append(Share(leader.seq_id, s.seq_id, n))
-            s.n_cached = s.n_reused = n
+            s.n_planned = s.n_reused = n
             self._reused.append(s)
 
     def _free_seq(self, keep: int | None = None) -> int | None:
@@ -316,8 +316,8 @@ class Scheduler:
         return self.free_seqs.pop(0)
 
     def _live_prefixes(self):
-        return [(s.seq_id, s.tokens[:min(s.n_cached, len(s.tokens))], s.owner)
-                for s in self.running if s.n_cached >= MIN_SHARE]
+        return [(s.seq_id, s.tokens[:min(s.n_planned, len(s.tokens))], s.owner)
+                for s in self.running if s.n_planned >= MIN_SHARE]
 
     def _promote(self) -> None:
         while (self.waiting and self.admission.can_start(self.waiting[0].ask)
@@ -328,7 +328,7 @@ class Scheduler:
         if s.state == RUNNING:
             self.admission.release(s.ask)
             self.running.remove(s)
-            if reason in R.KV_UNTRUSTED or not self.cache.store(s.seq_id, s.tokens, s.n_cached, s.owner):
+            if reason in R.KV_UNTRUSTED or not self.cache.store(s.seq_id, s.tokens, s.n_planned, s.owner):
                 self.to_release.append(s.seq_id)
                 bisect.insort(self.free_seqs, s.seq_id)
         elif s.state == QUEUED:
@@ -341,7 +341,7 @@ class Scheduler:
     def cells_planned(self) -> int:
         """KV cells held once every tick planned so far has run (live sequences and cached entries): what
         each row of a unified pool attends to, known here before the engine, a tick or two behind, says."""
-        return sum(s.n_cached for s in self.running) + self.cache.cells
+        return sum(s.n_planned for s in self.running) + self.cache.cells
 
     @property
     def idle(self) -> bool:

@@ -33,10 +33,10 @@ class Session:
     ignore_eos: bool = False
     recipe: str | None = None
     owner: Hashable = None  # whose cached KV it may reuse (the client identity; meshnode/core/prefix.py)
-    # progress: `tokens` is prompt + generated. tokens[:n_cached] are in the KV or in a tick on
+    # progress: `tokens` is prompt + generated. tokens[:n_planned] are in the KV or in a tick on
     # its way there; `draws_in_flight` samples are asked for and not back yet (pipelined ticks)
     tokens: list[int] = field(default_factory=list)
-    n_cached: int = 0
+    n_planned: int = 0
     n_reused: int = 0  # prompt tokens whose KV came from the prefix cache
     leader: tuple | None = None  # (session, n): copy its first n tokens' KV once it has computed them
     draws_in_flight: int = 0
@@ -71,7 +71,7 @@ class Session:
         """
         if self.draws_in_flight and self.n_generated + self.draws_in_flight >= self.max_tokens:
             return 0
-        return len(self.tokens) + self.draws_in_flight - self.n_cached
+        return len(self.tokens) + self.draws_in_flight - self.n_planned
 
     @property
     def ask(self) -> Ask:
