@@ -19,15 +19,20 @@ from meshnode.core.types import Plan, SeqChunk
 
 @dataclass
 class Tick:
-    """A planned tick: the plan the engine runs, and the session each chunk belongs to."""
+    """A planned tick: the plan the engine runs, and the session each of its chunks belongs to."""
 
     t: int
     plan: Plan
-    chunks: list[tuple[object, SeqChunk]] = field(default_factory=list)  # (session, chunk)
+    sessions: list = field(default_factory=list)  # one per plan.chunks entry, in order
     reused: list = field(default_factory=list)  # sessions that start on cached KV in this tick
     sent_at: float = 0.0
     resync: bool = False  # the first tick after a refusal: the engine starts over from it
     discard: bool = False  # planned on top of a refused tick: refused too, its answer dropped
+
+    @property
+    def chunks(self) -> list[tuple[object, SeqChunk]]:
+        """(session, chunk) pairs."""
+        return list(zip(self.sessions, self.plan.chunks))
 
 
 class TickPipeline:
@@ -44,9 +49,10 @@ class TickPipeline:
     def full(self) -> bool:
         return len(self.ticks) >= self.depth
 
-    def push(self, plan: Plan, chunks: list, reused: list | None = None) -> Tick:
+    def push(self, plan: Plan, sessions: list, reused: list | None = None) -> Tick:
+        """`sessions`: whose each of `plan.chunks` is, in order."""
         self._last_t += 1
-        tick = Tick(self._last_t, plan, chunks, reused or [], resync=self._resync)
+        tick = Tick(self._last_t, plan, sessions, reused or [], resync=self._resync)
         self._resync = False
         self.ticks.append(tick)
         return tick

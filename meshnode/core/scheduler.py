@@ -152,7 +152,7 @@ class Scheduler:
             c.occupancy_last = len(chunks)
             c.occupancy_max = max(c.occupancy_max, len(chunks))
             c.occupancy_sum += len(chunks)
-        return self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), chunks, reused)
+        return self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused)
 
     def _prefill_room(self, decode: list[SeqChunk], prompts: list[Session]) -> int:
         """The room for `prompts` (in line) beside `decode`, sized at the first one's position."""
