@@ -138,9 +138,11 @@ def alive(pid: int) -> bool:
     return True
 
 
-def leftover_segments(shm_dir: str = "/dev/shm") -> list[str]:
-    """Arena segments present now (tests assert none survive a node)."""
+def leftover_segments(pid: int | None = None, shm_dir: str = "/dev/shm") -> list[str]:
+    """Arena segments present now, only those of the front `pid` when given (tests assert none survive
+    a node, whatever other nodes run on the machine)."""
     try:
-        return sorted(n for n in os.listdir(shm_dir) if _NAME.match(n))
+        return sorted(n for n in os.listdir(shm_dir) if _NAME.match(n)
+                      and (pid is None or _NAME.match(n).group(1) == str(pid)))
     except OSError:
         return []

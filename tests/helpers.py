@@ -229,7 +229,7 @@ def wait_until(pred, timeout_s=10.0, every_s=0.05):
 def assert_clean(node, before_segments):
     """After a node stops: exit 0, no child left, no new shm segment, no socket file."""
     assert node.proc.returncode == 0, node.log()
-    new = set(leftover_segments()) - set(before_segments)
+    new = set(leftover_segments(node.proc.pid)) - set(before_segments)  # this node's: others may run beside
     assert not new, f"shared memory left behind: {new}"
     left = [f for f in os.listdir(node.run_dir) if f.endswith(".sock") or f.endswith(".lock")]
     assert not left, f"files left in the run dir: {left}"

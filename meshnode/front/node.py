@@ -36,7 +36,7 @@ from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.outbox import GONE, STALLED
 from meshnode.front.prom import Exposition
 from meshnode.front.reaper import Reaper
-from meshnode.front.report import Report
+from meshnode.front.report import Report, Sources
 from meshnode.front.requests import Requests
 from meshnode.ops.config import NodeConfig
 from meshnode.ops.sdnotify import Notifier
@@ -98,7 +98,9 @@ class Front:
         self.recipe = self.link.info.recipe
         self.telemetry = Telemetry(self.sched)
         self.events = Events(self.tok, end_session=self.sched.end, latency=self.exposition)
-        self.report = Report(self)
+        self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
+                                     self.notifier, self.budget, self.recipe, self.listen, self.telemetry_ep,
+                                     self.fd_limit))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, reply=self._reply,
                                  send_events=self._send, status=self.report.status, opened=self.events.opened,
                                  special_in_content=cfg.chat_special_in_content)

@@ -9,6 +9,7 @@ STATUS line every few seconds and WATCHDOG only while the engine is healthy.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from ipc import protocol as P
 from meshnode import __version__
@@ -19,15 +20,31 @@ PUBLISH_EVERY_S = 1.0
 STATUS_EVERY_S = 5.0
 
 
+@dataclass
+class Sources:
+    """What the report reads, each owned elsewhere in the front."""
+    cfg: object  # NodeConfig
+    telemetry: object  # core Telemetry: counters and the scheduler's state
+    link: object  # EngineLink: the engine's pid
+    health: object  # EngineHealth
+    clients: object  # Clients: sockets' figures, publication
+    texts: object  # TextJobs: the tokenizer's backlog
+    notifier: object  # sd_notify
+    budget: object
+    recipe: str
+    listen: str
+    telemetry_ep: str
+    fd_limit: int
+
+
 class Report:
-    def __init__(self, node):
-        """`node`: the front, read for its telemetry, link, health, clients, budget and endpoints."""
-        self.node = node
+    def __init__(self, sources: Sources):
+        self.src = sources
         self.front_rss, self.fds_open = rss(), 0
         self.next_publish = self.next_status = 0.0
 
     def snapshot(self) -> dict:
-        n = self.node
+        n = self.src
         snap = n.telemetry.snapshot()
         snap["engine"].update(pid=n.link.pid, restarts=n.health.restarts, healthy=n.health.healthy)
         snap.update(n.clients.stats())
@@ -40,7 +57,7 @@ class Report:
 
     def status(self, prompt_tokens: int | None = None) -> list[bytes]:
         """The `status` event: node info, the snapshot, and the capacity for a prompt of that size."""
-        n, h = self.node, self.node.health
+        n, h = self.src, self.src.health
         info = {"version": __version__, "recipe": n.recipe, "model": n.cfg.model, "budgets": n.budget.as_dict(),
                 "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.healthy,
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
@@ -57,7 +74,7 @@ class Report:
 
     def due(self, now: float) -> float:
         """Publish and notify what is due; return seconds until the next publication."""
-        n = self.node
+        n = self.src
         if now >= self.next_publish:
             self.front_rss, self.fds_open = rss(), open_descriptors()  # psutil and /proc: not per request
             n.clients.publish(self.snapshot())
