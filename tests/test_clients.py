@@ -68,7 +68,9 @@ def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
-    with NodeProcess(tiny_model, nofile=1024) as n, n.client() as c:
+    # nothing here may give way (idle eviction has its own tests): on a busy machine the flood takes long
+    # enough for the test's own client, quiet meanwhile, to become the idlest connection
+    with NodeProcess(tiny_model, nofile=1024, internal={"evict_after_s": 3600.0}) as n, n.client() as c:
         job = dict(tokens=[3, 4, 5], max_tokens=200, ignore_eos=True, logprobs=2)
         want = c.generate("ref", **job)
         c.submit("live", **job)
