@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from meshnode.ops.config import EVICT_AFTER_S
+
 log = logging.getLogger("meshnode.front")
 
 RESERVE_FDS = 256  # the node's own: engine restarts, metrics, logs, libzmq internals, a burst of accepts
 HANDSHAKE_S = 10.0  # a connection silent this long after connecting is dropped
-EVICT_AFTER_S = 10.0  # at the cap, only a connection silent this long makes room for a new one
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 

@@ -39,6 +39,7 @@ def _in(lo: float, hi: float, default=None, internal: bool = False):
 
 DAY = 86400.0
 DEFAULT_LAYOUT = "streams"  # chosen by `meshnode bench burst` and `bench layout` (README, "KV layout")
+EVICT_AFTER_S = 60.0  # at the connection cap, only a client silent this long gives way (front/gate.py says why)
 SESSION_CELLS = 4096  # with no ctx set, every session may reach this many tokens (fewer if the model's trained context is)
 KV_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # llama.cpp's cache types the node accepts
 
@@ -117,7 +118,7 @@ class NodeConfig:
     faults: list | None = setting(None, internal=True)  # one per incarnation
     engine_wrapper: str = setting("", internal=True)  # "module:callable" that injects them
     fake: dict | None = setting(None, internal=True)
-    evict_after_s: float = _in(0, DAY, 10.0, internal=True)  # at the cap, silence that makes a connection give way
+    evict_after_s: float = _in(0, DAY, EVICT_AFTER_S, internal=True)  # at the cap, silence that makes a connection give way
 
     def validate(self) -> None:
         if isinstance(self.log_level, str):
