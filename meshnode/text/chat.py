@@ -44,9 +44,14 @@ class Specials:
         return [self.by_text[p] if k % 2 else p for k, p in enumerate(self.pattern.split(text))]
 
 
+def _rendered(apply_template, messages: list[dict]) -> str:
+    """The template's text with a placeholder where each message's content goes."""
+    return apply_template([(m["role"], PLACEHOLDER.format(i)) for i, m in enumerate(messages)])
+
+
 def prompt(apply_template, specials: Specials, messages: list[dict], special_in_content: bool = False) -> ChatPrompt:
     """`apply_template([(role, content), ...]) -> str` renders; the contents come back in as text."""
-    rendered = apply_template([(m["role"], PLACEHOLDER.format(i)) for i, m in enumerate(messages)])
+    rendered = _rendered(apply_template, messages)
     parts: list = []
     for k, piece in enumerate(_PLACEHOLDERS.split(rendered)):
         if k % 2 == 0:
@@ -65,5 +70,5 @@ def prompt(apply_template, specials: Specials, messages: list[dict], special_in_
 
 def render(apply_template, messages: list[dict]) -> str:
     """The messages in the template as one text, contents included (what llama-server tokenizes)."""
-    rendered = apply_template([(m["role"], PLACEHOLDER.format(i)) for i, m in enumerate(messages)])
+    rendered = _rendered(apply_template, messages)
     return _PLACEHOLDERS.sub(lambda m: messages[int(m.group(1))]["content"], rendered)
