@@ -133,14 +133,14 @@ def test_a_tick_shape_counts_llama_decode_calls_and_attention_by_layout():
 
 def test_streams_chunks_are_whole_tiles_leave_no_sliver_and_a_second_prompt_needs_a_tile():
     _, streams = scheduler(pool_cells=0)
-    assert streams.fill(180, [1000], True) == [180]  # the last tile mostly full: kept
-    assert streams.fill(150, [1000], True) == [128]  # 22 rows in a last tile of 64: left for a later tick
-    assert streams.fill(150, [180], True) == [116]  # not 150 and a 30-token tail: 64 are left
-    assert streams.fill(150, [100, 500], True) == [100]  # 50 rows left: not worth a call of their own
-    assert streams.fill(300, [100, 500], True) == [100, 192]
-    assert streams.fill(40, [30, 500], True) == [30]  # a short prompt finishing is always taken
+    assert streams.fill(180, [(0, 1000, 1000)], True) == [180]  # the last tile mostly full: kept
+    assert streams.fill(150, [(0, 1000, 1000)], True) == [128]  # 22 rows in a last tile of 64: left for a later tick
+    assert streams.fill(150, [(0, 180, 180)], True) == [116]  # not 150 and a 30-token tail: 64 are left
+    assert streams.fill(150, [(0, 100, 100), (0, 500, 500)], True) == [100]  # 50 rows left: not worth a call of their own
+    assert streams.fill(300, [(0, 100, 100), (0, 500, 500)], True) == [100, 192]
+    assert streams.fill(40, [(0, 30, 30), (0, 500, 500)], True) == [30]  # a short prompt finishing is always taken
     _, unified = scheduler(pool_cells=4096)  # one call for the whole tick: no such rules
-    assert unified.fill(150, [1000], True) == [150] and unified.fill(150, [100, 500], True) == [100, 50]
+    assert unified.fill(150, [(0, 1000, 1000)], True) == [150] and unified.fill(150, [(0, 100, 100), (0, 500, 500)], True) == [100, 50]
 
 
 def true_cost(s):
@@ -206,3 +206,30 @@ def test_the_first_token_estimate_lands_within_2x_of_the_measured_delay_on_llama
         c.collect([f"d{i}" for i in range(4)])
     print("estimated vs measured first-token delay, ms:", [(round(e or 0), round(m)) for e, m in pairs])
     assert all(0.5 <= r <= 2.0 for r in ratios), pairs
+
+
+def test_deterministic_chunks_keep_every_cell_on_the_kernel_a_cold_run_gives_it():
+    from meshnode.core.costmodel import deterministic_chunk as chunk
+    # a prompt of >= 64 tokens: chunks of >= 64 rows, leaving 0 or >= 64 behind
+    assert chunk(504, 0, 300, 300) == 300
+    assert chunk(128, 0, 300, 300) == 128 and chunk(128, 128, 300, 300) == 172 - 64 and chunk(128, 236, 300, 300) == 64
+    assert chunk(10, 0, 300, 300) == 64  # a small room still moves a whole tile
+    assert chunk(64, 0, 100, 100) == 100  # 64 + 36 would leave a 36-row tail: up to 127 rows instead
+    # a shorter prompt: any cut; generated tokens a restart recomputes: under 64 rows, after the prompt
+    assert chunk(10, 0, 40, 40) == 10
+    assert chunk(504, 0, 300, 330) == 300 and chunk(504, 300, 300, 330) == 30 and chunk(504, 300, 300, 500) == 63
+    assert chunk(504, 0, 40, 140) == 63  # a short prompt's cells and the answer's: the per-row kernel both
+
+
+def test_a_lone_decode_row_gets_a_dummy_neighbour_and_rows_beside_others_none():
+    from meshnode.engine.invariant import pads
+    assert pads([0, 1, 2], 8) == [] and pads([3, 4], 8) == []
+    assert pads([0], 8) == [1] and pads([7], 8) == [6] and pads([0, 2], 8) == [1]  # 0 and 2 join through 1
+    assert pads([0, 3, 7], 8) == [1, 4, 6]
+    for streams in ([0], [5], [0, 2, 4, 6], [1, 3, 5, 7], [0, 7]):  # every run of streams ends up with >= 2 rows
+        taken = sorted(streams + pads(streams, 8))
+        runs, run = [], [taken[0]]
+        for s in taken[1:]:
+            run = run + [s] if s == run[-1] + 1 else (runs.append(run), [s])[1]
+        runs.append(run)
+        assert all(len(r) >= 2 for r in runs) and len(set(taken)) == len(taken)

@@ -39,16 +39,16 @@ def capacity(sched, prompt_tokens: int = 0) -> dict:
         wait_ms = 0.0
         if free_slots <= len(sched.waiting):  # no slot for it: the running session closest to its end frees one
             wait_ms = min((s.max_tokens - s.n_generated for s in sched.running), default=0) * decode_ms
-        prompts = [(s.n_planned, s.pending) for s in sched.running if s.pending > 1]
-        prompts += [(0, len(s.prompt)) for s in sched.waiting] + [(0, prompt_tokens)]
+        prompts = [(s.n_planned, s.pending, len(s.prompt)) for s in sched.running if s.pending > 1]
+        prompts += [(0, len(s.prompt), len(s.prompt)) for s in sched.waiting] + [(0, prompt_tokens, prompt_tokens)]
         decoders = [(s.n_planned, s.max_tokens - s.n_generated) for s in decoding]
         out["ttft_ms_estimate"] = _replay(sched, prompts, decoders, unified, wait_ms)
     return out
 
 
-def _replay(sched, prompts: list[tuple[int, int]], decoders: list[tuple[int, int]], unified: int,
+def _replay(sched, prompts: list[tuple[int, int, int]], decoders: list[tuple[int, int]], unified: int,
             t: float) -> float | None:
-    """Ticks until the last of `prompts` ((position, tokens left)) is computed, in ms from `t`, with
+    """Ticks until the last of `prompts` ((position, tokens left, prompt length)) is computed, in ms from `t`, with
     `decoders` ((position, tokens left)) ending as they run out and, on a unified KV, the pool's
     `unified` cells growing with every token computed and shrinking as sessions end."""
     top, cost = sched.budget.max_prefill_tokens_per_tick, sched.cost
@@ -59,10 +59,10 @@ def _replay(sched, prompts: list[tuple[int, int]], decoders: list[tuple[int, int
             unified += len(live) - sum(pos + k for pos, left in decoders if left == k)
         room = prefill_room(cost, sched.tick_target_ms, top, live, unified, prompts[0][0])
         chunks = []
-        for n in sched.fill(room, [left for _, left in prompts], bool(live)):  # as plan() gives the room
-            pos, left = prompts[0]
+        for n in sched.fill(room, prompts, bool(live)):  # as plan() gives the room
+            pos, left, n_prompt = prompts[0]
             chunks.append((pos, n))
-            prompts[0] = (pos + n, left - n)
+            prompts[0] = (pos + n, left - n, n_prompt)
             if n == left:
                 prompts.pop(0)
         if unified:

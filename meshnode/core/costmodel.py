@@ -222,6 +222,19 @@ def fill(room: int, pending: list[int], decoding: bool, streams: bool, per_call:
     return out
 
 
+def deterministic_chunk(room: int, start: int, n_prompt: int, end: int) -> int:
+    """Deterministic mode's next chunk of a sequence from position `start` (of `end` known): each cell is
+    computed by the attention kernel a cold run gives it (engine/invariant.py). A prompt of >= TILE_ROWS
+    tokens goes in chunks of >= TILE_ROWS rows (the tiled kernel), leaving 0 or >= TILE_ROWS behind,
+    even if that means up to 2 * TILE_ROWS - 1 rows where `room` is smaller; everything else (a shorter
+    prompt, the generated tokens a restart recomputes) in chunks under TILE_ROWS (the per-row kernel a
+    decode row takes)."""
+    if n_prompt >= TILE_ROWS and start < n_prompt:
+        left, room = n_prompt - start, max(room, TILE_ROWS)
+        return left if left <= room or left < 2 * TILE_ROWS else min(room, left - TILE_ROWS)
+    return max(0, min(room, end - start, TILE_ROWS - 1))
+
+
 def prefill_room(cost: TickCost, target_ms: float, top: int, decode: list, unified_cells: int, pos: int) -> int:
     """Prompt tokens for a tick beside the `decode` rows ((pos, 1) each), the next prompt at position
     `pos`, `unified_cells` the cells a unified pool holds before the prompt rows (0 on streams). With

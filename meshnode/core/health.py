@@ -27,6 +27,10 @@ def model_problem(hello: EngineInfo, first: EngineInfo | None, n_vocab: int, mod
             return (f"the engine's model has {hello.n_vocab} tokens, the front's tokenizer {n_vocab}: "
                     f"{model_path} changed while the node started")
         return ""
+    if hello.deterministic != first.deterministic:
+        return (f"the restarted engine's deterministic mode is {'on' if hello.deterministic else 'off'}, the node "
+                f"started with it {'on' if first.deterministic else 'off'} ({hello.deterministic_problem or 'its check'}"
+                "); restart the node")
     if (hello.recipe, hello.n_vocab) != (first.recipe, first.n_vocab):
         return (f"the restarted engine loaded a different model (recipe {hello.recipe}, this node serves "
                 f"{first.recipe}): {model_path} changed; restart the node")

@@ -19,6 +19,11 @@ scheduler evicts the least recently used one the moment a new session needs its
 sequence id or its cells, so the cache never causes a rejection, a wait or a miss.
 A hit is visibly faster, so who may reuse whose KV is a setting (`scope`):
 `client` (only sessions of the same client identity), `node` (everyone), `off`.
+
+In deterministic mode a reused cell must be one a cold run computes with the same
+kernel (engine/invariant.py): only a prompt's own cells, from a prompt of at least
+TILE_ROWS tokens (computed in tiles), and the new prompt keeps at least TILE_ROWS
+tokens to compute (in tiles too). Generated tokens' cells are recomputed.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from dataclasses import dataclass
 from typing import Hashable
 
 import numpy as np
+
+from meshnode.core.costmodel import TILE_ROWS
 
 SCOPES = ("client", "node", "off")
 MIN_SHARE = 16  # a copy across streams costs the whole stream: not worth it for a few tokens
@@ -38,6 +45,7 @@ class Entry:
     cells: int  # positions the engine holds for it (a pipelined tick may have added one more)
     owner: Hashable
     used: int  # the cache's clock when it was stored or last hit
+    n_prompt: int = 0  # how many of `tokens` were its prompt (the rest it generated)
 
 
 @dataclass(frozen=True)
@@ -62,10 +70,10 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixCache:
-    def __init__(self, scope: str = "client"):
+    def __init__(self, scope: str = "client", deterministic: bool = False):
         if scope not in SCOPES:
             raise ValueError(f"prefix cache scope must be one of {SCOPES}, got {scope!r}")
-        self.scope = scope
+        self.scope, self.deterministic = scope, deterministic
         self.entries: dict[int, Entry] = {}  # seq_id -> entry
         self.counters = CacheCounters()
         self._clock = 0
@@ -85,32 +93,39 @@ class PrefixCache:
     def _mine(self, owner: Hashable, other: Hashable) -> bool:
         return self.scope == "node" or owner == other
 
-    def store(self, seq_id: int, tokens: list[int], cells: int, owner: Hashable) -> bool:
+    def _usable(self, n: int, n_src_prompt: int, n_prompt: int) -> int:
+        """How many of `n` shared positions may be reused (all but the last prompt token; in deterministic
+        mode only tiled prompt cells, leaving a tile to compute)."""
+        n = min(n, n_prompt - 1)
+        if self.deterministic:
+            n = min(n, n_src_prompt if n_src_prompt >= TILE_ROWS else 0, n_prompt - TILE_ROWS)
+        return max(n, 0)
+
+    def store(self, seq_id: int, tokens: list[int], cells: int, owner: Hashable, n_prompt: int = 0) -> bool:
         """Keep a finished session's sequence; False when the cache is off or there is nothing to keep
         (the caller releases it)."""
         n = min(len(tokens), cells)
         if not self.on or n < 1:
             return False
-        self.entries[seq_id] = Entry(seq_id, np.asarray(tokens[:n], np.int32), cells, owner, self._tick())
+        self.entries[seq_id] = Entry(seq_id, np.asarray(tokens[:n], np.int32), cells, owner, self._tick(), n_prompt)
         return True
 
     def find(self, prompt: list[int], owner: Hashable, live) -> Hit | None:
-        """The best reuse for a new session's prompt, or None. `live`: (seq_id, computed tokens, owner)
-        of running sessions."""
+        """The best reuse for a new session's prompt, or None. `live`: (seq_id, computed tokens, owner,
+        prompt length) of running sessions."""
         if not self.on or len(prompt) < 2:
             return None
         p = np.asarray(prompt, np.int32)
-        cap = len(p) - 1
         best: Hit | None = None
         for e in self.entries.values():
             if self._mine(owner, e.owner):
-                n = min(common_prefix(p, e.tokens), cap)
+                n = self._usable(common_prefix(p, e.tokens), e.n_prompt, len(p))
                 whole = n >= len(e.tokens) - 1  # nothing of value beyond what is reused: take it over
                 if (n > 0 if whole else n >= MIN_SHARE) and (best is None or n > best.n):
                     best = Hit(e.seq_id, n, entry=True, takeover=whole)
-        for seq_id, tokens, other in live:
+        for seq_id, tokens, other, n_src_prompt in live:
             if self._mine(owner, other) and len(tokens) >= MIN_SHARE:
-                n = min(common_prefix(p, np.asarray(tokens, np.int32)), cap)
+                n = self._usable(common_prefix(p, np.asarray(tokens, np.int32)), n_src_prompt, len(p))
                 if n >= MIN_SHARE and (best is None or n > best.n):
                     best = Hit(seq_id, n, entry=False, takeover=False)
         return best
@@ -123,7 +138,7 @@ class PrefixCache:
         p, best = np.asarray(prompt, np.int32), None
         for s, other, o in running:
             if self._mine(owner, o):
-                n = min(common_prefix(p, np.asarray(other, np.int32)), len(p) - 1)
+                n = self._usable(common_prefix(p, np.asarray(other, np.int32)), len(other), len(p))
                 if n >= MIN_SHARE and (best is None or n > best[1]):
                     best = (s, n)
         return best

@@ -34,8 +34,8 @@ import numpy as np
 
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
-from meshnode.core.budget import NodeBudget
-from meshnode.core.costmodel import TickCost, fill, prefill_room, rows_per_call, shape, sized
+from meshnode.core.budget import ConfigError, NodeBudget
+from meshnode.core.costmodel import TILE_ROWS, TickCost, deterministic_chunk, fill, prefill_room, rows_per_call, shape, sized
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
@@ -65,14 +65,16 @@ class Counters:
 class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
                  pipeline: TickPipeline | None = None, prefix_cache: str = "off", pool_cells: int = 0,
-                 tick_target_ms: float = 0.0):
+                 tick_target_ms: float = 0.0, deterministic: bool = False):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
         tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `pipeline`: the ticks
         in flight, shared with whatever sends them (default: one at a time). `prefix_cache`: its
         scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
         cached KV must fit together; 0 when each sequence has its own stream. `tick_target_ms`: while
         sessions decode, give each tick the prompt tokens the cost model says fit this (0: always
-        the budget's fixed `max_prefill_tokens_per_tick`, which stays the upper bound)."""
+        the budget's fixed `max_prefill_tokens_per_tick`, which stays the upper bound). `deterministic`:
+        chunks cut so that every cell gets the kernel a cold run gives it (costmodel.deterministic_chunk),
+        and reuse only of such cells (meshnode/core/prefix.py)."""
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe)
@@ -82,7 +84,11 @@ class Scheduler:
         self.live: dict = {}
         self.free_seqs = list(range(budget.n_seq_max))  # sorted: the lowest free id goes first
         self.to_release: list[int] = []
-        self.cache, self.pool_cells = PrefixCache(prefix_cache), pool_cells
+        if deterministic and budget.n_batch < budget.max_batch_size + 2 * TILE_ROWS - 1:
+            raise ConfigError(f"deterministic: needs n_batch >= max_batch_size + {2 * TILE_ROWS - 1} (a prompt chunk "
+                              f"may take up to {2 * TILE_ROWS - 1} rows), got {budget.n_batch}")
+        self.deterministic = deterministic
+        self.cache, self.pool_cells = PrefixCache(prefix_cache, deterministic), pool_cells
         self.kv_ops: list = []  # evictions and reuses decided for the next plan, in order
         self._reused: list[Session] = []
         self.counters = Counters()
@@ -138,7 +144,8 @@ class Scheduler:
         decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
         chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
         prompts = [s for s in self.running if s.pending > 1 and not s.leader][: b.max_batch_size - len(chunks)]
-        sizes = self.fill(self._prefill_room([c for _, c in chunks], prompts), [s.pending for s in prompts], bool(chunks))
+        sizes = self.fill(self._prefill_room([c for _, c in chunks], prompts),
+                          [(s.n_planned, s.pending, len(s.prompt)) for s in prompts], bool(chunks))
         for s, n in zip(prompts, sizes):
             chunks.append(self._chunk(s, n))
             self.counters.prefill_tokens += n
@@ -162,11 +169,24 @@ class Scheduler:
                             [(c.pos, 1) for c in decode], self.cells_planned if self.pool_cells else 0,
                             prompts[0].n_planned)
 
-    def fill(self, room: int, pending: list[int], decoding: bool) -> list[int]:
-        """The prompt tokens each prompt in line computes in a tick with `room` (costmodel.fill: the
-        tile rules hold on streams, where each chunk is a call of its own)."""
+    def fill(self, room: int, prompts: list[tuple[int, int, int]], decoding: bool) -> list[int]:
+        """The prompt tokens each prompt in line ((position, tokens left, prompt length)) computes in a
+        tick with `room` (costmodel.fill: the tile rules hold on streams, where each chunk is a call of
+        its own; in deterministic mode costmodel.deterministic_chunk)."""
         streams = not self.pool_cells
-        return fill(room, pending, decoding, streams, rows_per_call(self.cost) if streams else 0)
+        per_call = rows_per_call(self.cost) if streams else 0
+        if not self.deterministic:
+            return fill(room, [left for _, left, _ in prompts], decoding, streams, per_call)
+        out: list[int] = []
+        for pos, left, n_prompt in prompts:
+            if out:
+                room -= per_call if decoding else 0
+            n = deterministic_chunk(room, pos, n_prompt, pos + left)
+            if n <= 0 or (out and n > room):
+                break
+            out.append(n)
+            room -= n
+        return out
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
@@ -316,7 +336,7 @@ class Scheduler:
         return self.free_seqs.pop(0)
 
     def _live_prefixes(self):
-        return [(s.seq_id, s.tokens[:min(s.n_planned, len(s.tokens))], s.owner)
+        return [(s.seq_id, s.tokens[:min(s.n_planned, len(s.tokens))], s.owner, len(s.prompt))
                 for s in self.running if s.n_planned >= MIN_SHARE]
 
     def _promote(self) -> None:
@@ -328,7 +348,7 @@ class Scheduler:
         if s.state == RUNNING:
             self.admission.release(s.ask)
             self.running.remove(s)
-            if reason in R.KV_UNTRUSTED or not self.cache.store(s.seq_id, s.tokens, s.n_planned, s.owner):
+            if reason in R.KV_UNTRUSTED or not self.cache.store(s.seq_id, s.tokens, s.n_planned, s.owner, len(s.prompt)):
                 self.to_release.append(s.seq_id)
                 bisect.insort(self.free_seqs, s.seq_id)
         elif s.state == QUEUED:

@@ -142,10 +142,13 @@ class EngineInfo:
     kv_bytes_per_token: int
     weight_bytes: int
     recipe: str
+    deterministic: bool = False  # in effect: a sequence's numbers do not depend on its neighbours
+    deterministic_problem: str = ""  # why not, where it was left to the engine (one line, with the fix)
     calibration: tuple = ()  # ((calls, rows, attention, attention in small calls, sized, ms), ...): core/costmodel.py: ticks of known shapes the engine ran at start
 
     @classmethod
     def of(cls, engine, calibration: tuple = ()) -> "EngineInfo":
         return cls(engine.n_vocab, engine.eos, tuple(engine.eog), engine.n_seq_max, engine.n_ctx, engine.n_ctx_seq,
                    engine.n_batch, engine.kv_bytes_per_token, engine.weight_bytes, engine.recipe_fingerprint,
+                   bool(getattr(engine, "deterministic", False)), getattr(engine, "deterministic_problem", ""),
                    tuple(tuple(x) for x in calibration))

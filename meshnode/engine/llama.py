@@ -14,12 +14,13 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from meshnode.core.costmodel import llama_calls, shape, sized
 from meshnode.core.types import GREEDY, FatalEngineError, InvalidPlan, Keep, Plan, SeqChunk, StepResult
-from meshnode.engine import llamacpp
+from meshnode.engine import invariant, llamacpp
 from meshnode.engine.base import Engine
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
 from meshnode.engine.seqmap import SeqMap
@@ -43,13 +44,33 @@ class EngineConfig:
     type_v: str = "f16"
     flash_attn: str = "auto"  # llama.cpp's flash attention computes in f16 on CPU: "off" for f32 numerics
     kv_layout: str = "unified"  # one pool for all sequences, or "streams": n_ctx / n_seq_max cells each
-    deterministic: bool = False  # a sequence's numbers independent of its neighbours (docs/determinism.md)
+    # a sequence's numbers independent of its neighbours (docs/determinism.md): True required (refused where it
+    # cannot hold), None wherever it holds (else off, saying why), False off
+    deterministic: bool | None = False
+
+    @cached_property
+    def deterministic_problem(self) -> str:
+        """Why deterministic mode cannot run with this configuration and model ("" when it may, pending the
+        engine's start-up check), in one line with the fix."""
+        if self.kv_layout != "streams":
+            return ("deterministic: needs kv_layout = \"streams\" (in one unified pool a sequence's cells land "
+                    "where its neighbours leave room, and attention depends on where)")
+        if self.flash_attn == "off":
+            return ("deterministic: needs flash attention (flash_attn auto or on): without it re-prefilled KV is "
+                    "computed by other kernels than decoded KV")
+        if self.n_seq_max < 2:
+            return "deterministic: needs n_seq_max >= 2 (a lone row is padded with a row on another stream)"
+        return llamacpp.deterministic_problem(self.model_path) if os.path.isfile(self.model_path) else ""
+
+    @property
+    def wants_deterministic(self) -> bool:
+        return self.deterministic is True or (self.deterministic is None and not self.deterministic_problem)
 
     @property
     def flash(self) -> str:
-        """What llama.cpp is asked for: deterministic mode needs flash attention off (its CPU kernel
-        is chosen by the shape of the whole batch)."""
-        return "off" if self.deterministic else self.flash_attn
+        """What llama.cpp is asked for: deterministic mode needs flash attention on (without it a decode
+        row's attention and a prompt chunk's take different kernels, so re-prefilled KV differs)."""
+        return "on" if self.wants_deterministic else self.flash_attn
 
     def validate(self, need_file: bool = True) -> None:
         """Every value llama.cpp would refuse or assert on, in the words of the config keys."""
@@ -68,24 +89,17 @@ class EngineConfig:
             raise ValueError(f"ctx and n_batch: must both be at least n_seq_max ({self.n_seq_max}), "
                              f"got {self.n_ctx} and {self.n_batch}")
         if self.type_v in QUANTIZED_KV and self.flash == "off":
-            raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on), "
-                             "which deterministic mode turns off")
+            raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on)")
         if self.kv_layout not in ("unified", "streams"):
             raise ValueError(f"kv_layout: must be unified or streams, got {self.kv_layout!r}")
-        if self.deterministic and self.kv_layout != "streams":
-            raise ValueError("deterministic: needs kv_layout = \"streams\" (in one unified pool a sequence's "
-                             "cells land where its neighbours leave room, and attention depends on where)")
-        if self.deterministic and self.flash_attn == "on":
-            raise ValueError("deterministic: needs flash_attn off or auto (its CPU kernel depends on the batch)")
-        if self.deterministic and os.path.isfile(self.model_path):
-            problem = llamacpp.deterministic_problem(self.model_path)
-            if problem:
-                raise ValueError(problem)
+        if self.deterministic is True and self.deterministic_problem:
+            raise ValueError(self.deterministic_problem)
 
-    def recipe(self) -> str:
-        """The fingerprint of what this configuration computes, without loading anything."""
-        return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash, self.n_batch, self.kv_layout,
-                               self.deterministic)
+    def recipe(self, deterministic: bool | None = None) -> str:
+        """The fingerprint of what this configuration computes, without loading anything (`deterministic`:
+        whether the mode is in effect, if known; else whether it is wanted)."""
+        det = self.wants_deterministic if deterministic is None else deterministic
+        return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash, self.n_batch, self.kv_layout, det)
 
 
 class LlamaEngine(Engine):
@@ -95,11 +109,16 @@ class LlamaEngine(Engine):
         cfg.validate()
         llamacpp.install_log()
         self.cfg, self._lc = cfg, lc
+        # deterministic_problem: why the mode is off where it was left to the engine ("" when on or turned off)
+        self.deterministic = cfg.wants_deterministic
+        self.deterministic_problem = cfg.deterministic_problem if cfg.deterministic is None else ""
+        if self.deterministic and llamacpp.matmul_weight_types(cfg.model_path) & invariant.K_QUANTS:
+            os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
         # repacked weights run one kernel for a single row and another for several: off when the rows
-        # a sequence shares a step with must not change its numbers
-        mp.use_extra_bufts = not cfg.deterministic
+        # a sequence shares a step with must not change its numbers, and where they would go to AMX
+        mp.use_extra_bufts = not self.deterministic and not llamacpp.amx_crashes()
         self._model = lc.llama_model_load_from_file(cfg.model_path.encode(), mp)
         if not self._model:
             raise FatalEngineError(f"llama.cpp could not load {cfg.model_path}: {llamacpp.last_errors()}")
@@ -132,10 +151,18 @@ class LlamaEngine(Engine):
         head_dim = lc.llama_model_n_embd(self._model) // lc.llama_model_n_head(self._model)
         row = lc.llama_model_n_head_kv(self._model) * head_dim
         self.kv_bytes_per_token = n_layer * (llamacpp.row_bytes(row, cp.type_k) + llamacpp.row_bytes(row, cp.type_v))
-        self.recipe_fingerprint = cfg.recipe()
         self._init_sequences()
         self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
         self._alloc_batch(self.n_batch)
+        if self.deterministic:
+            problem = invariant.self_check(self)
+            if problem:
+                self.deterministic_problem = f"deterministic: not on this CPU and model: {problem}"
+                self.deterministic = False
+                if cfg.deterministic is True:
+                    self.close()
+                    raise FatalEngineError(f"{self.deterministic_problem}; serve without it (--no-deterministic)")
+        self.recipe_fingerprint = cfg.recipe(self.deterministic)
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers we own and fill with slices."""
@@ -234,7 +261,10 @@ class LlamaEngine(Engine):
         if not chunks:
             return []
         rows = self._fill(chunks)
+        dummies = self._even(chunks, rows) if self.deterministic else []
         rc = self._lc.llama_decode(self._ctx, self._batch)
+        for s, p in dummies:
+            self._lc.llama_memory_seq_rm(self._mem, s, p, -1)
         if rc == 1:
             return None
         if rc == -1:
@@ -257,6 +287,32 @@ class LlamaEngine(Engine):
             rows.append(i - 1)
         self._batch.n_tokens = i
         return rows
+
+    def _even(self, chunks: list, rows: list[int]) -> list[tuple[int, int]]:
+        """Deterministic mode: no ubatch of one row, none with one output row (engine/invariant.py). Rows
+        move to their streams' order and `rows` follows them; returns the dummy rows' (stream, pos) to remove."""
+        n = self._batch.n_tokens
+        if len(chunks[0].tokens) > 1:  # a prompt chunk, alone in its call on streams: 0 or 2 outputs
+            if chunks[0].draw >= 0:
+                self._want[rows[0] - 1] = 1
+            return []
+        self._want[:n] = 1
+        dummies = []
+        for s in invariant.pads(self._seq[:n].tolist(), self.n_seq_max):
+            p = int(self._lc.llama_memory_seq_pos_max(self._mem, s)) + 1
+            k = n + len(dummies)
+            self._tok[k], self._pos[k], self._seq[k], self._want[k] = self._tok[0], p, s, 1
+            dummies.append((s, p))
+        if dummies:
+            m = n + len(dummies)
+            order = np.argsort(self._seq[:m], kind="stable")
+            for a in (self._tok, self._pos, self._seq, self._want):
+                a[:m] = a[:m][order]
+            where = np.empty(m, np.int64)
+            where[order] = np.arange(m)
+            rows[:] = [int(where[r]) for r in rows]
+            self._batch.n_tokens = m
+        return dummies
 
     def _logits(self, row: int) -> np.ndarray:
         ptr = self._lc.llama_get_logits_ith(self._ctx, row)

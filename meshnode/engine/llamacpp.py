@@ -115,11 +115,16 @@ def system_info() -> str:
     return llama_cpp.llama_print_system_info().decode(errors="replace")
 
 
-# weight formats whose matmuls measured bitwise the same for one row and for many, on a llama.cpp built
-# without llamafile (docs/determinism.md); q4_0, q4_K, q6_K did not, and with llamafile none did
-INVARIANT_WEIGHTS = frozenset({"F32", "F16", "Q8_0"})
-REINSTALL = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) pip install --no-cache-dir '
-             '--force-reinstall --no-deps llama-cpp-python==0.3.36')
+def amx_crashes() -> bool:
+    """This llama.cpp's AMX kernels (CPUs with AMX_INT8) crash the process on the first matmul of 2 rows of
+    quantized weights (SIGSEGV in ggml_backend_amx_mul_mat; llama.cpp issue #20824, open, no fix): weights
+    must not be moved into AMX buffers there, which llama.cpp does only with its extra buffer types on."""
+    return "AMX_INT8 = 1" in system_info()
+
+
+# weight formats whose logits the tests prove bitwise the same alone and in any crowd on the stock build
+# (tests/test_determinism.py; docs/determinism.md); q4_K_M files hold Q4_K and Q6_K
+INVARIANT_WEIGHTS = frozenset({"F32", "F16", "Q8_0", "Q4_K", "Q6_K"})
 
 
 def matmul_weight_types(model_path: str) -> set[str]:
@@ -134,14 +139,13 @@ def matmul_weight_types(model_path: str) -> set[str]:
 
 
 def deterministic_problem(model_path: str) -> str:
-    """Why deterministic mode cannot hold for this model on this build ("" if it can), with the fix."""
-    if "LLAMAFILE = 1" in system_info():
-        return ("deterministic: not on this llama.cpp build, whose llamafile kernels round a matmul of one row "
-                "differently from one of several; reinstall it without them: " + REINSTALL)
+    """Why deterministic mode is refused for this model before loading it ("" if not), with the fix; the
+    engine's start-up self-check (engine/invariant.py) judges the CPU and build."""
     bad = matmul_weight_types(model_path) - INVARIANT_WEIGHTS
     if bad:
-        return (f"deterministic: not for {', '.join(sorted(bad))} weights, whose kernels round differently as the "
-                "batch grows; serve f32, f16 or q8_0 weights (meshnode make-model --quant q8_0, or llama-quantize)")
+        return (f"deterministic: not for {', '.join(sorted(bad))} weights, which no test here has proven "
+                "batch-invariant; serve f32, f16, q8_0 or q4_k_m weights (meshnode make-model --quant, or "
+                "llama-quantize), or run without deterministic mode")
     return ""
 
 

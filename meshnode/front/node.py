@@ -100,7 +100,7 @@ class Front:
         self.events = Events(self.tok, end_session=self.sched.end, latency=self.exposition)
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
                                      self.notifier, self.budget, self.recipe, self.listen, self.telemetry_ep,
-                                     self.fd_limit))
+                                     self.fd_limit, self.sched.deterministic))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, reply=self._reply,
                                  send_events=self._send, status=self.report.status, opened=self.events.opened,
                                  special_in_content=cfg.chat_special_in_content)
@@ -115,7 +115,7 @@ class Front:
                  self.telemetry_ep, cfg.model, self.recipe, self.link.pid, b.effective_active_cap, b.max_queue,
                  b.max_batch_size,
                  b.max_prefill_tokens_per_tick, b.kv_budget_bytes, b.kv_bytes_per_token, b.n_ctx_seq, b.weight_bytes,
-                 max_clients, cfg.layout, cfg.deterministic,
+                 max_clients, cfg.layout, self.sched.deterministic,
                  f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
@@ -155,7 +155,9 @@ class Front:
             weight_budget_bytes=mb(cfg.weight_budget_mb), memory_floor_bytes=mb(cfg.memory_floor_mb))
         sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
                           prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
-                          tick_target_ms=cfg.tick_target_ms)
+                          tick_target_ms=cfg.tick_target_ms, deterministic=info.deterministic)
+        if info.deterministic_problem:
+            log.warning("deterministic mode off: %s", info.deterministic_problem)
         for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
             sched.cost.observe(Shape(*tick), ms, sized)
         return sched

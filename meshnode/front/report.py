@@ -35,6 +35,7 @@ class Sources:
     listen: str
     telemetry_ep: str
     fd_limit: int
+    deterministic: bool  # in effect (the engine's start-up check may have turned it off)
 
 
 class Report:
@@ -52,7 +53,7 @@ class Report:
         snap["tokenizer_jobs_total"], snap["tokenizer_backlog_chars"] = n.texts.jobs_total, n.texts.backlog_chars
         snap["healthy"] = n.health.healthy
         snap["model"], snap["recipe"] = os.path.basename(n.cfg.model), n.recipe
-        snap["deterministic"], snap["kv_layout"] = n.cfg.deterministic, n.cfg.layout
+        snap["deterministic"], snap["kv_layout"] = n.deterministic, n.cfg.layout
         return snap
 
     def status(self, prompt_tokens: int | None = None) -> list[bytes]:
@@ -61,7 +62,7 @@ class Report:
         info = {"version": __version__, "recipe": n.recipe, "model": n.cfg.model, "budgets": n.budget.as_dict(),
                 "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.healthy,
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
-                "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.cfg.deterministic,
+                "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.deterministic,
                 "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache}
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
         return P.status(info, snap, snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens))

@@ -6,6 +6,8 @@ unknown key or a value of the wrong type is an error naming the key.
 """
 from __future__ import annotations
 
+import argparse
+
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -78,8 +80,9 @@ class NodeConfig:
                               choices=("auto", "on", "off"))
     kv_layout: str | None = setting(None, "streams: ctx / n_seq_max cells per sequence; unified: one KV pool for "
                                     "all; unset = streams", choices=("streams", "unified"), example="streams")
-    deterministic: bool = setting(False, "a session's tokens bitwise the same whatever shares its ticks "
-                                  "(docs/determinism.md; refused where the build cannot hold it)")
+    deterministic: bool | None = setting(None, "a session's tokens bitwise the same whatever shares its ticks "
+                                         "(docs/determinism.md): true = required (refused where it cannot hold), "
+                                         "false = off, unset = on wherever it holds", example=True)
     chat_special_in_content: bool = setting(False, "text like </s> or <|im_start|> in chat content becomes that "
                                             "special token (llama-server's way: a client can inject turns; trusted "
                                             "clients only)")
@@ -174,8 +177,8 @@ class NodeConfig:
 
     @property
     def layout(self) -> str:
-        """The KV layout in effect: as set, else streams for deterministic mode (it needs them), else DEFAULT_LAYOUT."""
-        return self.kv_layout or ("streams" if self.deterministic else DEFAULT_LAYOUT)
+        """The KV layout in effect: as set, else DEFAULT_LAYOUT (the one deterministic mode needs)."""
+        return self.kv_layout or DEFAULT_LAYOUT
 
     @property
     def n_ctx(self) -> int:
@@ -242,7 +245,7 @@ def add_flags(parser) -> None:
         m, flag = f.metadata, f"--{f.name.replace('_', '-')}"
         want = _type_of(f)
         if want is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=m["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=m["help"])
             continue
         rng = f" [{m['range'][0]:g}, {m['range'][1]:g}]" if "range" in m else ""
         # choices are checked with the file's values (one line naming the key, case-insensitive log level)
