@@ -2,15 +2,13 @@
 # Re-run every benchmark behind evidence/README.md (about an hour on 2 cores), then re-render it.
 # MESHNODE_NO_OPENMP_PYTHON=/path/to/python (a venv with llama-cpp-python built as the README's
 # "Small CPU-only nodes" says) adds the overhead bench on that build.
-# MESHNODE_DETERMINISTIC_PYTHON=/path/to/python (llama-cpp-python built with -DGGML_LLAMAFILE=OFF,
-# docs/determinism.md) adds deterministic mode to the layout bench and the deterministic sweeps.
 # MESHNODE_LLAMA_SERVER=/path/to/llama-server (README, "Benchmarks") adds the peer to chat and burst.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # a sweep exits 1 when it finds a job whose tokens differ across concurrency levels; that verdict is
 # recorded in its files and in the README, and must not stop the other benchmarks from running
 python -m meshnode sweep --json evidence/sweep-tiny.json > evidence/sweep-tiny.txt 2>/dev/null || true
-python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --json evidence/sweep-bench.json > evidence/sweep-bench.txt 2>/dev/null || true
+python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --no-deterministic --json evidence/sweep-bench.json > evidence/sweep-bench.txt 2>/dev/null || true
 python -m meshnode bench engine --preset bench --json evidence/engine-bench.json > evidence/engine-bench.txt 2>&1
 python -m meshnode bench overhead --preset bench --json evidence/overhead-bench.json > evidence/overhead-bench.txt 2>&1
 if [ -n "${MESHNODE_NO_OPENMP_PYTHON:-}" ]; then  # a python whose llama-cpp-python was built without OpenMP
@@ -18,17 +16,14 @@ if [ -n "${MESHNODE_NO_OPENMP_PYTHON:-}" ]; then  # a python whose llama-cpp-pyt
 fi
 python -m meshnode bench peers --preset bench --json evidence/peers-bench.json > evidence/peers-bench.txt 2>&1
 PEER=${MESHNODE_LLAMA_SERVER:+--llama-server $MESHNODE_LLAMA_SERVER}
-DET=${MESHNODE_DETERMINISTIC_PYTHON:-}
 python -m meshnode bench burst --preset bench --rounds 3 $PEER --json evidence/burst-bench.json > evidence/burst-bench.txt 2>&1
 python -m meshnode bench chat --preset bench --rounds 3 $PEER --json evidence/chat-bench.json > evidence/chat-bench.txt 2>&1
 python -m meshnode bench ticks --preset bench --rounds 5 --json evidence/tick-shapes.json > evidence/tick-shapes.txt 2>&1
 python -m meshnode bench sampling --preset bench --rounds 3 --json evidence/sampling-bench.json > evidence/sampling-bench.txt 2>&1
-python -m meshnode bench layout --preset bench --rounds 3 ${DET:+--deterministic-python $DET} --json evidence/layout-bench.json > evidence/layout-bench.txt 2>&1
-if [ -n "$DET" ]; then
-    for i in 1 2 3 4 5; do
-        "$DET" -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --deterministic --json evidence/sweep-bench-deterministic-$i.json > evidence/sweep-bench-deterministic-$i.txt 2>&1 || true
-    done
-fi
+python -m meshnode bench layout --preset bench --rounds 3 --json evidence/layout-bench.json > evidence/layout-bench.txt 2>&1
+for i in 1 2 3 4 5; do  # default settings (deterministic mode where it holds): no job may differ across levels
+    python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 --json evidence/sweep-bench-default-$i.json > evidence/sweep-bench-default-$i.txt 2>&1 || true
+done
 python -m meshnode bench restart --preset tiny --json evidence/restart-tiny.json > evidence/restart-tiny.txt 2>&1
 python -m meshnode bench restart --preset bench --json evidence/restart-bench.json > evidence/restart-bench.txt 2>&1
 python -m meshnode bench ipc > evidence/ipc.txt 2>&1

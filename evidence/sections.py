@@ -15,35 +15,25 @@ def load(name: str) -> dict | None:
 
 def layout() -> list[str]:
     d = load("layout-bench.json")
-    if not d:
+    if not d or "cost" not in d:
         return []
     mean = lambda v: sum(v) / len(v)  # noqa: E731
-    md = ["## KV layout and deterministic mode (bench model)", "",
-          "`meshnode bench layout --preset bench --rounds 3 --deterministic-python /path/to/no-llamafile/python "
-          "--json evidence/layout-bench.json`: a mix (16 jobs, prompts 4-100, 32 new, concurrency 8), pure decode "
-          "(8 sessions), and the prefill burst (4 decoding, 4 x 1,000-token prompts; "
-          + ("prefill at most 64 tokens a tick" if all(b.get("chunk") == 64 for r in d["rounds"].values() for b in r["burst"])
-             else "prefill paced by the default tick target, prefix cache on") +
-          ") through fresh nodes, the modes' order rotating per round. Deterministic mode runs on the "
-          "interpreter given (llama.cpp built with `-DGGML_LLAMAFILE=OFF`, docs/determinism.md).", "",
-          "| mode | mix tok/s (rounds) | decode tok/s (rounds) | burst worst gap ms | last burst first token s |",
-          "|---|---|---|---|---|"]
-    for m, r in d["rounds"].items():
-        md.append(f"| {m} | {mean(r['mix']):.1f} ({', '.join(f'{x:.1f}' for x in r['mix'])}) | "
-                  f"{mean(r['decode']):.1f} ({', '.join(f'{x:.1f}' for x in r['decode'])}) | "
-                  f"{max(b['burst_itl_ms_max'] for b in r['burst']):.0f} | "
-                  f"{mean([b['burst_ttft_ms_max'] for b in r['burst']]) / 1e3:.2f} |")
-    v = d["verdict"]
-    md.append("")
-    if "deterministic_cost_on_mix" in v:
-        md.append(f"Deterministic mode costs **{v['deterministic_cost_on_mix']:.1%}** of the best layout "
-                  f"({v['best_layout_on_mix']}) on the mix (goal <= 10%).")
-    g = v.get("id_gaps")
-    if g:
-        md += ["", f"Packed streams (4 sequences decoding on streams 0-3) {g['tick_ms_packed']:.1f} ms a tick, "
-                   f"left on streams 0, 2, 4, 6 {g['tick_ms_gapped']:.1f} ms; the tick that carries the moves "
-                   f"{g['first_tick_ms_packed']:.1f} ms vs {g['first_tick_ms_gapped']:.1f} ms gapped."]
-    return md + [""]
+    units = {"mix": "tok/s", "decode": "tok/s", "burst": "last first token s", "chat": "wall s", "lone": "ms/token"}
+    modes = list(d["rounds"])
+    md = ["## Deterministic mode vs not (bench model)", "",
+          "`meshnode bench layout --preset bench --rounds 3 --json evidence/layout-bench.json`, on "
+          f"{d.get('build', 'the stock build')}: through fresh nodes, the modes' order rotating per round, "
+          "the mix (16 jobs, prompts 4-100, 32 new, concurrency 8), pure decode (8 sessions x 128 tokens), the "
+          "prefill burst (4 decoding, 4 x 1,000-token prompts), multi-turn chat (8 users x 3 turns, prefix "
+          "cache on) and one session decoding 128 tokens alone.", "",
+          "| workload | measure | " + " | ".join(f"{m} (rounds)" for m in modes) + " | deterministic's cost per round |",
+          "|---|---|" + "---|" * len(modes) + "---|"]
+    for w, unit in units.items():
+        cells = [f"{mean([r[w] for r in d['rounds'][m]]):.2f} ({', '.join(f'{r[w]:.2f}' for r in d['rounds'][m])})"
+                 for m in modes]
+        cost = d["cost"].get("deterministic", {}).get(w, [])
+        md.append(f"| {w} | {unit} | " + " | ".join(cells) + " | " + ", ".join(f"{c:+.1%}" for c in cost) + " |")
+    return md + ["", "A positive cost is deterministic mode slower (docs/determinism.md reads it).", ""]
 
 
 def chat() -> list[str]:
@@ -146,15 +136,14 @@ def sampling() -> list[str]:
 
 
 def deterministic_sweeps() -> list[str]:
-    runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(HERE, "sweep-bench-deterministic-*.json")))]
+    runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(HERE, "sweep-bench-default-*.json")))]
     if not runs:
         return []
-    md = ["## Deterministic mode: the same jobs at every concurrency (bench model, no-llamafile build)", "",
-          "`python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 "
-          "--deterministic --json evidence/sweep-bench-deterministic-N.json`, run with the no-llamafile "
-          "interpreter, several times.", ""]
+    md = ["## Default settings (deterministic mode where it holds): the same jobs at every concurrency (bench model)",
+          "", "`python -m meshnode sweep --preset bench --jobs 16 --prompt-len 4,16,32,64,100 --new-tokens 32 "
+          "--json evidence/sweep-bench-default-N.json`, on the stock build, five times (evidence/run_all.sh).", ""]
     for i, r in enumerate(runs, 1):
-        md.append(f"- run {i}: {_sweep_verdict(r)}")
+        md.append(f"- run {i} (deterministic {r.get('deterministic')}): {_sweep_verdict(r)}")
     return md + [""]
 
 

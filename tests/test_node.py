@@ -38,8 +38,9 @@ def test_submit_streams_tokens_then_done_with_usage(node, tiny_model):
 
 
 def test_next_turn_reuses_the_conversations_kv_for_its_client_only(node):
-    """By default (deterministic mode, which the tiny model holds) the cache reuses the prompt's cells and
-    recomputes the answer's, and the continuation is bitwise a cold run's (docs/determinism.md)."""
+    """By default (deterministic mode, where the CPU holds it) the cache reuses the prompt's cells and
+    recomputes the answer's, and the continuation is bitwise a cold run's; without the mode it reuses
+    the answer's too and the continuation is a cold run's up to a numerical tie (docs/determinism.md)."""
     with node.client() as c:
         first = c.generate("turn1", tokens=prompt(100), max_tokens=10, ignore_eos=True)
         history = prompt(100) + first.tokens + prompt(70, salt=2)
@@ -47,10 +48,13 @@ def test_next_turn_reuses_the_conversations_kv_for_its_client_only(node):
         info = c.status()["node"]
     with node.client() as other:
         cold = other.generate("turn2-elsewhere", tokens=history, max_tokens=8, ignore_eos=True, logprobs=2)
-    assert info["prefix_cache"] == "client" and info["deterministic"] is True
-    assert second.done["usage"]["cached_tokens"] == 100
+    assert info["prefix_cache"] == "client"
+    assert second.done["usage"]["cached_tokens"] == (100 if info["deterministic"] else 100 + 10 - 1)
     assert cold.done["usage"]["cached_tokens"] == 0  # another client's KV is not shared by default
-    assert second.tokens == cold.tokens and logprob_entries(second) == logprob_entries(cold)
+    if info["deterministic"]:
+        assert second.tokens == cold.tokens and logprob_entries(second) == logprob_entries(cold)
+    else:
+        assert_same_or_a_tie(second, cold)
 
 
 def test_text_in_text_out(node):

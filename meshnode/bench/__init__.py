@@ -17,7 +17,7 @@ BENCHES = {
     "restart": "SIGKILL of the engine to the first token from the restarted engine",
     "ipc": "round trip of the engine link (SEQPACKET) vs a zmq PAIR on ipc:// (diagnostic)",
     "abuse": "4 streams' worst token gap while the largest valid requests of every kind arrive vs steady",
-    "layout": "unified KV vs per-sequence streams vs deterministic mode on a mix, pure decode and a burst",
+    "layout": "deterministic mode vs not (and unified KV): mix, decode, burst, chat, a lone session",
     "sampling": "a batch-8 decode tick, greedy vs every sampling option and logprobs on",
     "chat": "8 users x 6 turns re-sending their history: prefix cache on vs off (vs llama-server)",
     "ticks": "what a tick costs by shape (chunk sizes around the attention tile, deep, beside decode rows)",
@@ -35,7 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
     p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks: rounds")
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
-    p.add_argument("--deterministic-python", help="layout: an interpreter whose llama.cpp has no llamafile")
+    p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
+                   "also unified)")
+    p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
     p.add_argument("--llama-server", help="chat, burst: a llama-server binary to run side by side (README, Benchmarks)")
     chat = p.add_argument_group("chat workload")
     chat.add_argument("--users", type=int, default=8)
@@ -67,13 +69,13 @@ def token_gaps(times: dict, lo: float, hi: float) -> list[float]:
 
 
 def llama_build() -> str:
-    """Which llama.cpp build ran: OpenMP or not changes how much CPU its idle threads take."""
+    """Which llama.cpp build ran and on which CPU features (llama_print_system_info): figures from an AVX2-only
+    machine and an AVX-512 one differ, and OpenMP or not changes how much CPU its idle threads take."""
     import llama_cpp
 
     from meshnode.engine.llamacpp import system_info
 
-    info = system_info()
-    return f"llama-cpp-python {llama_cpp.__version__}, OpenMP {'on' if 'OPENMP = 1' in info else 'off'}"
+    return f"llama-cpp-python {llama_cpp.__version__}; {system_info().strip()}"
 
 
 def run(a) -> int:

@@ -55,10 +55,10 @@ class Conversations:
         self.ttft_ms[turn].append(ttft_ms)
 
 
-def through_node(w: Workload, path: str, threads: int, scope: str) -> tuple[Conversations, float]:
+def through_node(w: Workload, path: str, threads: int, scope: str, extra: tuple = ()) -> tuple[Conversations, float]:
     conv = Conversations(w)
     args = ["--max-active", str(w.users), "--ctx", str(w.ctx), "--threads", str(threads), "--prefix-cache", scope,
-            "--log-level", "WARNING"]
+            "--log-level", "WARNING", *extra]
     with NodeProcess(path, *args) as node, node.client(timeout_s=600) as c:
         sent, first, got = {}, {}, {}
         t0 = time.monotonic()

@@ -9,6 +9,7 @@ the rest) and measures from the client side. Then two verdicts:
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -25,8 +26,9 @@ SATURATION_TOLERANCE = 0.05
 def add_args(p) -> None:
     p.add_argument("--model", help="a GGUF (default: the preset's demo model)")
     p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-f16", "bench"])
-    p.add_argument("--deterministic", action="store_true",
-                   help="nodes in deterministic mode (refused where this llama.cpp build cannot hold it)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="nodes with deterministic mode required (refused where it cannot hold) or off; unset: the "
+                        "node's default (on wherever it holds)")
     p.add_argument("--levels", default="1,2,4,8", help="comma-separated concurrency levels")
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--prompt-len", default="4,16,32,64", help="prompt lengths, cycled over the jobs")
@@ -50,9 +52,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run_level(model: str, level: int, jobs: list[dict], threads: int = 0, internal: dict | None = None,
-              progress=None, deterministic: bool = False) -> tuple[dict, dict[str, list[int]]]:
+              progress=None, deterministic: bool | None = None) -> tuple[dict, dict[str, list[int]]]:
     args = ["--max-active", str(level), "--max-queue", str(len(jobs)), "--threads", str(threads),
-            *(["--deterministic"] if deterministic else []),
+            *([] if deterministic is None else ["--deterministic" if deterministic else "--no-deterministic"]),
             "--log-level", "WARNING"]
     with NodeProcess(model, *args, internal=internal) as node, node.client(timeout_s=600) as c:
         t0 = time.monotonic()
@@ -61,12 +63,14 @@ def run_level(model: str, level: int, jobs: list[dict], threads: int = 0, intern
         results = c.collect([j["id"] for j in jobs], timeout_s=600,
                             on_end=(lambda done, total: progress(level, done, total)) if progress else None)
         wall = time.monotonic() - t0
-        tele = c.status()["telemetry"]
+        status = c.status()
+        tele, node = status["telemetry"], status["node"]
     ttft = [(r.token_times[0] - t0) * 1e3 for r in results.values() if r.token_times]
     itl = [d * 1e3 for r in results.values() for d in np.diff(r.token_times)]
     generated = sum(len(r.tokens) for r in results.values())
     row = {
-        "concurrency": level, "ticks": tele["ticks_total"],
+        "concurrency": level, "recipe": node["recipe"], "deterministic": node["deterministic"],
+        "ticks": tele["ticks_total"],
         "avg_batch_occupancy": tele["batch_occupancy_avg"], "max_batch_occupancy": tele["batch_occupancy_max"],
         "tokens_per_tick": round(tele["decode_tokens_total"] / max(1, tele["ticks_total"]), 4),
         "gen_tokens_per_s": round(generated / wall, 3), "wall_s": round(wall, 3),
@@ -98,7 +102,7 @@ def saturation(levels: list[dict], key: str = "gen_tokens_per_s") -> int | None:
 
 
 def sweep(model: str, levels: list[int], jobs: list[dict], threads: int = 0, internal_by_level: dict | None = None,
-          deterministic: bool = False,
+          deterministic: bool | None = None,
           progress=None) -> dict:
     rows, outputs = [], {}
     for level in levels:
@@ -108,13 +112,10 @@ def sweep(model: str, levels: list[int], jobs: list[dict], threads: int = 0, int
         outputs[level] = out
     ref_level = min(levels)
     mismatches = [m for lv in levels if lv != ref_level for m in find_mismatches(outputs[ref_level], lv, outputs[lv])]
-    from meshnode.engine.llama import EngineConfig
-
     return {
         "model": os.path.basename(model),
-        "recipe": EngineConfig(model, kv_layout="streams" if deterministic else "unified",
-                               deterministic=deterministic).recipe(),
-        "deterministic": deterministic,
+        "recipe": rows[0]["recipe"],
+        "deterministic": rows[0]["deterministic"],  # in effect, as the nodes said
         "levels": rows,
         "corruption_free": not mismatches,
         "mismatches": mismatches,
@@ -127,7 +128,7 @@ def sweep(model: str, levels: list[int], jobs: list[dict], threads: int = 0, int
 
 
 def print_table(res: dict) -> None:
-    print(f"model {res['model']}  recipe {res['recipe']}  jobs {res['jobs']}")
+    print(f"model {res['model']}  recipe {res['recipe']}  deterministic {res['deterministic']}  jobs {res['jobs']}")
     head = ["conc", "ticks", "occ avg", "occ max", "tok/tick", "gen tok/s", "TTFT p50", "TTFT p99",
             "ITL p50", "ITL p99", "peak KV", "eng RSS"]
     print("".join(f"{h:>10}" for h in head))
@@ -160,6 +161,9 @@ def main(a) -> int:
         model = str(cached_model(a.preset))
     levels = [int(x) for x in a.levels.split(",")]
     jobs = make_jobs(a.jobs, [int(x) for x in a.prompt_len.split(",")], a.new_tokens)
+    from meshnode.bench import llama_build
+
+    print(llama_build())
     if a.deterministic:
         from meshnode.engine.llamacpp import deterministic_problem
 
