@@ -220,10 +220,10 @@ def test_reused_kv_continues_like_a_cold_prefill(tiny_model, layout):
 
 
 def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, monkeypatch):
-    from meshnode.engine import llama
+    from meshnode.engine import calibration
 
-    monkeypatch.setattr(llama, "CHUNKS_BUDGET_MS", 1e12)  # the time bounds, tested below, out of the way:
-    monkeypatch.setattr(llama, "DEPTH_BUDGET_MS", 1e12)  # the schedule is the same on a busy machine
+    monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 1e12)  # the time bounds, tested below, out of the way:
+    monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 1e12)  # the schedule is the same on a busy machine
     with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
         points = e.calibrate()
         # chunks at 0, then seq 0 filled to half its context (512) and decode rows beside it there
@@ -249,10 +249,10 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, 
 def test_calibration_stops_growing_chunks_and_stays_shallow_when_its_time_is_spent(tiny_model, monkeypatch):
     """A big model on few cores: past CHUNKS_BUDGET_MS of ticks no larger chunk is timed (8 rows are
     always), and the deep fill takes the deepest of DEPTHS that fits DEPTH_BUDGET_MS, or none."""
-    from meshnode.engine import llama
+    from meshnode.engine import calibration
 
-    monkeypatch.setattr(llama, "CHUNKS_BUDGET_MS", 0.0)
-    monkeypatch.setattr(llama, "DEPTH_BUDGET_MS", 0.0)
+    monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 0.0)
+    monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 0.0)
     with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
         points = e.calibrate()
     # chunks of 1-8 rows, no deep fill, then 2 and 4 decode rows at position 0 and chunks beside 2 of them

@@ -36,7 +36,7 @@ def test_next_turn_of_a_conversation_prefills_only_what_is_new():
     assert turn.seq_id == first.seq_id and turn.n_reused == held
     assert sched.counters.prefill_tokens - before == len(turn.prompt) - held
     assert turn.usage()["cached_tokens"] == held
-    assert sched.cache.counters.hits == 1 and sched.cache.counters.hit_tokens == held
+    assert sched.seqs.cache.counters.hits == 1 and sched.seqs.cache.counters.hit_tokens == held
 
 
 def test_a_repeated_prompt_recomputes_its_last_token_so_the_first_sample_has_logits():
@@ -57,7 +57,7 @@ def test_a_shared_system_prompt_is_copied_and_the_entry_stays_for_its_own_conver
     b = Session(2, system + prompt(20, salt=2), 8, owner="b")
     finish(sched, engine, b)
     assert kv_ops(engine) == [Share(a.seq_id, b.seq_id, 50)]
-    assert a.seq_id in sched.cache.entries and b.seq_id in sched.cache.entries
+    assert a.seq_id in sched.seqs.cache.entries and b.seq_id in sched.seqs.cache.entries
 
 
 def test_a_live_sessions_computed_prompt_is_shared():
@@ -82,7 +82,7 @@ def test_scope_decides_whose_kv_a_session_may_reuse(scope, other, hit):
     second = Session(2, first.tokens + [5, 6], 4, owner=other)
     finish(sched, engine, second)
     assert (second.n_reused > 0) == hit
-    assert sched.cache.counters.hits == int(hit)
+    assert sched.seqs.cache.counters.hits == int(hit)
 
 
 def test_cached_sequences_give_way_to_new_sessions_least_recently_used_first():
@@ -90,21 +90,21 @@ def test_cached_sequences_give_way_to_new_sessions_least_recently_used_first():
     old, recent = Session(1, prompt(30, 1), 3), Session(2, prompt(30, 2), 3)
     finish(sched, engine, old)
     finish(sched, engine, recent)
-    assert set(sched.cache.entries) == {0, 1} and not sched.free_seqs
+    assert set(sched.seqs.cache.entries) == {0, 1} and not sched.seqs.free
     fresh = Session(3, prompt(30, 3), 3)
     finish(sched, engine, fresh)  # a full cache never refuses a session
     assert Release(old.seq_id) in kv_ops(engine) and fresh.seq_id == old.seq_id
-    assert sched.cache.counters.evictions == 1 and recent.seq_id in sched.cache.entries
+    assert sched.seqs.cache.counters.evictions == 1 and recent.seq_id in sched.seqs.cache.entries
 
 
 def test_a_shared_kv_pool_evicts_cached_cells_before_admission_would_run_out():
     engine, sched = scheduler(FakeEngine(n_seq_max=8, n_ctx=256), prefix_cache="node", pool_cells=256)
     a = Session(1, prompt(100, 1), 20)
     finish(sched, engine, a)
-    assert sched.cache.cells == 119
+    assert sched.seqs.cache.cells == 119
     big = Session(2, prompt(120, 2), 60)  # reserves 180 cells: with a's 119 the pool would overflow
     finish(sched, engine, big)
-    assert Release(a.seq_id) in kv_ops(engine) and a.seq_id not in sched.cache.entries
+    assert Release(a.seq_id) in kv_ops(engine) and a.seq_id not in sched.seqs.cache.entries
 
 
 def test_a_session_ended_by_an_engine_error_leaves_nothing_in_the_cache():
@@ -113,15 +113,15 @@ def test_a_session_ended_by_an_engine_error_leaves_nothing_in_the_cache():
     assert sched.submit(s).accepted
     tick = sched.plan()
     sched.refused(tick, R.ENGINE_ERROR)
-    assert s.reason == R.ENGINE_ERROR and not sched.cache.entries
+    assert s.reason == R.ENGINE_ERROR and not sched.seqs.cache.entries
 
 
 def test_an_engine_restart_empties_the_cache_and_frees_its_ids():
     engine, sched = scheduler(prefix_cache="node")
     finish(sched, engine, Session(1, prompt(30), 3))
-    assert sched.cache.entries
+    assert sched.seqs.cache.entries
     sched.engine_restarted()
-    assert not sched.cache.entries and sched.free_seqs == list(range(8))
+    assert not sched.seqs.cache.entries and sched.seqs.free == list(range(8))
 
 
 def test_short_prefixes_are_not_worth_a_copy():

@@ -98,12 +98,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert 0 <= s.admission.scratch_reserved_bytes <= b.scratch_envelope_bytes
         assert self.accepted + self.rejected == self.submitted
         assert all(n <= 1 for n in self.ends.values())  # never two dones
-        held = [x.seq_id for x in s.running] + list(s.cache.entries)
-        assert len(held) == len(set(held)) and not set(held) & set(s.free_seqs)  # each id has one owner
-        assert len(held) + len(s.free_seqs) == b.n_seq_max
+        held = [x.seq_id for x in s.running] + list(s.seqs.cache.entries)
+        assert len(held) == len(set(held)) and not set(held) & set(s.seqs.free)  # each id has one owner
+        assert len(held) + len(s.seqs.free) == b.n_seq_max
         if s.pool_cells:
             reserved = s.admission.kv_reserved_bytes // b.kv_bytes_per_token
-            assert reserved + s.cache.cells <= s.pool_cells or not s.cache.entries
+            assert reserved + s.seqs.cells <= s.pool_cells or not s.seqs.cache.entries
 
     def finish(self):
         return run_to_completion(self.sched, self.engine, 5000)
@@ -154,7 +154,7 @@ class PipelinedMachine(SchedulerMachine):
 
     def finish(self):
         events = self.driver.run_to_completion(5000)
-        cached = set(self.sched.cache.entries)
+        cached = set(self.sched.seqs.cache.entries)
         assert all(p == 0 for i, p in enumerate(self.engine._next_pos) if i not in cached)
         return events
 

@@ -104,7 +104,7 @@ def main(a) -> int:
     if "deterministic" in verdict:
         v = verdict["deterministic"]
         missed = [w for w in MEASURES if w != "lone" and mean(v[w]) > GOAL]
-        print(f"deterministic mode's mean cost: " + ", ".join(f"{w} {mean(c):+.1%}" for w, c in v.items())
+        print("deterministic mode's mean cost: " + ", ".join(f"{w} {mean(c):+.1%}" for w, c in v.items())
               + f"; goal <= {GOAL:.0%} on all but lone: " + ("met" if not missed else f"NOT met on {', '.join(missed)}"))
     gaps = id_gaps(path, threads) if a.id_gaps else None
     if gaps:

@@ -235,6 +235,21 @@ def deterministic_chunk(room: int, start: int, n_prompt: int, end: int) -> int:
     return max(0, min(room, end - start, TILE_ROWS - 1))
 
 
+def fill_deterministic(room: int, prompts: list[tuple[int, int, int]], decoding: bool, per_call: int) -> list[int]:
+    """`fill` for deterministic mode: each prompt in line ((position, tokens left, prompt length)) takes
+    `deterministic_chunk`; the first may go over `room` to keep its chunk whole, the others may not."""
+    out: list[int] = []
+    for pos, left, n_prompt in prompts:
+        if out:
+            room -= per_call if decoding else 0
+        n = deterministic_chunk(room, pos, n_prompt, pos + left)
+        if n <= 0 or (out and n > room):
+            break
+        out.append(n)
+        room -= n
+    return out
+
+
 def prefill_room(cost: TickCost, target_ms: float, top: int, decode: list, unified_cells: int, pos: int) -> int:
     """Prompt tokens for a tick beside the `decode` rows ((pos, 1) each), the next prompt at position
     `pos`, `unified_cells` the cells a unified pool holds before the prompt rows (0 on streams). With

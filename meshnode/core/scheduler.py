@@ -19,13 +19,15 @@ engine fills in, so the engine never idles while the front works. After an
 engine restart, `engine_restarted()` marks every running session's KV as gone,
 and the same chunked prefill rebuilds prompt + generated tokens.
 
-A session that starts where cached KV agrees with its tokens prefills only the
-rest (meshnode/core/prefix.py); the cache gives way the moment a new session
-needs a sequence id or cells, so it never changes an admission decision.
+Where a session's KV lives (its sequence id, what it reuses from the prefix cache,
+what is released when) is meshnode/core/seqs.py's: a session that starts where
+cached KV agrees with its tokens prefills only the rest, and the cache gives way
+the moment a new session needs an id or cells, so it never changes an admission
+decision. How many prompt tokens a tick carries, and in which cuts, is the cost
+model's (meshnode/core/costmodel.py: `fill`, `fill_deterministic`).
 """
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,11 +37,12 @@ import numpy as np
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import ConfigError, NodeBudget
-from meshnode.core.costmodel import TILE_ROWS, TickCost, deterministic_chunk, fill, prefill_room, rows_per_call, shape, sized
+from meshnode.core.costmodel import (TILE_ROWS, TickCost, fill, fill_deterministic, prefill_room, rows_per_call, shape,
+                                     sized)
 from meshnode.core.pipeline import Tick, TickPipeline
-from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
-from meshnode.core.types import Keep, Plan, Release, SeqChunk, Share, StepResult
+from meshnode.core.seqs import Sequences
+from meshnode.core.types import Plan, Release, SeqChunk, StepResult
 
 
 @dataclass
@@ -82,15 +85,11 @@ class Scheduler:
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
         self.live: dict = {}
-        self.free_seqs = list(range(budget.n_seq_max))  # sorted: the lowest free id goes first
-        self.to_release: list[int] = []
         if deterministic and budget.n_batch < budget.max_batch_size + 2 * TILE_ROWS - 1:
             raise ConfigError(f"deterministic: needs n_batch >= max_batch_size + {2 * TILE_ROWS - 1} (a prompt chunk "
                               f"may take up to {2 * TILE_ROWS - 1} rows), got {budget.n_batch}")
-        self.deterministic = deterministic
-        self.cache, self.pool_cells = PrefixCache(prefix_cache, deterministic), pool_cells
-        self.kv_ops: list = []  # evictions and reuses decided for the next plan, in order
-        self._reused: list[Session] = []
+        self.deterministic, self.pool_cells = deterministic, pool_cells
+        self.seqs = Sequences(budget.n_seq_max, prefix_cache, deterministic, pool_cells)
         self.counters = Counters()
         self.cost, self.tick_target_ms = TickCost(), tick_target_ms
         self.draining = False
@@ -139,7 +138,7 @@ class Scheduler:
         self._promote()
         for s in self.running:
             if s.leader:
-                self._follow(s)
+                self.seqs.follow(s)
         b = self.budget
         decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
         chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
@@ -149,8 +148,7 @@ class Scheduler:
         for s, n in zip(prompts, sizes):
             chunks.append(self._chunk(s, n))
             self.counters.prefill_tokens += n
-        release, self.to_release = self.to_release, []
-        kv, self.kv_ops, reused, self._reused = self.kv_ops, [], self._reused, []
+        release, kv, reused = self.seqs.take()
         if not chunks and not release and not kv:
             return None
         if chunks:  # a release-only tick is housekeeping, not a tick of work
@@ -172,21 +170,12 @@ class Scheduler:
     def fill(self, room: int, prompts: list[tuple[int, int, int]], decoding: bool) -> list[int]:
         """The prompt tokens each prompt in line ((position, tokens left, prompt length)) computes in a
         tick with `room` (costmodel.fill: the tile rules hold on streams, where each chunk is a call of
-        its own; in deterministic mode costmodel.deterministic_chunk)."""
+        its own; in deterministic mode costmodel.fill_deterministic)."""
         streams = not self.pool_cells
         per_call = rows_per_call(self.cost) if streams else 0
-        if not self.deterministic:
-            return fill(room, [left for _, left, _ in prompts], decoding, streams, per_call)
-        out: list[int] = []
-        for pos, left, n_prompt in prompts:
-            if out:
-                room -= per_call if decoding else 0
-            n = deterministic_chunk(room, pos, n_prompt, pos + left)
-            if n <= 0 or (out and n > room):
-                break
-            out.append(n)
-            room -= n
-        return out
+        if self.deterministic:
+            return fill_deterministic(room, prompts, decoding, per_call)
+        return fill(room, [left for _, left, _ in prompts], decoding, streams, per_call)
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks
@@ -207,9 +196,8 @@ class Scheduler:
             spans = [(c.pos, len(c.tokens)) for c in tick.plan.chunks]
             self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms, sized(spans))
         missed = set(result.cache_miss)
-        for seq_id in missed:
-            if self.cache.forget(seq_id):  # a finished session's last tick lost its KV: nothing to keep
-                bisect.insort(self.free_seqs, seq_id)
+        for seq_id in missed:  # a finished session's last tick may have lost its cached KV: nothing to keep
+            self.seqs.lost(seq_id)
         for s, c in tick.chunks:
             if s.state != RUNNING or s.seq_id != c.seq_id:
                 continue  # cancelled or ended while the tick ran: its result is stale
@@ -264,93 +252,35 @@ class Scheduler:
                 if s.state == RUNNING:
                     s.n_planned = s.n_reused = 0
                     release.append(s.seq_id)
-        cached = self.cache.clear()  # what the refused ticks did to cached sequences is unknown
-        for seq_id in cached:
-            bisect.insort(self.free_seqs, seq_id)
-        self.to_release = release + cached + self.to_release
+        cached = self.seqs.drop_cache()  # what the refused ticks did to cached sequences is unknown
+        self.seqs.to_release = release + cached + self.seqs.to_release
         return events
 
     def engine_restarted(self) -> None:
         """The engine's KV is gone: rebuild every running session by re-prefilling it."""
         self.pipeline.clear()
-        self.to_release, self.kv_ops, self._reused = [], [], []
-        for seq_id in self.cache.clear():
-            bisect.insort(self.free_seqs, seq_id)
+        self.seqs.restarted()
         for s in self.running:
             s.n_planned = s.draws_in_flight = s.n_reused = 0
 
     # -- internals ----------------------------------------------------------------------
     def _start(self, s: Session) -> None:
         self.admission.reserve(s.ask)
-        hit = lead = None
-        if self.cache.on:
-            hit = self.cache.find(s.prompt, s.owner, self._live_prefixes())
-            lead = self.cache.leader(s.prompt, s.owner, [(r, r.prompt, r.owner) for r in self.running if not r.leader])
-            if lead and hit and lead[1] <= hit.n:
-                lead = None  # what is computed already covers it
-            elif lead:
-                hit = None  # a running prompt is still computing more of this opening: wait, copy it once
-        seq_id = None if hit and hit.takeover else self._free_seq(keep=hit.seq_id if hit and hit.entry else None)
-        if seq_id is None and hit:  # the hit's own sequence is the only room: take it over
-            hit = Hit(hit.seq_id, hit.n, entry=True, takeover=True)
-        if hit:
-            self.cache.take(hit)
-            if hit.takeover:
-                seq_id = hit.seq_id
-                self.kv_ops.append(Keep(seq_id, hit.n))
-            else:
-                self.kv_ops.append(Share(hit.seq_id, seq_id, hit.n))
-            s.n_planned = s.n_reused = hit.n
-            self._reused.append(s)
-        s.leader = lead
-        s.seq_id = seq_id
+        self.seqs.place(s, self.running)
         s.state, s.t_start = RUNNING, self.clock()
         self.running.append(s)
-        if self.pool_cells:  # reserved and cached KV share one pool of cells
-            reserved = self.admission.kv_reserved_bytes // self.budget.kv_bytes_per_token
-            while reserved + self.cache.cells > self.pool_cells and self.cache.entries:
-                self.kv_ops.append(Release(self.cache.evict()))
-                bisect.insort(self.free_seqs, self.kv_ops[-1].seq_id)
-
-    def _follow(self, s: Session) -> None:
-        """A session waiting for its leader: copy the leader's prefix once the ticks before this one
-        compute it (the copy runs before this tick's chunks), or compute its own if the leader is gone."""
-        leader, n = s.leader
-        if leader.state != RUNNING:
-            s.leader = None
-        elif leader.n_planned >= n:
-            s.leader = None
-            self.cache.take(Hit(leader.seq_id, n, entry=False, takeover=False))
-            self.kv_ops.append(Share(leader.seq_id, s.seq_id, n))
-            s.n_planned = s.n_reused = n
-            self._reused.append(s)
-
-    def _free_seq(self, keep: int | None = None) -> int | None:
-        """The lowest free sequence id, evicting the least recently used cached one (but `keep`) if none is."""
-        if not self.free_seqs:
-            seq_id = self.cache.evict(but=keep)
-            if seq_id is None:
-                return None
-            self.kv_ops.append(Release(seq_id))
-            return seq_id
-        return self.free_seqs.pop(0)
-
-    def _live_prefixes(self):
-        return [(s.seq_id, s.tokens[:min(s.n_planned, len(s.tokens))], s.owner, len(s.prompt))
-                for s in self.running if s.n_planned >= MIN_SHARE]
+        self.seqs.fit(self.admission.kv_reserved_bytes // self.budget.kv_bytes_per_token)
 
     def _promote(self) -> None:
         while (self.waiting and self.admission.can_start(self.waiting[0].ask)
-               and (self.free_seqs or self.cache.entries)):
+               and self.seqs.available):
             self._start(self.waiting.popleft())
 
     def _end(self, s: Session, reason: str) -> Event:
         if s.state == RUNNING:
             self.admission.release(s.ask)
             self.running.remove(s)
-            if reason in R.KV_UNTRUSTED or not self.cache.store(s.seq_id, s.tokens, s.n_planned, s.owner, len(s.prompt)):
-                self.to_release.append(s.seq_id)
-                bisect.insort(self.free_seqs, s.seq_id)
+            self.seqs.finished(s, keep=reason not in R.KV_UNTRUSTED)
         elif s.state == QUEUED:
             self.waiting.remove(s)
         s.state, s.reason, s.t_done = DONE, reason, self.clock()
@@ -361,8 +291,8 @@ class Scheduler:
     def cells_planned(self) -> int:
         """KV cells held once every tick planned so far has run (live sequences and cached entries): what
         each row of a unified pool attends to, known here before the engine, a tick or two behind, says."""
-        return sum(s.n_planned for s in self.running) + self.cache.cells
+        return sum(s.n_planned for s in self.running) + self.seqs.cells
 
     @property
     def idle(self) -> bool:
-        return not self.live and not self.to_release and not self.kv_ops
+        return not self.live and not self.seqs.to_release and not self.seqs.kv_ops

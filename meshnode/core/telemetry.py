@@ -109,9 +109,9 @@ class Telemetry:
 
     def _cache(self) -> dict:
         s = self.sched
-        k, computed = s.cache.counters, s.counters.prefill_tokens
-        return {"scope": s.cache.scope, "entries": len(s.cache.entries),
-                "cached_bytes": s.cache.cells * s.budget.kv_bytes_per_token,
+        k, computed = s.seqs.cache.counters, s.counters.prefill_tokens
+        return {"scope": s.seqs.cache.scope, "entries": len(s.seqs.cache.entries),
+                "cached_bytes": s.seqs.cells * s.budget.kv_bytes_per_token,
                 "hits_total": k.hits, "hit_tokens_total": k.hit_tokens, "evictions_total": k.evictions,
                 "hit_token_ratio": round(k.hit_tokens / (k.hit_tokens + computed), 4) if computed + k.hit_tokens else 0.0}
 

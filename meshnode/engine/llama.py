@@ -18,19 +18,12 @@ from functools import cached_property
 
 import numpy as np
 
-from meshnode.core.costmodel import llama_calls, shape, sized
-from meshnode.core.types import GREEDY, FatalEngineError, InvalidPlan, Keep, Plan, SeqChunk, StepResult
-from meshnode.engine import invariant, llamacpp
+from meshnode.core.costmodel import llama_calls
+from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
+from meshnode.engine import calibration, invariant, llamacpp
 from meshnode.engine.base import Engine
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
 from meshnode.engine.seqmap import SeqMap
-
-
-CALIBRATION = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # prompt chunk sizes timed at the first start (<= n_batch)
-DEPTHS = (2048, 1024, 512, 256)  # how deep one sequence is filled to time attention: the deepest that fits
-DEPTH_BUDGET_MS = 3000.0  # ... in about this much start-up time (a big model on few cores gets a shallow one)
-CHUNKS_BUDGET_MS = 4000.0  # the chunk sizes stop growing once their ticks have taken this long
-MIXED_CHUNKS = (64, 128, 256)  # prompt chunks timed beside decode rows: the first sized ticks' correction
 
 
 @dataclass(frozen=True)
@@ -203,46 +196,8 @@ class LlamaEngine(Engine):
         return res
 
     def calibrate(self) -> tuple:
-        """Ticks of known shapes, timed, before the first client: the weights are paged in, and the front's
-        tick cost model (meshnode/core/costmodel.py) starts from real points, so the first prompts are
-        paced and the first `capacity` estimate is there, instead of waiting for traffic varied enough to
-        learn from. Chunks at position 0 time the rows; one sequence then filled to a depth and decode rows
-        beside it time attention, which a burst against a full KV pays and fresh chunks barely show; a
-        chunk beside decode rows times the tick a burst runs (on streams a second llama_decode call).
-        ((*costmodel.Shape, sized, ms), ...)"""
-        unified = self.cfg.kv_layout == "unified"
-        toks = lambda n: (np.arange(n) % (self.n_vocab - 3) + 3).astype(np.int32)  # noqa: E731
-        largest = max(1, min(self.n_batch, self.n_ctx_seq - 1))  # a chunk and the token sampled after it
-        self.step(Plan([SeqChunk(0, 0, toks(min(8, largest)), draw=0)], [0]))  # not timed: pages the weights in
-        out = []
-
-        def timed(chunks: list, release=()) -> None:
-            res = self.step(Plan(chunks, list(release)))
-            spans = [(c.pos, len(c.tokens)) for c in chunks]
-            out.append((*shape(spans, res.kv_cells if unified else 0), sized(spans), res.step_ms))
-
-        for n in [n for n in CALIBRATION if n <= largest]:
-            if n > 8 and sum(p[-1] for p in out) > CHUNKS_BUDGET_MS:  # a big model on few cores: fewer, smaller
-                break
-            timed([SeqChunk(0, 0, toks(n), draw=0)], [0])
-        per_token = out[-1][-1] / out[-1][1]  # ms per row of the largest chunk
-        depth = next((d for d in DEPTHS if d <= self.n_ctx_seq // 2 and d * per_token <= DEPTH_BUDGET_MS), 0)
-        step = min(256, self.n_batch)
-        self.step(Plan([], [0]))
-        for pos in range(0, depth, step):  # filling is itself a row of measurements: chunks ever deeper
-            timed([SeqChunk(0, pos, toks(min(step, depth - pos)))])
-        half = max(1, self.n_seq_max // 2)
-        shapes = [(k, 0) for k in sorted({half, self.n_seq_max})]  # sequences decoding at once
-        if half < self.n_seq_max:  # and prompt chunks beside them, as a burst runs (on streams: two calls)
-            shapes += [(half, min(n, self.n_batch - half, self.n_ctx_seq - 1)) for n in MIXED_CHUNKS]
-        for k, chunk in shapes:
-            deep = [SeqChunk(0, depth, toks(1), draw=0, sampling=GREEDY)] if depth else []
-            prompt = [SeqChunk(k, 0, toks(chunk))] if chunk > 1 else []
-            timed(deep + [SeqChunk(s, 0, toks(1), draw=0) for s in range(len(deep), k)] + prompt)
-            others = list(range(len(deep), self.n_seq_max))
-            self.step(Plan([], others, [Keep(0, depth)] if depth else []))  # back to seq 0 alone at depth
-        self.step(Plan([], list(range(self.n_seq_max))))
-        return tuple(out)
+        """Ticks of known shapes, timed, before the first client (meshnode/engine/calibration.py)."""
+        return calibration.calibrate(self)
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
         """Run a plan and return copies of each sampled sequence's logits (tests, the oracle check)."""
