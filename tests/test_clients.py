@@ -60,46 +60,66 @@ def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model):
 
 # -- descriptors ------------------------------------------------------------------------------------
 def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
-    """At systemd's default limit of 1024, 1,100 idle connections used to abort the front inside
-    libzmq: now the ones beyond the cap are closed (none of those held has been quiet long enough to
-    give way), the live session goes on, and an engine restart still finds the descriptors it needs."""
+    """At a descriptor limit of 1024, 1,100 idle connections used to abort the front inside libzmq:
+    now the ones beyond the cap are closed (none of those held has been quiet long enough to give way),
+    a session streaming meanwhile goes on, and with the flood still held an engine restart finds the
+    descriptors it needs. On tcp://, where libzmq drops a connection it cannot accept; its ipc listener
+    asserts on EMFILE instead, so on ipc:// with a low limit a flood faster than the node closes
+    connections still aborts it (here 2 of 5 full-suite runs, 1 of 4 with a CPU hog): the node warns
+    of that at start (tested below)."""
     import resource
     import socket
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    with socket.socket() as probe:  # a free loopback port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     # nothing here may give way (idle eviction has its own tests): on a busy machine the flood takes long
     # enough for the test's own client, quiet meanwhile, to become the idlest connection
-    with NodeProcess(tiny_model, nofile=1024, internal={"evict_after_s": 3600.0}) as n, n.client() as c:
+    with NodeProcess(tiny_model, nofile=1024, internal={"evict_after_s": 3600.0},
+                     listen=f"tcp://127.0.0.1:{port}") as n, n.client() as c:
         job = dict(tokens=[3, 4, 5], max_tokens=200, ignore_eos=True, logprobs=2)
         want = c.generate("ref", **job)
-        c.submit("live", **job)
+        c.submit("during", **job)
         c.wait_for(lambda e: e["event"] == "tokens", keep=True)
         idle = []
         for _ in range(1100):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s = socket.socket()
             try:
-                s.connect(n.listen[len("ipc://"):])
+                s.connect(("127.0.0.1", port))
             except OSError:  # refused by the kernel once the node is closing them as they come
                 s.close()
                 continue
             idle.append(s)
         t = wait_until(lambda: (lambda t: t if t["clients_refused_total"] > 0 else None)(c.status()["telemetry"]), 10)
         assert t and t["fds_open"] < t["fds_limit"] == 1024
+        c.submit("after", **job)
+        c.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "after", keep=True)
         os.kill(c.status()["node"]["engine_pid"], 9)
-        got = c.collect(["live"], timeout_s=60)["live"]
+        got = c.collect(["during", "after"], timeout_s=120)
         t = c.status()["telemetry"]
         for s in idle:
             s.close()
     assert n.proc.returncode == 0, n.log()
-    assert_consistent(got, 200, R.LENGTH)
-    assert_same_or_a_tie(got, want)  # re-prefilled in other batches: bitwise only in deterministic mode
+    for r in got.values():
+        assert_consistent(r, 200, R.LENGTH)
+        assert_same_or_a_tie(r, want)  # re-prefilled in other batches: bitwise only in deterministic mode
     assert t["engine"]["restarts"] == 1 and t["healthy"]
     print(f"idle connections: {t['clients_connected']} held, {t['clients_refused_total']} closed; "
           f"{t['fds_open']} of {t['fds_limit']} descriptors open")
 
 
+def test_an_ipc_endpoint_with_a_low_descriptor_limit_is_warned_of_at_start(tiny_model):
+    with NodeProcess(tiny_model, nofile=1024) as n, n.client() as c:
+        assert c.status()["node"]["healthy"]
+    said = [ln for ln in n.log().splitlines() if "aborts it inside libzmq" in ln]
+    assert len(said) == 1 and "LimitNOFILE" in said[0] and "1024" in said[0]
+
+
 # -- text and sampling edges ----------------------------------------------------------------------
+
+
 def test_streamed_text_adds_up_to_the_final_text_even_mid_character(tiny_model):
     """The fake engine samples byte tokens about half the time, so sessions of these lengths end
     inside a multi-byte character; the piece held back then comes out before the done."""

@@ -30,6 +30,9 @@ from meshnode.ops.config import EVICT_AFTER_S
 
 log = logging.getLogger("meshnode.front")
 
+# libzmq 4.3.5's ipc listener asserts on EMFILE (ipc_listener.cpp:297; its tcp listener drops the connection
+# instead): below this limit a flood on ipc:// faster than the gate closes connections can abort the front
+SAFE_IPC_FDS = 65536
 RESERVE_FDS = 256  # the node's own: engine restarts, metrics, logs, libzmq internals, a burst of accepts
 HANDSHAKE_S = 10.0  # a connection silent this long after connecting is dropped
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED

@@ -31,7 +31,7 @@ from meshnode.front import signals
 from meshnode.front.clients import TELEMETRY_SUBSCRIBERS, Clients
 from meshnode.front.engine_link import Death, EngineLink, Refusal, Reply
 from meshnode.front.events import Events
-from meshnode.front.gate import RESERVE_FDS, descriptors
+from meshnode.front.gate import RESERVE_FDS, SAFE_IPC_FDS, descriptors
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.outbox import GONE, STALLED
 from meshnode.front.prom import Exposition
@@ -130,6 +130,11 @@ class Front:
         if max_clients < self.cfg.max_clients:
             log.warning("the descriptor limit (%d) allows %d client connections, not max_clients=%d",
                         limit, max_clients, self.cfg.max_clients)
+        if limit < SAFE_IPC_FDS and any(e.startswith("ipc://") for e in (
+                self.cfg.listen or default_listen(), self.cfg.telemetry or default_telemetry())):
+            log.warning("the descriptor limit is %d: a flood of connections on an ipc:// endpoint faster than the "
+                        "node closes them aborts it inside libzmq (its ipc listener asserts on EMFILE); raise "
+                        "LimitNOFILE (the unit sets 65536) or listen on tcp://", limit)
         return limit, max_clients
 
     def _start_engine(self) -> Scheduler:
