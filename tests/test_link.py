@@ -118,3 +118,27 @@ def test_a_reply_that_is_not_msgpack_marks_the_link_broken_instead_of_raising(ar
     assert "engine sent a malformed message" in engine_link.broken
     a.close()
     b.close()
+
+
+def test_a_tick_is_stamped_sent_once_it_is_sent_so_a_paused_front_is_not_a_hung_engine(arena, tmp_path, monkeypatch):
+    """A front stopped (SIGSTOP, a busy machine) just before its send must not count the pause against the
+    engine: the hang rule measures from `sent_at` (once: test_stall's stopped-front test failed 1 of 14)."""
+    from meshnode.core.health import EngineHealth
+    from meshnode.core.pipeline import TickPipeline
+    from meshnode.core.types import Plan
+    from meshnode.front import engine_link as el
+
+    clock = [100.0]
+    monkeypatch.setattr(el.time, "monotonic", lambda: clock[0])
+    link = el.EngineLink(str(tmp_path), arena, TickPipeline(2), EngineHealth(0.5), engine_kind="fake",
+                         engine_params={}, n_vocab=512, model_path="m.gguf")
+
+    class Paused:  # the front stops for 1.5 s inside the send
+        def send(self, data):
+            clock[0] += 1.5
+
+    link.sock = Paused()
+    tick = link.pipeline.push(Plan([]), [], [])
+    link.send(tick)
+    assert tick.sent_at == clock[0]
+    assert link.health.hung(clock[0], [tick], lambda: (0, 0, 99.0)) == ""  # the engine has had it 0 s

@@ -174,11 +174,12 @@ class EngineLink:
         return None
 
     def send(self, tick: Tick, fresh: bool = False) -> None:
-        tick.sent_at = time.monotonic()
         try:
             self.sock.send(link.encode(link.TickRequest(tick.t, tick.plan, tick.resync, fresh), self.arena))
         except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
             self.broken = self.broken or f"engine link send failed: {e}"
+        finally:  # after the send: a front paused before it must not count the pause against the engine
+            tick.sent_at = time.monotonic()
 
     def why_dead(self, now: float) -> str:
         """Why the engine is dead now, or "": exited, broken, silent at start, or hung in a tick."""
