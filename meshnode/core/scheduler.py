@@ -252,8 +252,7 @@ class Scheduler:
                 if s.state == RUNNING:
                     s.n_planned = s.n_reused = 0
                     release.append(s.seq_id)
-        cached = self.seqs.drop_cache()  # what the refused ticks did to cached sequences is unknown
-        self.seqs.to_release = release + cached + self.seqs.to_release
+        self.seqs.refused(release)
         return events
 
     def engine_restarted(self) -> None:

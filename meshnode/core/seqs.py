@@ -106,6 +106,11 @@ class Sequences:
             bisect.insort(self.free, seq_id)
         return ids
 
+    def refused(self, release: list[int]) -> None:
+        """Refused ticks' `release` did not run (Scheduler.refused says why it goes out again), and what they
+        did to cached entries is unknown: both go out first with the next plan."""
+        self.to_release = release + self.drop_cache() + self.to_release
+
     def restarted(self) -> None:
         """The engine's KV is gone: nothing to release, nothing cached."""
         self.to_release, self.kv_ops, self.reused = [], [], []

@@ -44,9 +44,7 @@ def self_check(engine, crowd: int = 8) -> str:
     """Run one sequence alone and beside 1 and `crowd` neighbours and compare its logits bitwise: ""
     when they agree, else what differed. A few hundred milliseconds on a small model; the KV is
     left empty."""
-    n = engine.n_seq_max
-    if n < 2:
-        return "needs n_seq_max >= 2 (a lone row is padded with a row of another sequence)"
+    n = engine.n_seq_max  # >= 2: EngineConfig.deterministic_problem
     toks = lambda k, base=0: (np.arange(base, base + k) % (engine.n_vocab - 3) + 3).astype(np.int32)  # noqa: E731
     prompt = toks(min(CHECK_PROMPT, engine.n_ctx_seq - CHECK_STEPS - 1))
 

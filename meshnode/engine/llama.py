@@ -53,7 +53,12 @@ class EngineConfig:
                     "computed by other kernels than decoded KV")
         if self.n_seq_max < 2:
             return "deterministic: needs n_seq_max >= 2 (a lone row is padded with a row on another stream)"
-        return llamacpp.deterministic_problem(self.model_path) if os.path.isfile(self.model_path) else ""
+        return llamacpp.weights_problem(self.weight_types)
+
+    @cached_property
+    def weight_types(self) -> set[str]:
+        """The formats of the weights the model multiplies by (read from the file once; empty before it exists)."""
+        return llamacpp.matmul_weight_types(self.model_path) if os.path.isfile(self.model_path) else set()
 
     @property
     def wants_deterministic(self) -> bool:
@@ -105,7 +110,7 @@ class LlamaEngine(Engine):
         # deterministic_problem: why the mode is off where it was left to the engine ("" when on or turned off)
         self.deterministic = cfg.wants_deterministic
         self.deterministic_problem = cfg.deterministic_problem if cfg.deterministic is None else ""
-        if self.deterministic and llamacpp.matmul_weight_types(cfg.model_path) & invariant.K_QUANTS:
+        if self.deterministic and cfg.weight_types & invariant.K_QUANTS:
             os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0

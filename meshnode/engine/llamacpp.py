@@ -141,7 +141,12 @@ def matmul_weight_types(model_path: str) -> set[str]:
 def deterministic_problem(model_path: str) -> str:
     """Why deterministic mode is refused for this model before loading it ("" if not), with the fix; the
     engine's start-up self-check (engine/invariant.py) judges the CPU and build."""
-    bad = matmul_weight_types(model_path) - INVARIANT_WEIGHTS
+    return weights_problem(matmul_weight_types(model_path))
+
+
+def weights_problem(weight_types: set[str]) -> str:
+    """deterministic_problem, for weights whose formats are known already."""
+    bad = weight_types - INVARIANT_WEIGHTS
     if bad:
         return (f"deterministic: not for {', '.join(sorted(bad))} weights, which no test here has proven "
                 "batch-invariant; serve f32, f16, q8_0 or q4_k_m weights (meshnode make-model --quant, or "

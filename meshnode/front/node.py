@@ -76,6 +76,10 @@ class Front:
             log.warning("removed a dead node's engine socket %s", name)
         self.listen = cfg.listen or default_listen()
         self.telemetry_ep = cfg.telemetry or default_telemetry()
+        if self.fd_limit < SAFE_IPC_FDS and any(ep.startswith("ipc://") for ep in (self.listen, self.telemetry_ep)):
+            log.warning("the descriptor limit is %d: a flood of connections on an ipc:// endpoint faster than the "
+                        "node closes them aborts it inside libzmq (its ipc listener asserts on EMFILE); raise "
+                        "LimitNOFILE (the unit sets 65536) or listen on tcp://", self.fd_limit)
         for ep in (self.listen, self.telemetry_ep):  # one at a time: a refused second releases the first
             self._locks.append(EndpointLock(ep))
             if self._locks[-1].path:
@@ -130,11 +134,6 @@ class Front:
         if max_clients < self.cfg.max_clients:
             log.warning("the descriptor limit (%d) allows %d client connections, not max_clients=%d",
                         limit, max_clients, self.cfg.max_clients)
-        if limit < SAFE_IPC_FDS and any(e.startswith("ipc://") for e in (
-                self.cfg.listen or default_listen(), self.cfg.telemetry or default_telemetry())):
-            log.warning("the descriptor limit is %d: a flood of connections on an ipc:// endpoint faster than the "
-                        "node closes them aborts it inside libzmq (its ipc listener asserts on EMFILE); raise "
-                        "LimitNOFILE (the unit sets 65536) or listen on tcp://", limit)
         return limit, max_clients
 
     def _start_engine(self) -> Scheduler:
