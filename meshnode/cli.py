@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 
 
@@ -40,7 +41,7 @@ def serve_node(a, internal: dict | None = None) -> int:
     overrides["model"] = a.model
     overrides.update(internal or {})
     try:
-        cfg = config.load(a.config, overrides)
+        cfg = config.load(a.config, overrides, os.environ)
     except ValueError as e:
         print(f"meshnode serve: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,13 @@
+import os
+
 import pytest
+
+# Nodes the tests start run llama.cpp on ONE thread (tests/test_node.py's module node keeps the default, all
+# cores, with `--threads 0`): llama.cpp's threads spin at every barrier, so with the test, the front and
+# the engine sharing two cores, and more so beside other load, a second engine thread mostly waits for a
+# preempted first one (on this 2-core machine test_clients.py took 165 s with two busy loops beside it at
+# the default, 71 s at one thread). The tiny models' numerics do not depend on the thread count.
+os.environ.setdefault("MESHNODE_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

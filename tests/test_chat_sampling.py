@@ -79,7 +79,7 @@ def test_min_p_keeps_only_tokens_near_the_best():
 # -- the engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
         yield e
 
 

@@ -53,7 +53,7 @@ def holding(problems, name):
 
 
 def engine(path, deterministic=True):
-    return LlamaEngine(EngineConfig(path, n_seq_max=8, n_ctx=4096, n_batch=512, n_threads=2,
+    return LlamaEngine(EngineConfig(path, n_seq_max=8, n_ctx=4096, n_batch=512, n_threads=1,
                                     kv_layout="unified" if deterministic is False else "streams",
                                     deterministic=deterministic))
 

@@ -91,7 +91,7 @@ def test_bad_plans_are_refused_and_the_engine_keeps_working(engine, bad, why):
 
 
 def test_rc1_no_kv_slot_comes_back_as_cache_miss(tiny_model):
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=2, n_ctx=256, n_threads=2)) as e:
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=2, n_ctx=256, n_threads=1)) as e:
         e.step(Plan([SeqChunk(0, 0, np.array(prompt(200), np.int32), 0)]))
         res = e.step(Plan([SeqChunk(1, 0, np.array(prompt(120), np.int32), 0)]))
         assert res.cache_miss == [1] and e.seq_pos_max(1) == -1
@@ -124,7 +124,7 @@ def test_llama_cpp_matches_the_numpy_reference(tiny_model, reference):
     """
     prompts = {0: prompt(1, 1), 1: prompt(7, 2), 2: prompt(19, 3)}
     got, want = {}, {}
-    cfg = EngineConfig(tiny_model, n_seq_max=8, n_ctx=1024, n_threads=2, type_k="f32", type_v="f32", flash_attn="off")
+    cfg = EngineConfig(tiny_model, n_seq_max=8, n_ctx=1024, n_threads=1, type_k="f32", type_v="f32", flash_attn="off")
     with LlamaEngine(cfg) as engine:
         generate(engine, prompts, 6, chunk=5, together=True, logits_out=got)
     generate(reference, prompts, 6, chunk=5, together=True, logits_out=want)
@@ -168,7 +168,7 @@ def test_streams_packed_after_sessions_end_keep_their_kv(tiny_model):
     prompts = {s: np.array(prompt(40 + 7 * s, s), np.int32) for s in range(8)}
 
     def run(pack):
-        cfg = EngineConfig(tiny_model, n_seq_max=8, n_ctx=8 * 256, n_threads=2, kv_layout="streams")
+        cfg = EngineConfig(tiny_model, n_seq_max=8, n_ctx=8 * 256, n_threads=1, kv_layout="streams")
         with LlamaEngine(cfg) as e:
             if not pack:
                 e._ids.compaction = list
@@ -206,7 +206,7 @@ def test_reused_kv_continues_like_a_cold_prefill(tiny_model, layout):
             step = Plan([SeqChunk(seq, pos + len(tokens) + k, tok, draw=k + 1)])
         return out
 
-    cfg = EngineConfig(tiny_model, n_seq_max=4, n_ctx=4 * 256, n_threads=2, kv_layout=layout)
+    cfg = EngineConfig(tiny_model, n_seq_max=4, n_ctx=4 * 256, n_threads=1, kv_layout=layout)
     with LlamaEngine(cfg) as e:
         cold = greedy(e, 3, 0, turn)
         greedy(e, 0, 0, base)
@@ -224,7 +224,7 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, 
 
     monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 1e12)  # the time bounds, tested below, out of the way:
     monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 1e12)  # the schedule is the same on a busy machine
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
         points = e.calibrate()
         # chunks at 0, then seq 0 filled to half its context (512) and decode rows beside it there
         # and 64-, 128- and 256-token chunks beside 2 decode rows: (calls, rows, attn, attn_small, sized, ms)
@@ -240,7 +240,7 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, 
         for p in points:
             cost.observe(Shape(*p[:4]), p[5], p[4])
         assert cost.ready and cost.predict(Shape(1, 256, 256 * 256, 0)) > cost.predict(Shape(1, 1, 0, 1))
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2, kv_layout="streams")) as e:
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1, kv_layout="streams")) as e:
         points = e.calibrate()  # 256 cells a stream: too shallow to fill; the chunk beside decode rows is a 2nd call
         assert [p[:2] for p in points[-5:]] == [(1, 2), (1, 4), (2, 66), (2, 130), (2, 257)]
         assert all(e.seq_pos_max(s) < 0 for s in range(4))
@@ -253,7 +253,7 @@ def test_calibration_stops_growing_chunks_and_stays_shallow_when_its_time_is_spe
 
     monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 0.0)
     monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 0.0)
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
         points = e.calibrate()
     # chunks of 1-8 rows, no deep fill, then 2 and 4 decode rows at position 0 and chunks beside 2 of them
     assert [p[1] for p in points] == [1, 2, 4, 8, 2, 4, 66, 130, 258]

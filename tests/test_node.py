@@ -20,7 +20,7 @@ from meshnode.text.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def node(tiny_model):
     before = leftover_segments()
-    n = NodeProcess(tiny_model, "--max-active", "4", "--max-queue", "8").start()
+    n = NodeProcess(tiny_model, "--max-active", "4", "--max-queue", "8", "--threads", "0").start()
     yield n
     n.stop()
     assert_clean(n, before)

@@ -34,6 +34,21 @@ def test_config_file_then_flags(tmp_path, tiny_model):
     assert cfg.max_queue == 7 and cfg.prefill_chunk == 32 and cfg.kv_budget_mb == 2.0
 
 
+def test_environment_sits_between_the_file_and_the_flags(tmp_path, tiny_model):
+    path = write(tmp_path, f'model = "{tiny_model}"\nmax_queue = 5\nthreads = 3\ninsecure = false\n')
+    env = {"MESHNODE_MAX_QUEUE": "6", "MESHNODE_THREADS": "1", "MESHNODE_INSECURE": "yes", "MESHNODE_RUN_DIR": "/x"}
+    cfg = config.load(path, {"max_queue": 7}, env)
+    assert (cfg.max_queue, cfg.threads, cfg.insecure) == (7, 1, True)
+    assert config.load(path).threads == 3  # nothing from os.environ unless the caller passes it
+
+
+@pytest.mark.parametrize("name, value", [("MESHNODE_MAX_QUEUE", "five"), ("MESHNODE_INSECURE", "maybe"),
+                                         ("MESHNODE_MAX_QUEUE", "-1")])
+def test_environment_errors_name_the_variable_or_the_key(name, value):
+    with pytest.raises(ConfigError, match=name.removeprefix("MESHNODE_").lower()):
+        config.load(None, None, {name: value})
+
+
 @pytest.mark.parametrize("text, key", [
     ("max_qeue = 5\n", "max_qeue"),
     ('max_queue = "five"\n', "max_queue"),

@@ -193,7 +193,7 @@ def test_real_engine_batched_sessions_equal_serialized(tiny_model):
     from meshnode.engine.llama import EngineConfig, LlamaEngine
 
     lengths = [1, 3, 7, 12]
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=2)) as e:
+    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
         def run(keys, max_active):
             _, s = scheduler(e, max_active=max_active, max_prefill_tokens_per_tick=5)
             for i in keys:

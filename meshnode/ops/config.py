@@ -1,4 +1,5 @@
-"""Every `meshnode serve` setting, from defaults, a TOML file and CLI flags (in that order).
+"""Every `meshnode serve` setting, from defaults, a TOML file, MESHNODE_<KEY> environment variables
+and CLI flags (in that order: later wins, as llama-server's LLAMA_ARG_* do for its flags).
 
 One dataclass is the single list of settings: the CLI flags, the config-file
 keys and tools/meshnode.toml.example are all checked against it, so an
@@ -252,8 +253,35 @@ def add_flags(parser) -> None:
         parser.add_argument(flag, type=want, metavar=f.name.upper(), help=_help(f) + rng)
 
 
-def load(path: str | None = None, overrides: dict | None = None) -> NodeConfig:
-    """Defaults, then the TOML file, then non-None `overrides` (the CLI flags)."""
+ENV_PREFIX = "MESHNODE_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def from_environment(environ) -> dict:
+    """The settings given as MESHNODE_<KEY> variables (a container's or a unit's `Environment=`), typed
+    like the flags. Other MESHNODE_ variables (MESHNODE_RUN_DIR, MESHNODE_CACHE) are not settings and are
+    left alone; a value that does not parse is an error naming the variable."""
+    values = {}
+    for f in _public():
+        name = ENV_PREFIX + f.name.upper()
+        if name not in environ:
+            continue
+        raw, want = environ[name].strip(), _type_of(f)
+        try:
+            if want is bool:
+                if raw.lower() not in _TRUE + _FALSE:
+                    raise ValueError(f"not one of {'/'.join(_TRUE + _FALSE)}")
+                values[f.name] = raw.lower() in _TRUE
+            else:
+                values[f.name] = want(raw)
+        except ValueError as e:
+            raise ConfigError(f"{name}={environ[name]!r} is not a valid {f.name}: {e}") from None
+    return values
+
+
+def load(path: str | None = None, overrides: dict | None = None, environ=None) -> NodeConfig:
+    """Defaults, then the TOML file, then MESHNODE_<KEY> variables of `environ` (default: none), then
+    non-None `overrides` (the CLI flags)."""
     values: dict = {}
     if path:
         try:
@@ -267,6 +295,7 @@ def load(path: str | None = None, overrides: dict | None = None) -> NodeConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown key(s) in {path}: {', '.join(unknown)}")
+    values.update(from_environment(environ or {}))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     cfg = NodeConfig(**values)
     cfg.validate()
