@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 
 from ipc import seqpacket
 from ipc.protocol import pack, unpack
-from meshnode.core.types import EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share
+from meshnode.core.types import EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
 
 HALVES = 2
 _SAMPLING = [f.name for f in fields(Sampling)]
@@ -76,6 +76,17 @@ class TickDone:
     mem_available: int = 0
     mem_total: int = 0
     logprobs: tuple = ()  # (seq, sampled token's logprob, ((token, logprob), ...)) for sessions that asked
+
+    @classmethod
+    def of(cls, tick: int, res: StepResult, gap_ms: float) -> TickDone:
+        """An engine step's wire form; its tokens go to the arena, the memory figures are the writer's."""
+        lps = tuple((s, lp, tuple(top)) for s, (lp, top) in res.logprobs.items())
+        return cls(tick, tuple(res.cache_miss), res.step_ms, res.kv_cells, gap_ms, logprobs=lps)
+
+    def result(self, tokens: dict[int, int]) -> StepResult:
+        """The step as the engine returned it, with its tokens read back from the arena."""
+        return StepResult(tokens, list(self.cache_miss), self.step_ms, self.kv_cells,
+                          {s: (lp, list(top)) for s, lp, top in self.logprobs})
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from helpers import Clock, prompt, scheduler
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.telemetry import Telemetry
-from meshnode.front.requests import MAX_HELD, Requests
+from meshnode.front.requests import MAX_HELD, Answer, Requests
 from meshnode.text.chat import ChatPrompt, Specials, prompt as chat_prompt
 from meshnode.text.jobs import TextJob
 
@@ -41,12 +41,27 @@ class Texts:
         return True
 
 
+class Front:
+    """Applies what the handlers return as the front's loop would, keeping the answers' frames."""
+
+    def __init__(self, reqs, replies):
+        self.reqs, self.replies = reqs, replies
+
+    def on_frames(self, ident, frames):
+        self._apply(self.reqs.on_frames(ident, frames))
+
+    def on_text(self, job):
+        self._apply(self.reqs.on_text(job))
+
+    def _apply(self, actions):
+        self.replies += [P.decode_event(a.frames) for a in actions if isinstance(a, Answer)]
+
+
 def front(clock, **kw):
     _, sched = scheduler(clock=clock)
     replies, texts = [], Texts()
-    reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), reply=lambda i, f: replies.append(P.decode_event(f)),
-                    send_events=lambda evs: None, status=lambda n: P.pong(), opened=lambda key, stops: None, **kw)
-    return sched, reqs, texts, replies
+    reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), status=lambda n: P.pong(), **kw)
+    return sched, Front(reqs, replies), texts, replies
 
 
 def test_time_waiting_for_the_tokenizer_counts_from_arrival():

@@ -3,10 +3,12 @@
 Each incarnation gets a fresh link socket (ipc/seqpacket.py) that accepts only
 that process, so no message of a dead engine can be mistaken for a live one's.
 What goes over it is typed (ipc/link.py); what comes back is handed to the
-front as a `Reply`, a `Refusal` or a `Death`, never as a message to pick apart.
-Ticks in flight live in the scheduler's pipeline (meshnode/core/pipeline.py),
-when the engine counts as dead in meshnode/core/health.py; this file only does
-the process and socket work those two decide about.
+front as a `Reply` or a `Refusal`, never as a message to pick apart. Whatever
+breaks the engine (a closed link, garbage, a fatal error, an exit, a hang) is
+answered in one place, `why_dead()`, which the loop asks every turn. Ticks in
+flight live in the scheduler's pipeline (meshnode/core/pipeline.py), when a
+silence counts as a hang and whether to restart in meshnode/core/health.py;
+this file only does the process and socket work those two decide about.
 """
 from __future__ import annotations
 
@@ -45,13 +47,6 @@ class Refusal:
     detail: str
 
 
-@dataclass(frozen=True)
-class Death:
-    """The engine cannot go on: restart it (or give up, as EngineHealth decides)."""
-
-    why: str
-
-
 ENGINE_MODULE = "meshnode.worker.main"  # the engine process's code, found by name in the child only
 
 
@@ -75,7 +70,8 @@ class EngineLink:
         self.listener = None  # until the incarnation connects
         self.sock: seqpacket.LinkSocket | None = None
         self.generation = 0
-        self.broken = ""  # why the link failed, for why_dead() to report
+        self.broken = ""  # why this incarnation cannot go on, for why_dead() to report
+        self.going_down = False  # it closed the link or aborted: wait a moment for its exit status
         self._next_liveness = 0.0
         self.words = ""  # what this incarnation said about its own failure (hello failed, abort)
 
@@ -94,7 +90,12 @@ class EngineLink:
 
     @property
     def can_send(self) -> bool:
-        return self.health.state == READY
+        return self.health.state == READY and not self.broken
+
+    def _break(self, why: str, going_down: bool = False) -> None:
+        """The first reason this incarnation cannot go on wins; why_dead() reports it."""
+        self.broken = self.broken or why
+        self.going_down = self.going_down or going_down
 
     def start(self) -> None:
         """Spawn an incarnation; it connects and says hello later, through receive()."""
@@ -125,9 +126,9 @@ class EngineLink:
                 raise RuntimeError(f"engine did not start: {why}")
         return self.info
 
-    def receive(self) -> Reply | Refusal | Death | None:
+    def receive(self) -> Reply | Refusal | None:
         """Read one message: the outcome of a tick, or None (a connection, a hello, an answer to a
-        tick no longer in flight, or a closed link, which why_dead() then reports)."""
+        tick no longer in flight, or anything that breaks the engine, which why_dead() then reports)."""
         if self.sock is None:
             self.sock = seqpacket.accept(self.listener, self.pid)
             if self.sock is not None:  # connected: the path is not needed any more
@@ -135,34 +136,34 @@ class EngineLink:
             return None
         data = self.sock.recv()
         if data is None:
-            self.broken = self.broken or "engine closed the link"
-            return None
+            return self._break("engine closed the link", going_down=True)
         try:
             msg = link.decode(data)
-        except ValueError as e:  # the engine is broken: why_dead() reports it, then the restart
-            self.broken = self.broken or f"engine sent a malformed message: {e}"
-            return None
+        except ValueError as e:
+            return self._break(f"engine sent a malformed message: {e}")
         if isinstance(msg, link.Hello):
             return self._hello(msg)
-        if isinstance(msg, (link.HelloFailed, link.Aborted)):
-            self.words = msg.detail if isinstance(msg, link.HelloFailed) else f"llama.cpp aborted: {msg.detail}"
-            self.broken = self.broken or (self.words if isinstance(msg, link.Aborted) else "")
+        if isinstance(msg, link.HelloFailed):  # said before it exits, which why_dead() reports
+            self.words = msg.detail
             return None
+        if isinstance(msg, link.Aborted):
+            self.words = f"llama.cpp aborted: {msg.detail}"
+            return self._break(self.words, going_down=True)
         if not isinstance(msg, (link.TickDone, link.TickRefused)):
-            self.broken = self.broken or f"engine sent {type(msg).__name__}, which only the front sends"
-            return None
+            return self._break(f"engine sent {type(msg).__name__}, which only the front sends")
         tick = self.pipeline.answer(msg.tick)
         if tick is None:
             return None  # from before a restart, or behind a refused tick
         if isinstance(msg, link.TickRefused):
-            return Death(f"engine reported a fatal error: {msg.detail}") if msg.fatal else Refusal(tick, msg.detail)
+            if msg.fatal:  # its context cannot be trusted any more: restart it, re-prefill
+                return self._break(f"engine reported a fatal error: {msg.detail}")
+            return Refusal(tick, msg.detail)
         try:
             tokens = link.read_samples(self.arena, tick.t, tick.plan, self.n_vocab)
         except ValueError as e:  # garbage from the engine: restart it, re-prefill
-            return Death(f"engine sent a bad reply: {e}")
+            return self._break(f"engine sent a bad reply: {e}")
         self.health.good_tick()
-        lps = {s: (lp, list(top)) for s, lp, top in msg.logprobs}
-        return Reply(tick, StepResult(tokens, list(msg.cache_miss), msg.step_ms, msg.kv_cells, lps), msg)
+        return Reply(tick, msg.result(tokens), msg)
 
     def _hello(self, msg: link.Hello) -> None:
         problem = model_problem(msg.info, self.info, self.n_vocab, self.model_path)
@@ -177,7 +178,7 @@ class EngineLink:
         try:
             self.sock.send(link.encode(link.TickRequest(tick.t, tick.plan, tick.resync, fresh), self.arena))
         except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
-            self.broken = self.broken or f"engine link send failed: {e}"
+            self._break(f"engine link send failed: {e}", going_down=True)
         finally:  # after the send: a front paused before it must not count the pause against the engine
             tick.sent_at = time.monotonic()
 
@@ -185,8 +186,8 @@ class EngineLink:
         """Why the engine is dead now, or "": exited, broken, silent at start, or hung in a tick."""
         if self.health.state not in (STARTING, READY):
             return ""
-        if self.broken and self.proc is not None:
-            self.proc.join(0.5)  # a broken link is a process going down: let it finish, to say how
+        if self.going_down and self.proc is not None:
+            self.proc.join(0.5)  # a closed link is a process going down: let it finish, to say how
         if self.broken or now >= self._next_liveness:  # a dying engine closes its link: no waitpid every turn
             self._next_liveness = now + LIVENESS_EVERY_S
             if self.proc is not None and not self.proc.is_alive():
@@ -240,7 +241,7 @@ class EngineLink:
             self.sock.close()
             self.sock = None
         self._close_listener()
-        self.broken = ""
+        self.broken, self.going_down = "", False
 
     def _close_listener(self) -> None:
         if self.listener is not None:

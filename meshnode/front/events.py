@@ -4,8 +4,8 @@ A session's streamed pieces must add up to its final text, so each live
 session has a TextStream that holds back an incomplete character; when the
 session ends, whatever is held goes out in a last `tokens` event before the
 `done`. A session with stop strings also holds back text that could still become
-one (meshnode/text/stops.py); when one matches, the session ends with `STOP` right
-there (`end_session`) and its text is cut before the match.
+one (meshnode/text/stops.py); when one matches, its text is cut before the match and
+the caller ends the session with `STOP`: a formatter ends nothing itself.
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ from meshnode.text.tokenizer import TextStream, Tokenizer
 
 
 class Events:
-    def __init__(self, tok: Tokenizer, end_session=None, latency=None, clock=time.monotonic):
-        """`end_session(key, reason) -> Event | None`: ends a live session (the scheduler's `end`);
-        `latency`: told each gap between a session's tokens and each done's usage (front/prom.py)."""
-        self.tok, self.end_session, self.latency, self.clock = tok, end_session, latency, clock
+    def __init__(self, tok: Tokenizer, latency=None, clock=time.monotonic):
+        """`latency`: told each gap between a session's tokens and each done's usage (front/prom.py)."""
+        self.tok, self.latency, self.clock = tok, latency, clock
         self.streams: dict = {}
         self.stops: dict = {}
         self.last_token: dict = {}  # key -> when its last tokens went out
@@ -32,9 +31,10 @@ class Events:
         if stops:
             self.stops[key] = StopText(list(stops))
 
-    def frames(self, ev: Event) -> list[tuple[bytes, list[bytes], bool]]:
+    def frames(self, ev: Event) -> tuple[list[tuple[bytes, list[bytes], bool]], bool]:
         """(client identity, frames, final) for one event: a `tokens` event is not final (a stalled
-        client may lose it: its `done` carries every token), a `done` is."""
+        client may lose it: its `done` carries every token), a `done` is; and whether a stop string
+        matched (the session must end with STOP now)."""
         key = ev.session.key
         ident, sid = key
         if ev.kind == "tokens":
@@ -48,11 +48,7 @@ class Events:
             hit = False
             if stop:
                 text, hit = stop.feed(text)
-            out = [(ident, P.tokens(sid, ev.tokens, text, ev.logprobs), False)]
-            if hit and self.end_session:
-                done = self.end_session(key, R.STOP)
-                out += self.frames(done) if done else []
-            return out
+            return [(ident, P.tokens(sid, ev.tokens, text, ev.logprobs), False)], hit
         out = []
         stream, stop = self.streams.pop(key, None), self.stops.pop(key, None)
         self.last_token.pop(key, None)
@@ -68,4 +64,4 @@ class Events:
         if self.latency is not None:
             self.latency.observe_done(usage)
         out.append((ident, P.done(sid, reason, s.generated, text, usage, ev.detail), True))
-        return out
+        return out, False

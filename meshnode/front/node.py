@@ -1,12 +1,14 @@
 """The front process: one thread, one poll loop, initialize / loop / shutdown.
 
 The loop multiplexes the engine link, the clients and timers: each tick's
-answer becomes the sessions' events after the next tick has been sent (so the
-engine never waits for the clients), client requests are answered at once
+answer is applied and the next tick sent before the sessions' events go out (so
+the engine never waits for the clients), client requests are answered at once
 within their CPU share, and a full snapshot goes out every second. Policy is in
-meshnode/core; the pieces here each do one job: clients.py (sockets),
-requests.py (what a request does), events.py (events as frames),
-engine_link.py (the engine process), report.py (what the node publishes).
+meshnode/core; the pieces here each do one job and return what must happen,
+which only this loop carries out: clients.py (sockets), requests.py (what a
+request does), events.py (events as frames), engine_link.py (the engine
+process; why_dead() is the one answer to "is it dead"), report.py (what the
+node publishes).
 Signal handlers only count (signals.py); the loop drains.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 
 import zmq
 
@@ -29,7 +32,7 @@ from meshnode.core.scheduler import Event, Scheduler
 from meshnode.core.telemetry import Telemetry
 from meshnode.front import signals
 from meshnode.front.clients import TELEMETRY_SUBSCRIBERS, Clients
-from meshnode.front.engine_link import Death, EngineLink, Refusal, Reply
+from meshnode.front.engine_link import EngineLink, Refusal, Reply
 from meshnode.front.events import Events
 from meshnode.front.gate import RESERVE_FDS, SAFE_IPC_FDS, descriptors
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
@@ -37,7 +40,7 @@ from meshnode.front.outbox import GONE, STALLED
 from meshnode.front.prom import Exposition
 from meshnode.front.reaper import Reaper
 from meshnode.front.report import Report, Sources
-from meshnode.front.requests import Requests
+from meshnode.front.requests import Action, Answer, Opened, Requests
 from meshnode.ops.config import NodeConfig
 from meshnode.ops.sdnotify import Notifier
 from meshnode.text.jobs import TextJobs
@@ -101,12 +104,11 @@ class Front:
         self.sched = self._start_engine()
         self.recipe = self.link.info.recipe
         self.telemetry = Telemetry(self.sched)
-        self.events = Events(self.tok, end_session=self.sched.end, latency=self.exposition)
+        self.events = Events(self.tok, latency=self.exposition)
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
                                      self.notifier, self.budget, self.recipe, self.listen, self.telemetry_ep,
                                      self.fd_limit, self.sched.deterministic))
-        self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, reply=self._reply,
-                                 send_events=self._send, status=self.report.status, opened=self.events.opened,
+        self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
                                  special_in_content=cfg.chat_special_in_content)
         self.poller = zmq.Poller()
         self.clients.register(self.poller)
@@ -204,10 +206,10 @@ class Front:
             self._send(events)
         if ready.pop(self.texts.fileno(), None):
             for job in self.texts.finished():
-                self.requests.on_text(job)
+                self._apply(self.requests.on_text(job))
         if ready:  # what is left is the clients'
             for ident, frames in self.clients.requests(ready):
-                self.requests.on_frames(ident, frames)
+                self._apply(self.requests.on_frames(ident, frames))
 
     def _watch_link(self) -> None:
         """Poll the engine's current socket (the listener until it connects, then the link)."""
@@ -226,27 +228,43 @@ class Front:
         busy = {key[0] for key in self.sched.live} if self.sched is not None else set()
         return busy | set(self.requests.held) if self.requests is not None else busy
 
-    def _send(self, events: list[Event]) -> None:
-        for ev in events:
-            for ident, frames, final in self.events.frames(ev):
-                self._reply(ident, frames, final)
+    def _apply(self, actions: list[Action]) -> None:
+        """What a request handler decided, in its order."""
+        for a in actions:
+            if isinstance(a, Opened):
+                self.events.opened(a.key, a.stops)
+            elif isinstance(a, Answer):
+                self._send(self._deliver(a.ident, a.frames, final=True))
+            else:
+                self._send([a])
 
-    def _reply(self, ident: bytes, frames: list[bytes], final: bool = True) -> None:
-        """Send to one client. One that stopped reading or vanished loses its sessions, nobody else
-        does; each still gets its `done`, kept until it reads again (outbox.py)."""
+    def _send(self, events: list[Event]) -> None:
+        """Events out as frames; a stop string that matched ends its session here, its `done` next."""
+        todo = deque(events)
+        while todo:
+            ev = todo.popleft()
+            out, stopped = self.events.frames(ev)
+            for ident, frames, final in out:
+                todo.extend(self._deliver(ident, frames, final))
+            done = self.sched.end(ev.session.key, R.STOP) if stopped else None
+            if done is not None:
+                todo.appendleft(done)
+
+    def _deliver(self, ident: bytes, frames: list[bytes], final: bool) -> list[Event]:
+        """Send to one client. One that stopped reading or vanished loses its sessions (their ends are
+        returned, to be sent), nobody else does; each still gets its `done`, kept until it reads again
+        (outbox.py)."""
         outcome = self.clients.send(ident, frames, final)
-        if outcome not in (STALLED, GONE):
-            return
-        mine = [k for k in self.sched.live if k[0] == ident]
+        mine = [k for k in self.sched.live if k[0] == ident] if outcome in (STALLED, GONE) else []
         if not mine:
-            return
+            return []
         why = "stopped reading" if outcome == STALLED else "disconnected"
         log.warning("client %s %s: cancelling its %d session(s)", ident.hex(), why, len(mine))
         self.telemetry.client_faults_total += 1
         ended = [self.sched.cancel(k) for k in mine]
         for ev in ended:
             ev.detail = f"the client {why}" + (f" (over {CLIENT_HWM} messages unread)" if outcome == STALLED else "")
-        self._send(ended)
+        return ended
 
     # -- engine ----------------------------------------------------------------------------------
     def _dispatch(self, after_reply: bool = False) -> None:
@@ -262,7 +280,7 @@ class Front:
                 return
             self.link.send(tick, fresh=not after_reply and idle)
 
-    def _on_engine(self, outcome: Reply | Refusal | Death | None) -> list[Event]:
+    def _on_engine(self, outcome: Reply | Refusal | None) -> list[Event]:
         """A tick's outcome -> the sessions' events (sent by the caller, after the next dispatch)."""
         if isinstance(outcome, Reply):
             done = outcome.done
@@ -273,9 +291,7 @@ class Front:
         if isinstance(outcome, Refusal):
             log.error("engine refused a plan: %s", outcome.detail)
             return self.sched.refused(outcome.tick, R.ENGINE_ERROR)
-        if isinstance(outcome, Death):
-            return self._engine_died(outcome.why)
-        return []
+        return []  # nothing, or the engine broke: the loop asks why_dead() next
 
     def _engine_died(self, why: str) -> list[Event]:
         """Restart with backoff and re-prefill; when the engine cannot come back, end every session."""

@@ -5,14 +5,18 @@ tokenized on the worker thread (meshnode/text/jobs.py), the requests it sends
 after it wait (a cancel must find the session it follows), at most MAX_HELD.
 A text that cannot fit the context is refused before it is tokenized: the
 lower bound on its token count costs nothing.
+
+Handlers return what must happen (`Answer`s to clients, `Opened` sessions, the
+scheduler's `Event`s) and the front's loop applies it: nothing here sends.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from ipc import protocol as P
 from meshnode.core import reasons as R
-from meshnode.core.scheduler import Scheduler
+from meshnode.core.scheduler import Event, Scheduler
 from meshnode.core.session import Ask, Session
 from meshnode.core.telemetry import Telemetry
 from meshnode.text.jobs import TextJob, TextJobs
@@ -21,51 +25,65 @@ from meshnode.text.tokenizer import Tokenizer
 MAX_HELD = 256  # a client's requests waiting behind its text being tokenized
 
 
+@dataclass(frozen=True)
+class Answer:
+    """Frames for one client."""
+
+    ident: bytes
+    frames: list[bytes]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A session was admitted: its text stream (and stop strings) must exist before its first token."""
+
+    key: tuple
+    stops: list[str]
+
+
+Action = Answer | Opened | Event
+
+
 class Requests:
-    def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, reply,
-                 send_events, status, opened, special_in_content: bool = False):
-        """`reply(ident, frames)`, `send_events(events)`, `status(prompt_tokens) -> frames`, `opened(key)` (a session
-        was admitted): the front's, so this class never touches a socket. `special_in_content`: chat content
-        may spell special tokens (llama-server's behaviour; meshnode/text/chat.py)."""
+    def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, status,
+                 special_in_content: bool = False):
+        """`status(prompt_tokens) -> frames`: the node's status answer (front/report.py). `special_in_content`:
+        chat content may spell special tokens (llama-server's behaviour; meshnode/text/chat.py)."""
         self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
-        self.reply, self.send_events, self.status, self.opened = reply, send_events, status, opened
+        self.status = status
         self.special_in_content = special_in_content
         self.held: dict[bytes, deque] = {}  # per client waiting behind its text: (frames, arrival)
 
-    def on_frames(self, ident: bytes, frames: list[bytes]) -> None:
+    def on_frames(self, ident: bytes, frames: list[bytes]) -> list[Action]:
         arrived = self.sched.clock()  # a session's times count from here, tokenizer waits included
         held = self.held.get(ident)
         if held is None:
-            self._handle(ident, frames, arrived)
-        elif len(held) < MAX_HELD:
+            return self._handle(ident, frames, arrived)
+        if len(held) < MAX_HELD:
             held.append((frames, arrived))
-        else:
-            self.telemetry.count_bad_frame()
-            self.reply(ident, P.error(R.TOO_LARGE, f"{MAX_HELD} requests already wait behind a text of this "
-                                      "client that is being tokenized; read the answers before sending more",
-                                      P.request_id(frames)))
+            return []
+        self.telemetry.count_bad_frame()
+        return [Answer(ident, P.error(R.TOO_LARGE, f"{MAX_HELD} requests already wait behind a text of this client "
+                                      "that is being tokenized; read the answers before sending more",
+                                      P.request_id(frames)))]
 
-    def _handle(self, ident: bytes, frames: list[bytes], arrived: float) -> None:
+    def _handle(self, ident: bytes, frames: list[bytes], arrived: float) -> list[Action]:
         try:
             req = P.decode_request(frames, self.tok.n_vocab)
         except P.ProtocolError as e:
             self.telemetry.count_bad_frame()
-            self.reply(ident, P.error(e.code, e.detail, e.id))
-            return
+            return [Answer(ident, P.error(e.code, e.detail, e.id))]
         if isinstance(req, P.Ping):
-            self.reply(ident, P.pong())
-        elif isinstance(req, P.Status):
-            self.reply(ident, self.status(req.prompt_tokens))
-        elif isinstance(req, P.Cancel):
+            return [Answer(ident, P.pong())]
+        if isinstance(req, P.Status):
+            return [Answer(ident, self.status(req.prompt_tokens))]
+        if isinstance(req, P.Cancel):
             ev = self.sched.cancel((ident, req.id))
-            if ev is None:
-                self.reply(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))
-            else:
-                self.send_events([ev])
-        else:
-            self._submit(ident, req, arrived)
+            return [ev] if ev is not None else [
+                Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
+        return self._submit(ident, req, arrived)
 
-    def _submit(self, ident: bytes, req: P.Submit, arrived: float) -> None:
+    def _submit(self, ident: bytes, req: P.Submit, arrived: float) -> list[Action]:
         if req.tokens is not None:
             return self._admit(ident, req, req.tokens, arrived)
         prompt = req.text
@@ -73,40 +91,40 @@ class Requests:
             try:
                 prompt = self.tok.chat_prompt(req.messages, self.special_in_content)
             except ValueError as e:
-                return self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))
+                return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
         d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens, req.recipe))
         if not d.accepted:
-            return self._refuse(ident, req.id, d.reason, d.detail)
+            return [self._refuse(ident, req.id, d.reason, d.detail)]
         if not self.texts.submit((ident, req, arrived), prompt, owner=ident):
-            return self._refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
-                                f"the tokenizer's backlog is full ({self.texts.max_backlog_chars} characters of "
-                                "text wait); retry later or send tokens")
+            return [self._refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
+                                 f"the tokenizer's backlog is full ({self.texts.max_backlog_chars} characters of "
+                                 "text wait); retry later or send tokens")]
         self.held[ident] = deque()
+        return []
 
-    def on_text(self, job: TextJob) -> None:
+    def on_text(self, job: TextJob) -> list[Action]:
         """A text is tokenized: admit it, then handle what its client sent behind it."""
         ident, req, arrived = job.key
         if job.error:
-            self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, job.error)
+            out = [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, job.error)]
         else:
-            self._admit(ident, req, job.tokens, arrived)
+            out = self._admit(ident, req, job.tokens, arrived)
         held = self.held.pop(ident, deque())
         while held:
-            self._handle(ident, *held.popleft())
+            out += self._handle(ident, *held.popleft())
             if ident in self.held:  # waiting behind another text now
                 self.held[ident].extend(held)
-                return
+                break
+        return out
 
-    def _refuse(self, ident: bytes, id: str, reason: str, detail: str) -> None:
+    def _refuse(self, ident: bytes, id: str, reason: str, detail: str) -> Answer:
         self.telemetry.count_reject(reason)
-        self.reply(ident, P.rejected(id, reason, detail))
+        return Answer(ident, P.rejected(id, reason, detail))
 
-    def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float) -> None:
+    def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float) -> list[Action]:
         s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
                     req.ignore_eos, req.recipe, owner=ident, t_submit=arrived)
         d = self.sched.submit(s)
         if d.accepted:
-            self.opened(s.key, req.stop)
-            self.reply(ident, P.admitted(req.id, d.reason))
-        else:
-            self._refuse(ident, req.id, d.reason, d.detail)
+            return [Opened(s.key, req.stop), Answer(ident, P.admitted(req.id, d.reason))]
+        return [self._refuse(ident, req.id, d.reason, d.detail)]

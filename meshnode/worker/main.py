@@ -131,8 +131,7 @@ class EngineProcess:
         # (the main thread's hand-over, the wait for this tick, resolving its follows); -1 after an idle spell
         gap_ms = (ready - self._ready_at) * 1e3 - res.step_ms if self._ready_at and not req.fresh else -1.0
         self._ready_at = ready
-        lps = tuple((s, lp, tuple(top)) for s, (lp, top) in res.logprobs.items())
-        return link.TickDone(req.tick, tuple(res.cache_miss), res.step_ms, res.kv_cells, gap_ms, logprobs=lps), res.tokens
+        return link.TickDone.of(req.tick, res, gap_ms), res.tokens
 
     def shutdown(self) -> None:
         if hasattr(self, "io"):
