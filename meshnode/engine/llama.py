@@ -22,7 +22,7 @@ from meshnode.core.costmodel import llama_calls
 from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
 from meshnode.engine import calibration, invariant, llamacpp
 from meshnode.engine.base import Engine
-from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES, QUANTIZED_KV
+from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ, QUANTIZED_KV
 from meshnode.engine.seqmap import SeqMap
 
 
@@ -74,8 +74,8 @@ class EngineConfig:
         """Every value llama.cpp would refuse or assert on, in the words of the config keys."""
         if need_file and not os.path.isfile(self.model_path):
             raise FileNotFoundError(f"model file not found: {self.model_path}")
-        if not 1 <= self.n_seq_max <= 256:
-            raise ValueError(f"n_seq_max: must be in [1, 256], got {self.n_seq_max}")
+        if not 1 <= self.n_seq_max <= MAX_SEQ:
+            raise ValueError(f"n_seq_max: must be in [1, {MAX_SEQ}], got {self.n_seq_max}")
         if self.n_ctx < 1 or self.n_batch < 1:
             raise ValueError("ctx and n_batch: must be >= 1")
         if self.flash_attn not in FLASH_ATTN:
@@ -88,8 +88,8 @@ class EngineConfig:
                              f"got {self.n_ctx} and {self.n_batch}")
         if self.type_v in QUANTIZED_KV and self.flash == "off":
             raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on)")
-        if self.kv_layout not in ("unified", "streams"):
-            raise ValueError(f"kv_layout: must be unified or streams, got {self.kv_layout!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.deterministic is True and self.deterministic_problem:
             raise ValueError(self.deterministic_problem)
 

@@ -28,6 +28,10 @@ from meshnode.core.types import EngineInfo, StepResult
 
 log = logging.getLogger("meshnode.front")
 LIVENESS_EVERY_S = 0.02  # how often the process itself is checked, besides its link closing
+EXIT_WAIT_S = 0.5  # an engine that closed its link is exiting: how long to wait for its exit status
+KILL_WAIT_S = 5.0  # a killed or stopped engine is reaped within this (a page-in of GBs of weights can be slow)
+LAST_WORDS = 8  # messages still read from a dead engine's link for why it died (hello failed, abort)
+START_POLL_S = 0.1  # while the node waits for the first hello: how often a stop signal is noticed
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ class EngineLink:
         while self.health.state == STARTING:
             if stop():
                 return None
-            if select.select([self.poll_socket], [], [], 0.1)[0]:
+            if select.select([self.poll_socket], [], [], START_POLL_S)[0]:
                 self.receive()
             why = self.why_dead(time.monotonic())
             if why:
@@ -187,7 +191,7 @@ class EngineLink:
         if self.health.state not in (STARTING, READY):
             return ""
         if self.going_down and self.proc is not None:
-            self.proc.join(0.5)  # a closed link is a process going down: let it finish, to say how
+            self.proc.join(EXIT_WAIT_S)  # a closed link is a process going down: let it finish, to say how
         if self.broken or now >= self._next_liveness:  # a dying engine closes its link: no waitpid every turn
             self._next_liveness = now + LIVENESS_EVERY_S
             if self.proc is not None and not self.proc.is_alive():
@@ -199,7 +203,7 @@ class EngineLink:
 
     def _read_last_words(self) -> None:
         """A dead engine may have said why (hello failed, abort) in messages still unread."""
-        for _ in range(8):
+        for _ in range(LAST_WORDS):
             sock = self.poll_socket
             if sock is None or not select.select([sock], [], [], 0)[0]:
                 return
@@ -221,11 +225,11 @@ class EngineLink:
         if self.proc is not None:
             if self.proc.is_alive():
                 self.proc.kill()
-            self.proc.join(5)
+            self.proc.join(KILL_WAIT_S)
             self.proc = None
         self._close_sock()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = KILL_WAIT_S) -> None:
         """Ask the engine to exit cleanly, then make sure it has; one that has not said hello yet has
         nothing to finish, and may not be reading the link at all (still loading): killed at once."""
         if self.proc is not None and self.proc.is_alive() and self.sock is not None and self.health.state == READY:

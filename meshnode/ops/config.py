@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from meshnode.core.budget import ConfigError
 from meshnode.core.prefix import SCOPES
+from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ  # llama.cpp's own limits, defined once
 
 
 def setting(default=None, help: str = "", *, range: tuple | None = None, choices: tuple | None = None,
@@ -44,7 +45,6 @@ DAY = 86400.0
 DEFAULT_LAYOUT = "streams"  # chosen by `meshnode bench burst` and `bench layout` (README, "KV layout")
 EVICT_AFTER_S = 60.0  # at the connection cap, only a client silent this long gives way (front/gate.py says why)
 SESSION_CELLS = 4096  # with no ctx set, every session may reach this many tokens (fewer if the model's trained context is)
-KV_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # llama.cpp's cache types the node accepts
 
 
 @dataclass
@@ -55,11 +55,11 @@ class NodeConfig:
                                  example="tcp://127.0.0.1:5555")
     telemetry: str | None = setting(None, "telemetry PUB endpoint; unset = ipc://$RUNTIME_DIRECTORY/telemetry.sock",
                                     example="tcp://127.0.0.1:5556")
-    max_active: int | None = setting(None, "sessions running at once; unset = n_seq_max", range=(1, 256), example=8)
+    max_active: int | None = setting(None, "sessions running at once; unset = n_seq_max", range=(1, MAX_SEQ), example=8)
     max_queue: int = setting(64, "sessions waiting for a slot; beyond it submits get REJECTED_QUEUE_FULL",
                              range=(0, 1_000_000))
     max_batch: int | None = setting(None, "sequences per tick (decode rows in one llama_decode); unset = n_seq_max",
-                                    range=(1, 256), example=8)
+                                    range=(1, MAX_SEQ), example=8)
     prefill_chunk: int | None = setting(None, "most prompt tokens per tick; unset = n_batch - max_batch (64 with "
                                         "tick_target_ms = 0)", range=(1, 1 << 20), example=504)
     tick_target_ms: float = setting(420.0, "while sessions decode, prefill is sized by measured tick cost to keep "
@@ -72,15 +72,15 @@ class NodeConfig:
                                      range=(0, 1e9))
     ctx: int | None = setting(None, "KV cells in all (streams: ctx / n_seq_max each); unset = 4096 a session "
                               "(x n_seq_max on streams)", range=(1, 1 << 26), example=32768)
-    n_seq_max: int = setting(8, "llama.cpp sequence slots (most sessions that can run at once)", range=(1, 256))
+    n_seq_max: int = setting(8, "llama.cpp sequence slots (most sessions that can run at once)", range=(1, MAX_SEQ))
     n_batch: int = setting(512, "most tokens one llama_decode may carry (> max_batch)", range=(1, 1 << 20))
     threads: int = setting(0, "CPU threads for llama.cpp; 0 = all cores", range=(0, 4096))
-    type_k: str = setting("f16", "KV cache type for K", choices=KV_TYPE_NAMES)
-    type_v: str = setting("f16", "KV cache type for V (a quantized one needs flash attention)", choices=KV_TYPE_NAMES)
+    type_k: str = setting("f16", "KV cache type for K", choices=tuple(KV_TYPES))
+    type_v: str = setting("f16", "KV cache type for V (a quantized one needs flash attention)", choices=tuple(KV_TYPES))
     flash_attn: str = setting("auto", "llama.cpp flash attention: auto, on, off (off = f32 attention numerics)",
-                              choices=("auto", "on", "off"))
+                              choices=tuple(FLASH_ATTN))
     kv_layout: str | None = setting(None, "streams: ctx / n_seq_max cells per sequence; unified: one KV pool for "
-                                    "all; unset = streams", choices=("streams", "unified"), example="streams")
+                                    "all; unset = streams", choices=KV_LAYOUTS, example="streams")
     deterministic: bool | None = setting(None, "a session's tokens bitwise the same whatever shares its ticks "
                                          "(docs/determinism.md): true = required (refused where it cannot hold), "
                                          "false = off, unset = on wherever it holds", example=True)

@@ -28,6 +28,7 @@ from meshnode.worker.link_io import CLOSED, LinkIO
 
 log = logging.getLogger("meshnode.engine")
 PR_SET_PDEATHSIG = 1
+PARENT_CHECK_S = 0.5  # an idle engine checks this often that the front that spawned it still lives
 
 
 def _die_with_parent(parent: int) -> None:
@@ -100,7 +101,7 @@ class EngineProcess:
     def loop(self) -> None:
         self.io.start()
         while not self.stop:
-            msg = self.io.next(0.5)
+            msg = self.io.next(PARENT_CHECK_S)
             if msg is None:
                 if os.getppid() != self.cfg.parent_pid:
                     return
