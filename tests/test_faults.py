@@ -1,5 +1,8 @@
 """Engine faults: deaths, hangs, refusals, crash loops, failed starts; the node keeps its promises."""
+import json
 import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -218,3 +221,13 @@ def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnect
     assert {reasons[sid] for sid in cancelled} == {R.CANCELLED}
     assert all(reasons[sid] == R.LENGTH for sid in ids if sid not in cancelled)
     assert t["engine"]["restarts"] == 1 and t["active_sessions"] == 0 and t["client_faults_total"] >= 1
+
+
+def test_the_abort_hook_is_set_in_the_ggml_that_llama_cpp_loaded():
+    """The wheel ships libggml-base.so, .so.0 and .so.0.x as three files: a hook set through another name
+    than the one libllama linked lands in a second copy and never fires for a real GGML_ASSERT."""
+    code = ("import json, llama_cpp; from meshnode.engine import llamacpp; llamacpp.on_abort(print); "
+            "print(json.dumps(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libggml-base' in l})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    maps = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(maps) == 1 and maps[0].endswith("libggml-base.so.0"), maps

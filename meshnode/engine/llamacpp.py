@@ -54,13 +54,26 @@ def last_errors() -> str:
     return "; ".join(_ERRORS)
 
 
+def ggml_library(stem: str) -> ctypes.CDLL:
+    """The copy of ggml library `stem` ("libggml-base", "libggml") that llama.cpp itself loaded. The wheel
+    ships each library under three names as separate files (no symlinks), so opening another name maps a
+    second copy with its own state: an abort hook set there never fires, a backend registered there is
+    invisible to llama_model_load_from_file."""
+    import llama_cpp  # noqa: F401  (loads libllama and, through its DT_NEEDED sonames, the ggml libraries)
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rstrip("\n").split(maxsplit=5)[-1]
+            if os.path.basename(path).startswith(stem + ".so"):
+                return ctypes.CDLL(path)
+    return ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", stem + ".so.0"))
+
+
 def on_abort(report) -> None:
     """Call `report(message)` when ggml aborts the process (GGML_ASSERT, GGML_ABORT), instead of
     ggml's default print and gdb backtrace. The process still aborts after it returns."""
     global _ABORT_CB
-    import llama_cpp
-
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+    lib = ggml_library("libggml-base")
     proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
     lib.ggml_set_abort_callback.argtypes, lib.ggml_set_abort_callback.restype = [proto], ctypes.c_void_p
 
@@ -72,11 +85,8 @@ def on_abort(report) -> None:
 
 
 def abort(message: str) -> None:
-    """ggml_abort, as a GGML_ASSERT would call it (tests of the abort path)."""
-    import llama_cpp
-
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
-    lib.ggml_abort(b"injected", 0, b"%s", message.encode())
+    """ggml_abort, as a GGML_ASSERT would call it (tests of the abort path), in llama.cpp's own copy."""
+    ggml_library("libggml-base").ggml_abort(b"injected", 0, b"%s", message.encode())
 
 
 def row_bytes(n: int, ggml_type: int) -> int:
