@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 
 from ipc import seqpacket
 from ipc.protocol import pack, unpack
-from meshnode.core.types import EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
+from meshnode.core.types import Device, EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
 
 HALVES = 2
 _SAMPLING = [f.name for f in fields(Sampling)]
@@ -211,7 +211,8 @@ def decode(data, arena=None) -> Message:
             info = m["info"]
             return Hello(m["pid"], EngineInfo(**{k: info[k] for k in _INFO} | {
                 "eog": tuple(info["eog"]), "calibration": tuple((int(c), int(r), float(a), float(s), bool(z), float(ms))
-                                       for c, r, a, s, z, ms in info["calibration"])}))
+                                       for c, r, a, s, z, ms in info["calibration"]),
+                "devices": tuple(Device(**{**d, "layers": tuple(d["layers"])}) for d in info["devices"])}))
         if kind == "hello_failed":
             return HelloFailed(str(m["detail"]))
         if kind == "aborted":

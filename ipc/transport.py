@@ -238,3 +238,16 @@ def free_tcp_port() -> int:
     with _socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reachable(endpoint: str, timeout_s: float = 0.5) -> str:
+    """"" when a TCP connection to HOST:PORT opens (and is closed at once), else why not. ggml's RPC
+    server takes the next connection when its current client leaves: an open is all this checks."""
+    from meshnode.core.endpoints import host_port
+
+    try:
+        host, port = host_port(endpoint)
+        with _socket.create_connection((host, port), timeout=timeout_s):
+            return ""
+    except (OSError, ValueError) as e:
+        return f"rpc worker {endpoint} unreachable: {e.strerror if isinstance(e, OSError) and e.strerror else e}"

@@ -1,4 +1,4 @@
-"""`meshnode` command line: make-model, serve, generate, top, sweep, bench."""
+"""`meshnode` command line: make-model, serve, rpc-worker, generate, top, sweep, bench."""
 from __future__ import annotations
 
 import argparse
@@ -114,6 +114,15 @@ def cmd_bench(a) -> int:
     return bench.run(a)
 
 
+def cmd_rpc_worker(a) -> int:
+    from meshnode.ops.rpcworker import main as worker_main
+
+    code = worker_main(a)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # ggml's server thread has no stop call: the process ends with it
+
+
 def cmd_sweep(a) -> int:
     from meshnode.bench.sweep import main as sweep_main
 
@@ -171,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("top", help="live terminal telemetry viewer")
     top_args(p)
     p.set_defaults(fn=cmd_top)
+
+    from meshnode.ops.rpcworker import add_args as rpc_worker_args
+    p = sub.add_parser("rpc-worker", help="serve this host's devices to a node over ggml's RPC backend")
+    rpc_worker_args(p)
+    p.set_defaults(fn=cmd_rpc_worker)
 
     from meshnode.bench.sweep import add_args as sweep_args
     p = sub.add_parser("sweep", help="concurrency sweep through real nodes")

@@ -8,6 +8,10 @@ derived from how long the first one took (with a floor). Restarts back off
 exponentially; a crash loop (too many deaths in a row without one good tick)
 marks the node unhealthy and stops respawning, so it reports instead of
 spinning. So does an incarnation whose model is not the one the node serves.
+An engine that died while an RPC worker it needs does not answer is not in a
+crash loop: the node waits for the worker (`missing`), probing with a backoff
+capped at DEVICE_RETRY_MAX_S for as long as it takes, and refuses new work
+meanwhile with the worker named.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ STARTING, READY, DOWN, FAILED = "STARTING", "READY", "DOWN", "FAILED"
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 5.0
 CRASH_LOOP_DEATHS = 5  # deaths in a row with no good tick between them
 RESTART_FACTOR = 5  # a restart may take this many times the measured first start (page cache, load)
+DEVICE_RETRY_FIRST_S, DEVICE_RETRY_MAX_S = 0.5, 30.0  # probing a missing rpc worker: one line per probe at most
 
 
 def model_problem(hello: EngineInfo, first: EngineInfo | None, n_vocab: int, model_path: str) -> str:
@@ -47,6 +52,8 @@ class EngineHealth:
         self.restarts = self.deaths_in_row = 0
         self.last_error = ""  # why the engine last died
         self.unrecoverable = ""  # a death no restart can cure
+        self.missing = ""  # an rpc worker the engine needs that does not answer (why, naming it)
+        self.waits = 0  # probes of it that failed in a row
 
     @property
     def healthy(self) -> bool:
@@ -65,7 +72,7 @@ class EngineHealth:
 
     def ready(self, now: float) -> None:
         """The incarnation said hello (and its model passed the check)."""
-        self.state = READY
+        self.state, self.missing, self.waits = READY, "", 0
         if self.first_start_s is None:
             self.first_start_s = now - self.started_at
 
@@ -93,17 +100,25 @@ class EngineHealth:
         where = "in its step" if started == late.t else "without taking it"
         return f"tick {late.t} ran past its {self.tick_deadline_s:.1f} s deadline ({now - since:.1f} s {where})"
 
-    def died(self, now: float, why: str, unrecoverable: str = "") -> None:
+    def died(self, now: float, why: str, unrecoverable: str = "", missing: str = "") -> None:
         """Count a death: schedule a restart with backoff, or give up (crash loop, or a model no
-        restart can fix)."""
+        restart can fix); or, where a worker it needs is `missing`, wait for that."""
         self.last_error = why
         self.unrecoverable = self.unrecoverable or unrecoverable
+        if missing and not self.unrecoverable:
+            return self.wait_for(now, missing)
         self.deaths_in_row += 1
         if self.unrecoverable or self.deaths_in_row >= CRASH_LOOP_DEATHS:
             self.state = FAILED
             return
         delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self.deaths_in_row - 1))
         self.state, self.next_start_at = DOWN, now + delay
+
+    def wait_for(self, now: float, missing: str) -> None:
+        """A worker the engine needs does not answer: probe again later, backing off."""
+        self.missing = missing
+        self.waits += 1
+        self.state, self.next_start_at = DOWN, now + min(DEVICE_RETRY_MAX_S, DEVICE_RETRY_FIRST_S * 2 ** (self.waits - 1))
 
     def restart_due(self, now: float) -> bool:
         if self.state == DOWN and now >= self.next_start_at:

@@ -129,6 +129,20 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class Device:
+    """A device llama.cpp spread the model over, and what of the model it holds (meshnode/engine/devices.py)."""
+
+    name: str  # llama.cpp's: CPU, CUDA0, RPC0, ...
+    kind: str  # cpu, gpu, igpu, accel (an RPC worker's device counts as a gpu, whatever it runs on)
+    endpoint: str  # HOST:PORT of an RPC worker, "" for a device of this host
+    mem_total: int
+    mem_free: int
+    layers: tuple[int, ...] = ()  # the model's layers placed on it (n_layer = the output layer)
+    weight_bytes: int = 0  # its model buffers
+    kv_bytes: int = 0  # its KV cache buffers
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """An engine's shape: what budgets derive from and what the front checks every incarnation against."""
 
@@ -145,10 +159,11 @@ class EngineInfo:
     deterministic: bool = False  # in effect: a sequence's numbers do not depend on its neighbours
     deterministic_problem: str = ""  # why not, where it was left to the engine (one line, with the fix)
     calibration: tuple = ()  # ((calls, rows, attention, attention in small calls, sized, ms), ...): core/costmodel.py: ticks of known shapes the engine ran at start
+    devices: tuple[Device, ...] = ()  # where the model is, when llama.cpp reports it (the llama engine)
 
     @classmethod
     def of(cls, engine, calibration: tuple = ()) -> "EngineInfo":
         return cls(engine.n_vocab, engine.eos, tuple(engine.eog), engine.n_seq_max, engine.n_ctx, engine.n_ctx_seq,
                    engine.n_batch, engine.kv_bytes_per_token, engine.weight_bytes, engine.recipe_fingerprint,
                    bool(getattr(engine, "deterministic", False)), getattr(engine, "deterministic_problem", ""),
-                   tuple(tuple(x) for x in calibration))
+                   tuple(tuple(x) for x in calibration), tuple(getattr(engine, "devices", ())))

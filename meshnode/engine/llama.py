@@ -19,8 +19,9 @@ from functools import cached_property
 import numpy as np
 
 from meshnode.core.costmodel import llama_calls
+from meshnode.core.endpoints import host_port
 from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
-from meshnode.engine import calibration, invariant, llamacpp
+from meshnode.engine import calibration, devices, invariant, llamacpp
 from meshnode.engine.base import Engine
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ, QUANTIZED_KV
 from meshnode.engine.seqmap import SeqMap
@@ -40,6 +41,12 @@ class EngineConfig:
     # a sequence's numbers independent of its neighbours (docs/determinism.md): True required (refused where it
     # cannot hold), None wherever it holds (else off, saying why), False off
     deterministic: bool | None = False
+    # llama.cpp's devices (meshnode/engine/devices.py), with llama-server's meanings: RPC workers (HOST:PORT),
+    # layers offloaded (None = all there are devices for), each offload device's share, which devices ("none")
+    rpc: tuple[str, ...] = ()
+    gpu_layers: int | None = None
+    tensor_split: tuple[float, ...] = ()
+    devices: tuple[str, ...] = ()
 
     @cached_property
     def deterministic_problem(self) -> str:
@@ -92,12 +99,22 @@ class EngineConfig:
             raise ValueError(f"kv_layout: must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.deterministic is True and self.deterministic_problem:
             raise ValueError(self.deterministic_problem)
+        if any(x < 0 for x in self.tensor_split) or (self.tensor_split and not sum(self.tensor_split) > 0):
+            raise ValueError(f"tensor_split: proportions >= 0 with a positive sum, got {list(self.tensor_split)}")
+        for ep in self.rpc:
+            host_port(ep)  # ValueError naming it
+        if self.rpc and not llamacpp.supports_rpc():
+            raise ValueError(f"rpc: this llama.cpp build has no RPC backend; {devices.RPC_FIX}")
+        if self.devices == ("none",) and self.rpc:
+            raise ValueError("device: none leaves the rpc workers unused; name the devices or drop --rpc")
 
-    def recipe(self, deterministic: bool | None = None) -> str:
+    def recipe(self, deterministic: bool | None = None, placement: str = "") -> str:
         """The fingerprint of what this configuration computes, without loading anything (`deterministic`:
-        whether the mode is in effect, if known; else whether it is wanted)."""
+        whether the mode is in effect, if known; else whether it is wanted; `placement`: which layers run
+        on which offload device, once loaded)."""
         det = self.wants_deterministic if deterministic is None else deterministic
-        return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash, self.n_batch, self.kv_layout, det)
+        return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash, self.n_batch, self.kv_layout, det,
+                               placement)
 
 
 class LlamaEngine(Engine):
@@ -113,7 +130,7 @@ class LlamaEngine(Engine):
         if self.deterministic and cfg.weight_types & invariant.K_QUANTS:
             os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
         mp = lc.llama_model_default_params()
-        mp.n_gpu_layers = 0
+        self._placement = devices.offload(mp, cfg.rpc, cfg.gpu_layers, cfg.tensor_split, cfg.devices)
         # repacked weights run one kernel for a single row and another for several: off when the rows
         # a sequence shares a step with must not change its numbers, and where they would go to AMX
         mp.use_extra_bufts = not self.deterministic and not llamacpp.amx_crashes()
@@ -135,6 +152,7 @@ class LlamaEngine(Engine):
             lc.llama_model_free(self._model)
             raise FatalEngineError(f"llama.cpp could not create a context: {llamacpp.last_errors() or 'no reason given'}")
         self._mem = lc.llama_get_memory(self._ctx)
+        self.devices = self._placement.placed(llamacpp.placement_lines())
         vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(vocab)
         self.eos = lc.llama_vocab_eos(vocab)
@@ -160,7 +178,7 @@ class LlamaEngine(Engine):
                 if cfg.deterministic is True:
                     self.close()
                     raise FatalEngineError(f"{self.deterministic_problem}; serve without it (--no-deterministic)")
-        self.recipe_fingerprint = cfg.recipe(self.deterministic)
+        self.recipe_fingerprint = cfg.recipe(self.deterministic, devices.fingerprint(self.devices))
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers we own and fill with slices."""

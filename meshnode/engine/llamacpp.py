@@ -27,6 +27,9 @@ _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERR
 _LOG_CB = None  # ctypes keeps only a weak pointer: a collected callback crashes the process
 _ABORT_CB = None
 _ERRORS: deque[str] = deque(maxlen=8)  # llama.cpp's last error lines
+# where llama.cpp put the model: "layer N assigned to device X" (debug) and the model / KV buffer sizes
+_PLACEMENT_MARKS = ("assigned to device", "model buffer size", "KV buffer size")
+_PLACEMENT: list[str] = []
 
 
 def install_log() -> None:
@@ -42,11 +45,26 @@ def install_log() -> None:
             lvl = _LEVELS.get(level, logging.DEBUG)
             if lvl >= logging.ERROR:
                 _ERRORS.append(msg.strip())
+            if any(m in msg for m in _PLACEMENT_MARKS):
+                _PLACEMENT.append(msg.strip())
             log.log(lvl, "%s", msg)
 
     _LOG_CB = llama_cpp.llama_log_callback(forward)
     llama_cpp.llama_log_set(_LOG_CB, ctypes.c_void_p())
     llama_cpp.llama_backend_init()
+
+
+def supports_rpc() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_rpc())
+
+
+def placement_lines() -> list[str]:
+    """llama.cpp's lines about where the last model load put layers and buffers (taken, not copied)."""
+    lines = _PLACEMENT[:]
+    _PLACEMENT.clear()
+    return lines
 
 
 def last_errors() -> str:
@@ -167,9 +185,12 @@ def weights_problem(weight_types: set[str]) -> str:
 
 
 def recipe(model_path: str, type_k: str, type_v: str, flash_attn: str, n_batch: int, layout: str = "unified",
-           deterministic: bool = False) -> str:
-    """Model identity plus every setting that changes numerics, never batch shape or threads."""
+           deterministic: bool = False, placement: str = "") -> str:
+    """Model identity plus every setting that changes numerics, never batch shape or threads. `placement`:
+    the layers on offload devices (other kernels, other hosts), "" when all run on this CPU."""
     parts = [file_digest(model_path), version(), type_k, type_v, flash_attn, str(n_batch), layout]
     if deterministic:  # the old fingerprints stay what they were
         parts.append("deterministic")
+    if placement:
+        parts.append(placement)
     return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

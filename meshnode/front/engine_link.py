@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass
 
 from ipc import link, seqpacket
+from ipc.transport import reachable
 from ipc.shm import TokenArena
-from meshnode.core.health import READY, STARTING, EngineHealth, model_problem
+from meshnode.core.health import DOWN, READY, STARTING, EngineHealth, model_problem
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.types import EngineInfo, StepResult
 
@@ -209,16 +210,30 @@ class EngineLink:
                 return
             self.receive()
 
+    def missing_worker(self) -> str:
+        """Why the first rpc worker the engine needs does not answer, or "" (all do, or it needs none)."""
+        return next(filter(None, map(reachable, self.engine_params.get("rpc", ()))), "")
+
     def died(self, why: str) -> None:
-        """Kill what is left and let the health policy decide: restart with backoff, or give up."""
+        """Kill what is left and let the health policy decide: restart with backoff, wait for a missing
+        worker, or give up."""
         log.error("engine died: %s", why)
         self.kill()
-        self.health.died(time.monotonic(), why)
-        if not self.health.healthy:
+        missing = self.missing_worker()
+        self.health.died(time.monotonic(), why, missing=missing)
+        if missing:
+            log.error("%s: waiting for it, new sessions refused", missing)
+        elif not self.health.healthy:
             log.error("not restarting the engine: %s", self.health.why_failed())
 
     def maybe_restart(self, now: float) -> None:
-        if self.health.restart_due(now):
+        h = self.health
+        if h.missing and h.state == DOWN and now >= h.next_start_at:
+            missing = self.missing_worker()
+            if missing:
+                return h.wait_for(now, missing)
+            log.info("%s answers again: restarting the engine", h.missing.split(" unreachable")[0])
+        if h.restart_due(now):
             self.start()
 
     def kill(self) -> None:

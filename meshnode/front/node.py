@@ -26,7 +26,7 @@ from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, de
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
 from meshnode.core.costmodel import Shape
-from meshnode.core.health import EngineHealth
+from meshnode.core.health import READY, EngineHealth
 from meshnode.core.pipeline import TickPipeline
 from meshnode.core.scheduler import Event, Scheduler
 from meshnode.core.telemetry import Telemetry
@@ -107,7 +107,7 @@ class Front:
         self.events = Events(self.tok, latency=self.exposition)
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
                                      self.notifier, self.budget, self.recipe, self.listen, self.telemetry_ep,
-                                     self.fd_limit, self.sched.deterministic))
+                                     self.fd_limit, self.sched.deterministic, self.link.info.devices))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
                                  special_in_content=cfg.chat_special_in_content)
         self.poller = zmq.Poller()
@@ -117,11 +117,11 @@ class Front:
         b = self.budget
         log.info("meshnode ready: listen=%s telemetry=%s model=%s recipe=%s engine_pid=%d "
                  "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token) "
-                 "ctx_per_seq=%d weights=%d B max_clients=%d kv_layout=%s deterministic=%s%s", self.listen,
+                 "ctx_per_seq=%d weights=%d B max_clients=%d kv_layout=%s deterministic=%s devices=%s%s", self.listen,
                  self.telemetry_ep, cfg.model, self.recipe, self.link.pid, b.effective_active_cap, b.max_queue,
                  b.max_batch_size,
                  b.max_prefill_tokens_per_tick, b.kv_budget_bytes, b.kv_bytes_per_token, b.n_ctx_seq, b.weight_bytes,
-                 max_clients, cfg.layout, self.sched.deterministic,
+                 max_clients, cfg.layout, self.sched.deterministic, _devices_line(self.link.info.devices),
                  f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
@@ -147,6 +147,9 @@ class Front:
                                engine_params=params, n_vocab=self.tok.n_vocab, model_path=cfg.model,
                                log_level=cfg.log_level, faults=cfg.faults, wrapper=cfg.engine_wrapper,
                                claim=self.reaper.claim)
+        missing = self.link.missing_worker()
+        if missing:  # ggml would abort the engine mid-load: say which worker, at once
+            raise RuntimeError(f"{missing}; start it (meshnode rpc-worker --listen HOST:PORT) or leave it out of --rpc")
         self.link.start()
         info = self.link.wait_ready(lambda: signals.received > 0)
         if info is None:
@@ -184,6 +187,8 @@ class Front:
             if why:
                 self._send(self._engine_died(why))
             self.link.maybe_restart(now)
+            if self.sched.engine_down and self.health.state == READY:  # a missing worker is back
+                self.sched.engine_down = None
             self._dispatch()
             self.clients.flush()
 
@@ -294,13 +299,18 @@ class Front:
         return []  # nothing, or the engine broke: the loop asks why_dead() next
 
     def _engine_died(self, why: str) -> list[Event]:
-        """Restart with backoff and re-prefill; when the engine cannot come back, end every session."""
+        """Restart with backoff and re-prefill; when the engine cannot come back, or waits for a missing
+        rpc worker, end every session."""
         self.link.died(why)
         self.sched.engine_restarted()
-        if self.health.healthy:
+        if self.health.healthy and not self.health.missing:
             return []
-        self.sched.engine_down = self.health.last_error
-        return self.sched.end_all(R.ENGINE_ERROR)
+        # given up, or waiting for a worker for as long as it takes: nobody is kept waiting for that
+        self.sched.engine_down = self.health.missing or self.health.last_error
+        ended = self.sched.end_all(R.ENGINE_ERROR)
+        for ev in ended:
+            ev.detail = self.sched.engine_down
+        return ended
 
     # -- shutdown ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -315,6 +325,13 @@ class Front:
         for obj, method in steps:
             if obj is not None:
                 getattr(obj, method)()
+
+
+def _devices_line(devices) -> str:
+    """Where the model is, for the ready line: CPU[0-1],RPC0@10.0.0.2:50052[2-4]."""
+    def span(layers):
+        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else "".join(map(str, layers))
+    return ",".join(f"{d.name}{'@' + d.endpoint if d.endpoint else ''}[{span(d.layers)}]" for d in devices) or "CPU"
 
 
 def serve(cfg: NodeConfig) -> int:

@@ -9,7 +9,7 @@ STATUS line every few seconds and WATCHDOG only while the engine is healthy.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ipc import protocol as P
 from meshnode import __version__
@@ -36,6 +36,7 @@ class Sources:
     telemetry_ep: str
     fd_limit: int
     deterministic: bool  # in effect (the engine's start-up check may have turned it off)
+    devices: tuple = ()  # core Device: where the first incarnation's llama.cpp put the model
 
 
 class Report:
@@ -47,7 +48,8 @@ class Report:
     def snapshot(self) -> dict:
         n = self.src
         snap = n.telemetry.snapshot()
-        snap["engine"].update(pid=n.link.pid, restarts=n.health.restarts, healthy=n.health.healthy)
+        snap["engine"].update(pid=n.link.pid, restarts=n.health.restarts, healthy=n.health.healthy,
+                              missing=n.health.missing)
         snap.update(n.clients.stats())
         snap["front_rss_bytes"], snap["fds_open"], snap["fds_limit"] = self.front_rss, self.fds_open, n.fd_limit
         snap["tokenizer_jobs_total"], snap["tokenizer_backlog_chars"] = n.texts.jobs_total, n.texts.backlog_chars
@@ -63,7 +65,8 @@ class Report:
                 "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.healthy,
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
                 "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.deterministic,
-                "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache}
+                "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache, "engine_missing": h.missing,
+                "devices": [asdict(d) for d in n.devices]}
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
         return P.status(info, snap, snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens))
 
@@ -71,7 +74,8 @@ class Report:
         t = self.snapshot()
         return (f"active={t['active_sessions']} queued={t['queue_depth']} kv={t['kv_pressure']:.0%} "
                 f"decode={t['decode_tokens_per_s']:.0f} tok/s restarts={t['engine']['restarts']}"
-                f"{'' if t['healthy'] else ' UNHEALTHY'}")
+                f"{'' if t['healthy'] else ' UNHEALTHY'}"
+                f"{' WAITING ' + t['engine']['missing'] if t['engine']['missing'] else ''}")
 
     def due(self, now: float) -> float:
         """Publish and notify what is due; return seconds until the next publication."""

@@ -84,6 +84,14 @@ class NodeConfig:
     deterministic: bool | None = setting(None, "a session's tokens bitwise the same whatever shares its ticks "
                                          "(docs/determinism.md): true = required (refused where it cannot hold), "
                                          "false = off, unset = on wherever it holds", example=True)
+    rpc: str | None = setting(None, "ggml RPC workers (`meshnode rpc-worker`) to spread the model's layers over: "
+                              "HOST:PORT,..; unset = none", example="10.0.0.2:50052,10.0.0.3:50052")
+    gpu_layers: int | None = setting(None, "layers on the offload devices (rpc workers, a GPU build's GPUs), the "
+                                     "rest on this CPU; unset = all", range=(0, 1 << 20), example=99)
+    tensor_split: str | None = setting(None, "the offload devices' shares of those layers, in their order (rpc "
+                                       "workers first); unset = by free memory", example="1,1")
+    device: str | None = setting(None, "offload devices by llama.cpp's names (RPC0, CUDA0, ..), or none; unset = "
+                                 "all", example="RPC0,RPC1")
     chat_special_in_content: bool = setting(False, "text like </s> or <|im_start|> in chat content becomes that "
                                             "special token (llama-server's way: a client can inject turns; trusted "
                                             "clients only)")
@@ -192,9 +200,19 @@ class NodeConfig:
     def engine_config(self, model_path: str):
         from meshnode.engine.llama import EngineConfig
 
+        listed = lambda v: tuple(x.strip() for x in (v or "").split(",") if x.strip())  # noqa: E731
         return EngineConfig(model_path, n_seq_max=self.n_seq_max, n_ctx=self.n_ctx, n_batch=self.n_batch,
                             n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
-                            flash_attn=self.flash_attn, kv_layout=self.layout, deterministic=self.deterministic)
+                            flash_attn=self.flash_attn, kv_layout=self.layout, deterministic=self.deterministic,
+                            rpc=listed(self.rpc), gpu_layers=self.gpu_layers,
+                            tensor_split=tuple(_share(x) for x in listed(self.tensor_split)), devices=listed(self.device))
+
+
+def _share(x: str) -> float:
+    try:
+        return float(x)
+    except ValueError:
+        raise ConfigError(f"tensor_split: {x!r} is not a number (write shares like 3,1)") from None
 
 
 def _type_of(f) -> type:

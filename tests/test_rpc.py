@@ -1,0 +1,137 @@
+"""One model over llama.cpp's RPC backend (issue 26): two `meshnode rpc-worker`s on 127.0.0.1, the tiny
+model's layers split between the node's own engine and both workers.
+
+The README's install builds llama-cpp-python with -DGGML_RPC=ON; a build without it fails here with the
+fix, never a skip."""
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import serve, wait_until
+from ipc.transport import free_tcp_port
+from meshnode.core import reasons as R
+from meshnode.dev.nodeproc import NodeProcess
+from meshnode.engine.devices import RPC_FIX
+
+JOBS = {f"r{i}": dict(tokens=[5 + (i * 31 + k) % 400 for k in range(4 + 5 * i)], max_tokens=48, ignore_eos=True)
+        for i in range(3)}
+
+
+class Worker:
+    """`meshnode rpc-worker` as a child process, on a port of its own that outlives a restart."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_tcp_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self) -> "Worker":
+        self.proc = subprocess.Popen([sys.executable, "-m", "meshnode", "rpc-worker", "--listen", self.endpoint,
+                                      "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for line in self.proc.stderr:  # its log: the ready line, or why it did not start
+            if "rpc-worker ready" in line:
+                return self
+        raise RuntimeError(f"rpc-worker exited with {self.proc.wait()}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def workers():
+    ws = [Worker().start(), Worker().start()]
+    yield ws
+    for w in ws:
+        w.kill()
+
+
+def test_this_build_has_the_rpc_backend():
+    import llama_cpp
+
+    assert llama_cpp.llama_supports_rpc(), f"llama-cpp-python was built without RPC: {RPC_FIX}"
+
+
+@pytest.fixture(scope="module")
+def local_tokens(tiny_model):
+    with NodeProcess(tiny_model) as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        return c.collect(list(JOBS))
+
+
+def test_a_model_split_over_two_workers_decodes_what_a_local_node_decodes(tiny_model, workers, local_tokens):
+    rpc = ",".join(w.endpoint for w in workers)
+    with NodeProcess(tiny_model, "--rpc", rpc, "--gpu-layers", "3") as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **kw)
+        got = c.collect(list(JOBS))
+        node = c.status()["node"]
+        log = n.log()
+    where = {d["name"]: d for d in node["devices"]}
+    assert where["CPU"]["layers"] == [0, 1]  # 5 layers (4 + output), the last 3 offloaded
+    assert sorted(where["RPC0"]["layers"] + where["RPC1"]["layers"]) == [2, 3, 4]
+    assert {where["RPC0"]["endpoint"], where["RPC1"]["endpoint"]} == {w.endpoint for w in workers}
+    assert all(d["weight_bytes"] > 0 and d["mem_total"] > 0 for d in where.values())
+    assert all(d["kv_bytes"] > 0 for d in where.values() if min(d["layers"]) < 4)  # layer 4 is the output: no KV
+    assert f"RPC0@{workers[0].endpoint}[" in log  # the ready line says where the layers are
+    for sid in JOBS:
+        assert got[sid].tokens == local_tokens[sid].tokens, sid
+    assert node["recipe"] != local_recipe(tiny_model)  # other devices, another fingerprint
+
+
+def local_recipe(model):
+    from meshnode.ops.config import NodeConfig
+
+    cfg = NodeConfig(model=model)
+    return cfg.engine_config(model).recipe()
+
+
+def test_a_worker_killed_mid_generation_ends_every_session_once_and_the_node_comes_back(tiny_model, workers,
+                                                                                        local_tokens):
+    rpc = ",".join(w.endpoint for w in workers)
+    with NodeProcess(tiny_model, "--rpc", rpc, "--gpu-layers", "3") as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **{**kw, "max_tokens": 4000})
+        c.wait_for(lambda ev: ev["event"] == "tokens", keep=True)  # generation is under way
+        workers[1].kill()
+        got = c.collect(list(JOBS))
+        for sid in JOBS:
+            assert got[sid].done["reason"] == R.ENGINE_ERROR and workers[1].endpoint in got[sid].done["detail"]
+        assert c.ping(), n.log()
+        st = c.status()["node"]
+        assert not st["engine_state"] == "READY" and workers[1].endpoint in st["engine_missing"]
+        refused = c.generate("late", **JOBS["r0"]).admission
+        assert refused["event"] == "rejected" and refused["reason"] == R.REJECTED_ENGINE_UNAVAILABLE
+        assert workers[1].endpoint in refused["detail"]
+        Worker(workers[1].port).start()  # the operator (or systemd) brings it back: no one touches the node
+        assert wait_until(lambda: c.status()["node"]["engine_state"] == "READY", timeout_s=120)
+        again = c.generate("again", **JOBS["r1"])
+        assert again.tokens == local_tokens["r1"].tokens
+        assert "answers again: restarting the engine" in n.log()
+
+
+def test_a_worker_that_is_not_there_stops_the_start_with_one_line(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
+    absent = f"127.0.0.1:{free_tcp_port()}"
+    out = serve(tiny_model, "--rpc", absent, "--listen", f"ipc://{tmp_path}/n.sock",
+                "--telemetry", f"ipc://{tmp_path}/t.sock")
+    line = next(ln for ln in out.stderr.splitlines() if "cannot serve" in ln)
+    assert out.returncode == 1 and f"rpc worker {absent} unreachable" in line and "meshnode rpc-worker" in line
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:50999", "10.1.2.3:50999"])
+def test_a_worker_refuses_an_address_others_can_reach_without_insecure(listen):
+    out = subprocess.run([sys.executable, "-m", "meshnode", "rpc-worker", "--listen", listen], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "no authentication" in out.stderr and "--insecure" in out.stderr
+
+
+def test_a_worker_stops_cleanly_on_sigterm():
+    w = Worker().start()
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=30) == 0
+    assert "stopping" in w.proc.stderr.read()
