@@ -13,37 +13,16 @@ from helpers import serve, wait_until
 from ipc.transport import free_tcp_port
 from meshnode.core import reasons as R
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.dev.rpcproc import DelayProxy, RpcWorker
 from meshnode.engine.devices import RPC_FIX
 
 JOBS = {f"r{i}": dict(tokens=[5 + (i * 31 + k) % 400 for k in range(4 + 5 * i)], max_tokens=48, ignore_eos=True)
         for i in range(3)}
 
 
-class Worker:
-    """`meshnode rpc-worker` as a child process, on a port of its own that outlives a restart."""
-
-    def __init__(self, port: int | None = None):
-        self.port = port or free_tcp_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self) -> "Worker":
-        self.proc = subprocess.Popen([sys.executable, "-m", "meshnode", "rpc-worker", "--listen", self.endpoint,
-                                      "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for line in self.proc.stderr:  # its log: the ready line, or why it did not start
-            if "rpc-worker ready" in line:
-                return self
-        raise RuntimeError(f"rpc-worker exited with {self.proc.wait()}")
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
 def workers():
-    ws = [Worker().start(), Worker().start()]
+    ws = [RpcWorker().start(), RpcWorker().start()]
     yield ws
     for w in ws:
         w.kill()
@@ -107,7 +86,7 @@ def test_a_worker_killed_mid_generation_ends_every_session_once_and_the_node_com
         refused = c.generate("late", **JOBS["r0"]).admission
         assert refused["event"] == "rejected" and refused["reason"] == R.REJECTED_ENGINE_UNAVAILABLE
         assert workers[1].endpoint in refused["detail"]
-        Worker(workers[1].port).start()  # the operator (or systemd) brings it back: no one touches the node
+        RpcWorker(workers[1].port).start()  # the operator (or systemd) brings it back: no one touches the node
         assert wait_until(lambda: c.status()["node"]["engine_state"] == "READY", timeout_s=120)
         again = c.generate("again", **JOBS["r1"])
         assert again.tokens == local_tokens["r1"].tokens
@@ -131,7 +110,36 @@ def test_a_worker_refuses_an_address_others_can_reach_without_insecure(listen):
 
 
 def test_a_worker_stops_cleanly_on_sigterm():
-    w = Worker().start()
+    w = RpcWorker().start()
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(timeout=30) == 0
     assert "stopping" in w.proc.stderr.read()
+
+
+def test_the_delay_proxy_holds_each_direction_and_keeps_order():
+    """What `bench rpc` puts between a node and its workers where netem is missing."""
+    import socket as so
+    import time
+
+    echo = so.create_server(("127.0.0.1", 0))
+
+    def serve_echo():
+        conn, _ = echo.accept()
+        while data := conn.recv(65536):
+            conn.sendall(data)
+        conn.close()
+
+    import threading
+    threading.Thread(target=serve_echo, daemon=True).start()
+    proxy = DelayProxy(f"127.0.0.1:{echo.getsockname()[1]}", one_way_ms=20)
+    c = so.create_connection(("127.0.0.1", int(proxy.endpoint.rsplit(":", 1)[1])))
+    t0 = time.monotonic()
+    for k in range(3):
+        c.sendall(bytes([k]) * 10)
+    got = b""
+    while len(got) < 30:
+        got += c.recv(65536)
+    assert got == bytes([0]) * 10 + bytes([1]) * 10 + bytes([2]) * 10
+    assert time.monotonic() - t0 >= 0.04  # a lower bound only: both directions held at least 20 ms
+    c.close()
+    proxy.close()

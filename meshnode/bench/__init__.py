@@ -21,6 +21,7 @@ BENCHES = {
     "sampling": "a batch-8 decode tick, greedy vs every sampling option and logprobs on",
     "chat": "8 users x 6 turns re-sending their history: prefix cache on vs off (vs llama-server)",
     "ticks": "what a tick costs by shape (chunk sizes around the attention tile, deep, beside decode rows)",
+    "rpc": "the model split over 1 and 2 ggml RPC workers vs local, and behind 0.2-5 ms of round trip",
 }
 
 
@@ -33,7 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=1.0, help="soak: how long")
     p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
-    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks: rounds")
+    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks, rpc: rounds")
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
     p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
                    "also unified)")
