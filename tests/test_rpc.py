@@ -56,6 +56,7 @@ def test_a_model_split_over_two_workers_decodes_what_a_local_node_decodes(tiny_m
     assert {where["RPC0"]["endpoint"], where["RPC1"]["endpoint"]} == {w.endpoint for w in workers}
     assert all(d["weight_bytes"] > 0 and d["mem_total"] > 0 for d in where.values())
     assert all(d["kv_bytes"] > 0 for d in where.values() if min(d["layers"]) < 4)  # layer 4 is the output: no KV
+    assert node["budgets"]["weight_bytes"] == where["CPU"]["weight_bytes"]  # the host holds only its share
     assert f"RPC0@{workers[0].endpoint}[" in log  # the ready line says where the layers are
     for sid in JOBS:
         assert got[sid].tokens == local_tokens[sid].tokens, sid

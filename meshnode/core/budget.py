@@ -35,10 +35,11 @@ class NodeBudget:
     def from_engine(cls, engine, **overrides) -> "NodeBudget":
         """Defaults from the engine's own figures; `overrides` set any field (None = default)."""
         n_seq, n_ctx_seq = engine.n_seq_max, engine.n_ctx_seq
+        weights = getattr(engine, "host_weight_bytes", engine.weight_bytes)  # an EngineInfo knows where they are
         base = 8 * engine.n_vocab  # one logits row plus sampling probabilities
         prefill = min(64, max(1, engine.n_batch - n_seq))
         b = cls(
-            weight_bytes=engine.weight_bytes, weight_budget_bytes=engine.weight_bytes,
+            weight_bytes=weights, weight_budget_bytes=weights,
             kv_budget_bytes=engine.n_ctx * engine.kv_bytes_per_token,
             kv_bytes_per_token=engine.kv_bytes_per_token,
             scratch_per_session_bytes=base, scratch_envelope_bytes=n_seq * (base + 8 * n_ctx_seq),

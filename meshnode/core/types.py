@@ -161,6 +161,14 @@ class EngineInfo:
     calibration: tuple = ()  # ((calls, rows, attention, attention in small calls, sized, ms), ...): core/costmodel.py: ticks of known shapes the engine ran at start
     devices: tuple[Device, ...] = ()  # where the model is, when llama.cpp reports it (the llama engine)
 
+    @property
+    def host_weight_bytes(self) -> int:
+        """The weights in this host's memory: the CPU's share where the model is spread over devices (a
+        GPU's VRAM and an RPC worker's memory are theirs), all of them where nothing says otherwise."""
+        if not any(d.kind != "cpu" for d in self.devices):
+            return self.weight_bytes
+        return sum(d.weight_bytes for d in self.devices if d.kind == "cpu" and not d.endpoint)
+
     @classmethod
     def of(cls, engine, calibration: tuple = ()) -> "EngineInfo":
         return cls(engine.n_vocab, engine.eos, tuple(engine.eog), engine.n_seq_max, engine.n_ctx, engine.n_ctx_seq,
