@@ -49,6 +49,8 @@ def render(snap: dict, history, width: int = 80) -> list[str]:
     e, m = snap.get("engine", {}), snap.get("memory", {})
     gw = max(10, min(40, width - 32))
     health = "" if snap.get("healthy", True) else "  ENGINE UNHEALTHY"
+    if e.get("missing"):
+        health += f"  WAITING: {e['missing']}"
     lines = [
         f"meshnode  model {snap.get('model', '?')}  recipe {snap.get('recipe', '?')}{health}",
         f"uptime {snap.get('uptime_s', 0):,.0f} s  engine pid {e.get('pid', 0)}  rss {_mb(e.get('rss_bytes'))}"
