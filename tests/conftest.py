@@ -24,3 +24,16 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tiny_model" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def zctx():
+    """A zmq context for the test's raw sockets, destroyed at teardown whatever happened: a test that fails
+    before it closes them leaves the context and its sockets in a cycle with the traceback, and the
+    garbage collector's later pyzmq finalizer terminates a context whose sockets it can no longer see,
+    blocking for ever at some later test (a whole hogged run hung so, once)."""
+    import zmq
+
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)

@@ -12,9 +12,9 @@ from meshnode.dev.nodeproc import NodeProcess
 
 
 # -- client faults --------------------------------------------------------------------------------
-def test_client_that_stops_reading_loses_its_sessions_only(tiny_model):
+def test_client_that_stops_reading_loses_its_sessions_only(tiny_model, zctx):
     with NodeProcess(tiny_model, "--max-active", "8", "--ctx", "8192") as n:
-        ctx, s = deaf_client(n.listen)
+        s = deaf_client(zctx, n.listen)
         for i in range(6):  # never read: the node's send queue to us fills up
             s.send_multipart(P.encode_request(P.Submit(f"stall{i}", 1000, [3 + i, 4], ignore_eos=True)))
         with n.client() as c:
@@ -24,14 +24,13 @@ def test_client_that_stops_reading_loses_its_sessions_only(tiny_model):
             assert t and t["kv_bytes"] == 0
             assert c.generate("after", tokens=[3, 4, 5], max_tokens=5).done["reason"] == R.LENGTH
         s.close()
-        ctx.term()
 
 
-def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model):
+def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model, zctx):
     """Eight sessions stream to a client that stops reading for a while: the node cancels them when
     its send queue to the client is full, and keeps each `done` until the client reads again."""
     with NodeProcess(tiny_model, "--max-active", "8", "--ctx", "8192") as n:
-        ctx, s = deaf_client(n.listen)
+        s = deaf_client(zctx, n.listen)
         ids = [f"p{i}" for i in range(8)]
         for i, sid in enumerate(ids):
             s.send_multipart(P.encode_request(P.Submit(sid, 900, [3 + i, 4], ignore_eos=True)))
@@ -49,7 +48,6 @@ def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model):
                     done[ev["id"]] = ev
         assert s.poll(300) == 0 or P.decode_event(s.recv_multipart())["event"] == "tokens"
         s.close()
-        ctx.term()
         with n.client() as c:
             t = c.status()["telemetry"]
     assert admitted == set(ids) and set(done) == set(ids)
@@ -195,7 +193,7 @@ def test_a_connection_silent_past_the_idle_timeout_is_closed(tiny_model):
         quiet.close()
 
 
-def test_a_stalled_client_gets_what_was_kept_and_the_overflow_is_counted(tiny_model):
+def test_a_stalled_client_gets_what_was_kept_and_the_overflow_is_counted(tiny_model, zctx):
     """3,000 requests from a client that reads nothing: its queue fills (1000), then up to 1024 final
     answers are kept, and each one beyond is dropped and counted; when it reads again it gets every
     answer that was not counted as undeliverable, in order, each once."""
@@ -204,7 +202,7 @@ def test_a_stalled_client_gets_what_was_kept_and_the_overflow_is_counted(tiny_mo
     with NodeProcess(tiny_model) as n, n.client() as watcher:
         # answers to start-up pings whose clients had already gone count too: only this test's are compared
         base = watcher.status()["telemetry"]["undeliverable_total"]
-        ctx, s = deaf_client(n.listen)
+        s = deaf_client(zctx, n.listen)
         n_sent = 3000
         for i in range(n_sent):
             s.send_multipart(P.encode_request(P.Cancel(f"x{i}")))
@@ -216,13 +214,12 @@ def test_a_stalled_client_gets_what_was_kept_and_the_overflow_is_counted(tiny_mo
             got.append(P.decode_event(s.recv_multipart())["id"])
         dropped = watcher.status()["telemetry"]["undeliverable_total"] - base
         s.close()
-        ctx.term()
     assert len(got) + dropped == n_sent and len(set(got)) == len(got)
     assert got == sorted(got, key=lambda i: int(i[1:]))  # in the order the requests came
     assert MAX_PENDING <= len(got) < n_sent
 
 
-def test_the_telemetry_pub_holds_64_subscribers_and_a_silent_connection_is_dropped(tiny_model):
+def test_the_telemetry_pub_holds_64_subscribers_and_a_silent_connection_is_dropped(tiny_model, zctx):
     import socket
 
     import zmq
@@ -231,7 +228,7 @@ def test_the_telemetry_pub_holds_64_subscribers_and_a_silent_connection_is_dropp
     from meshnode.front.gate import HANDSHAKE_S
 
     with NodeProcess(tiny_model) as n, n.client() as c:
-        ctx = zmq.Context()
+        ctx = zctx
         subs = []
         for _ in range(TELEMETRY_SUBSCRIBERS + 6):
             sub = ctx.socket(zmq.SUB)
@@ -249,10 +246,9 @@ def test_the_telemetry_pub_holds_64_subscribers_and_a_silent_connection_is_dropp
         silent.close()
         for sub in subs:
             sub.close()
-        ctx.term()
 
 
-def test_one_remote_address_holds_at_most_its_share_of_connections(monkeypatch):
+def test_one_remote_address_holds_at_most_its_share_of_connections(monkeypatch, zctx):
     """The per-host cap on a tcp listener, with the peer address a real remote client would have
     (this machine's connections are loopback, which is exempt): the third from one host is closed,
     another host's still gets in."""
@@ -263,7 +259,7 @@ def test_one_remote_address_holds_at_most_its_share_of_connections(monkeypatch):
 
     hosts = iter(["10.0.0.7", "10.0.0.7", "10.0.0.7", "10.0.0.8"])
     monkeypatch.setattr(G, "_peer_host", lambda fd: next(hosts))
-    ctx = zmq.Context()
+    ctx = zctx
     router = ctx.socket(zmq.ROUTER)
     ep = f"tcp://127.0.0.1:{free_tcp_port()}"
     router.bind(ep)
@@ -284,4 +280,3 @@ def test_one_remote_address_holds_at_most_its_share_of_connections(monkeypatch):
         for d in dealers:
             d.close()
         router.close()
-        ctx.term()

@@ -113,7 +113,8 @@ def test_an_engine_whose_vocabulary_is_not_the_tokenizers_stops_the_start(tiny_m
 
 def test_front_death_takes_the_engine_and_leaves_nothing(tiny_model):
     n = NodeProcess(tiny_model).start()
-    engine_pid = n.client().status()["node"]["engine_pid"]
+    with n.client() as c:
+        engine_pid = c.status()["node"]["engine_pid"]
     n.proc.kill()
     n.proc.wait()
     t0 = time.monotonic()
@@ -169,7 +170,7 @@ def test_an_abort_mid_generation_is_reported_and_the_engine_restarts(tiny_model,
     assert t["engine"]["restarts"] == 1 and "llama.cpp aborted: injected:0: GGML_ASSERT(injected) failed" in log
 
 
-def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnects(tiny_model):
+def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnects(tiny_model, zctx):
     """Every event the node sends, counted per id: one admission each, tokens only between it and the
     done, exactly one done per admitted session and nothing after it, while the engine is killed,
     sessions are cancelled mid-stream and another client vanishes with sessions of its own."""
@@ -181,7 +182,7 @@ def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnect
 
     internal = {"faults": [{"kind": "kill", "at_tick": 40}, {}]}
     with NodeProcess(tiny_model, "--max-active", "4", "--max-queue", "64", internal=internal) as n:
-        ctx = zmq.Context()
+        ctx = zctx
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(n.listen)
@@ -210,7 +211,6 @@ def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnect
         with n.client() as c:
             t = c.status()["telemetry"]
         s.close()
-        ctx.term()
     assert set(events) == set(ids)
     for sid, evs in events.items():
         kinds = [e["event"] for e in evs]

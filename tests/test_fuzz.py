@@ -76,7 +76,7 @@ def random_frames(rng: random.Random):
     return [P.VERSION, msgpack.packb(body), *([b"extra"] if kind == 5 else [])]
 
 
-def test_three_thousand_random_frames_then_a_valid_session(tiny_model):
+def test_three_thousand_random_frames_then_a_valid_session(tiny_model, zctx):
     rng = random.Random(1234)
     frames = [random_frames(rng) for _ in range(3000)]
     bad = 0
@@ -87,7 +87,7 @@ def test_three_thousand_random_frames_then_a_valid_session(tiny_model):
             bad += 1
     assert bad > 2800  # the rest are well-formed cancels of unknown ids: answered, not counted as bad
     with NodeProcess(tiny_model) as n, n.client() as c:
-        ctx = zmq.Context()
+        ctx = zctx
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(n.listen)
@@ -100,7 +100,6 @@ def test_three_thousand_random_frames_then_a_valid_session(tiny_model):
                 assert ev["event"] == "error"
                 answers += 1
         s.close()
-        ctx.term()
         assert answers == 3000
         assert c.generate("valid", tokens=[3, 4, 5], max_tokens=4).done["reason"] == R.LENGTH
         assert c.status()["telemetry"]["bad_frames_total"] == bad

@@ -245,15 +245,14 @@ def test_engine_sigkill_mid_generation_loses_nothing(tiny_model):
     assert_clean(n, before)
 
 
-def test_vanished_client_sessions_are_cancelled_and_kv_freed(node):
-    ctx = zmq.Context()
+def test_vanished_client_sessions_are_cancelled_and_kv_freed(node, zctx):
+    ctx = zctx
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(node.listen)
     s.send_multipart(P.encode_request(P.Submit("gone", 100000 // 50, prompt(4), ignore_eos=True)))
     assert s.poll(5000)
     s.close()
-    ctx.term()
     with node.client() as c:
         t = wait_until(lambda: (lambda t: t if t["active_sessions"] == 0 else None)(c.status()["telemetry"]))
         assert t["kv_bytes"] == 0 and t["client_faults_total"] >= 1

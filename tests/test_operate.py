@@ -152,7 +152,8 @@ def test_sd_notify_ready_status_stopping_and_engine_does_not_inherit(tiny_model,
     try:
         while not any("READY=1" in m for m in msgs):
             msgs.append(sock.recv(4096).decode())
-        engine_pid = n.client().status()["node"]["engine_pid"]
+        with n.client() as c:
+            engine_pid = c.status()["node"]["engine_pid"]
         env = psutil.Process(engine_pid).environ()
         assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
         while not any(m.startswith("WATCHDOG=1") for m in msgs):

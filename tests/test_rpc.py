@@ -87,7 +87,7 @@ def test_a_worker_killed_mid_generation_ends_every_session_once_and_the_node_com
         refused = c.generate("late", **JOBS["r0"]).admission
         assert refused["event"] == "rejected" and refused["reason"] == R.REJECTED_ENGINE_UNAVAILABLE
         assert workers[1].endpoint in refused["detail"]
-        RpcWorker(workers[1].port).start()  # the operator (or systemd) brings it back: no one touches the node
+        workers[1] = RpcWorker(workers[1].port).start()  # the operator (or systemd) brings it back: no one touches the node
         assert wait_until(lambda: c.status()["node"]["engine_state"] == "READY", timeout_s=120)
         again = c.generate("again", **JOBS["r1"])
         assert again.tokens == local_tokens["r1"].tokens
@@ -115,6 +115,7 @@ def test_a_worker_stops_cleanly_on_sigterm():
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(timeout=30) == 0
     assert "stopping" in w.proc.stderr.read()
+    w.kill()
 
 
 def test_the_delay_proxy_holds_each_direction_and_keeps_order():
@@ -144,3 +145,4 @@ def test_the_delay_proxy_holds_each_direction_and_keeps_order():
     assert time.monotonic() - t0 >= 0.04  # a lower bound only: both directions held at least 20 ms
     c.close()
     proxy.close()
+    echo.close()

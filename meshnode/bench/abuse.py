@@ -129,7 +129,8 @@ def _slow_reader(endpoint: str, n: int, counts: dict) -> None:
     more than the socket buffers hold), reads nothing for a second, then reads everything: the node
     gives up on its sessions when its queue to the client is full, and each session must still end
     with exactly one done."""
-    ctx, s = deaf_client(endpoint)
+    ctx = zmq.Context()
+    s = deaf_client(ctx, endpoint)
     ids = [f"slow{n}-{k}" for k in range(2)]
     for k, sid in enumerate(ids):
         s.send_multipart(P.encode_request(P.Submit(sid, 300, [3 + k, 4, 5], ignore_eos=True)))

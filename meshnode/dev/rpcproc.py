@@ -38,6 +38,8 @@ class RpcWorker:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.proc:
+            self.proc.stderr.close()
 
     def __enter__(self):
         return self.start()
