@@ -18,7 +18,7 @@ from meshnode.engine import llamacpp
 KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}  # enum ggml_backend_dev_type
 MIB = 1 << 20
 RPC_FIX = ('reinstall llama-cpp-python with RPC: CMAKE_ARGS="-DGGML_RPC=ON" pip install --no-cache-dir '
-           '--force-reinstall llama-cpp-python (README, "Install")')
+           '--force-reinstall --no-deps llama-cpp-python==0.3.36 (README, "Set-up")')
 
 
 class Registry:
