@@ -45,10 +45,16 @@ class NodeProcess:
                                      preexec_fn=limit)
         deadline = time.monotonic() + timeout_s
         with Client(self.listen, timeout_s=1.0, **self.client_kw) as c:
+            sent = 0
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.log()}")
+                sent += 1
                 if c.ping(0.5):
+                    # the pings that timed out are answered too: read them before leaving, or the node counts
+                    # answers to a closed client as undeliverable after a test has read its counters
+                    for _ in range(sent - 1):
+                        c.wait_for(lambda e: e["event"] == "pong", max(1.0, deadline - time.monotonic()))
                     return self
         self.stop()
         raise RuntimeError(f"node not ready within {timeout_s} s:\n{self.log()}")
