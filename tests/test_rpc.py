@@ -146,3 +146,15 @@ def test_the_delay_proxy_holds_each_direction_and_keeps_order():
     c.close()
     proxy.close()
     echo.close()
+
+
+def test_a_restarted_engine_is_given_the_first_ones_placement():
+    """By default llama.cpp splits layers by free memory, which moves: later incarnations get the first one's
+    split pinned, so their recipe (which includes the placement) matches."""
+    from meshnode.core.types import Device, EngineInfo
+
+    devices = (Device("CPU", "cpu", "", 1, 1, (0, 1)), Device("RPC0", "gpu", "h:1", 1, 1, (2, 3)),
+               Device("RPC1", "gpu", "h:2", 1, 1, (4,)))
+    info = EngineInfo(512, 2, (2,), 8, 4096, 512, 512, 2048, 10, "mn1-x", devices=devices)
+    assert info.placement() == {"gpu_layers": 3, "devices": ("RPC0", "RPC1"), "tensor_split": (2.0, 1.0)}
+    assert EngineInfo(512, 2, (2,), 8, 4096, 512, 512, 2048, 10, "mn1-x", devices=devices[:1]).placement() == {}

@@ -169,6 +169,16 @@ class EngineInfo:
             return self.weight_bytes
         return sum(d.weight_bytes for d in self.devices if d.kind == "cpu" and not d.endpoint)
 
+    def placement(self) -> dict:
+        """The offload settings that put every layer where this incarnation's are, for the next one: by
+        default llama.cpp splits layers by the devices' free memory, which moves, and a restart placed
+        differently would compute another recipe and be refused. {} when nothing is offloaded."""
+        off = [d for d in self.devices if d.kind != "cpu" and d.layers]
+        if not off:
+            return {}
+        return {"gpu_layers": sum(len(d.layers) for d in off), "devices": tuple(d.name for d in off),
+                "tensor_split": tuple(float(len(d.layers)) for d in off)}
+
     @classmethod
     def of(cls, engine, calibration: tuple = ()) -> "EngineInfo":
         return cls(engine.n_vocab, engine.eos, tuple(engine.eog), engine.n_seq_max, engine.n_ctx, engine.n_ctx_seq,

@@ -175,6 +175,8 @@ class EngineLink:
         if problem:  # no session can continue on another model: the node must say so and stop serving
             self.health.unrecoverable = self.broken = problem
             return None
+        if self.info is None and self.engine_kind == "llama":  # later incarnations place layers as this one did
+            self.engine_params = {**self.engine_params, **msg.info.placement()}
         self.info = self.info or msg.info
         self.health.ready(time.monotonic())
         return None
