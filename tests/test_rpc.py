@@ -83,12 +83,13 @@ def test_a_worker_killed_mid_generation_ends_every_session_once_and_the_node_com
             assert got[sid].done["reason"] == R.ENGINE_ERROR and workers[1].endpoint in got[sid].done["detail"]
         assert c.ping(), n.log()
         st = c.status()["node"]
-        assert not st["engine_state"] == "READY" and workers[1].endpoint in st["engine_missing"]
+        assert st["engine_state"] != "READY" and workers[1].endpoint in st["engine_missing"] and not st["healthy"]
         refused = c.generate("late", **JOBS["r0"]).admission
         assert refused["event"] == "rejected" and refused["reason"] == R.REJECTED_ENGINE_UNAVAILABLE
         assert workers[1].endpoint in refused["detail"]
         workers[1] = RpcWorker(workers[1].port).start()  # the operator (or systemd) brings it back: no one touches the node
         assert wait_until(lambda: c.status()["node"]["engine_state"] == "READY", timeout_s=120)
+        assert c.status()["node"]["healthy"]
         again = c.generate("again", **JOBS["r1"])
         assert again.tokens == local_tokens["r1"].tokens
         assert "answers again: restarting the engine" in n.log()

@@ -57,7 +57,13 @@ class EngineHealth:
 
     @property
     def healthy(self) -> bool:
+        """Not given up: the node itself works (systemd's watchdog is fed), maybe waiting for a worker."""
         return self.state != FAILED
+
+    @property
+    def serving(self) -> bool:
+        """What clients and operators are told as `healthy`: not given up and not waiting for a worker."""
+        return self.healthy and not self.missing
 
     @property
     def hello_deadline_s(self) -> float:

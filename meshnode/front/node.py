@@ -303,7 +303,7 @@ class Front:
         rpc worker, end every session."""
         self.link.died(why)
         self.sched.engine_restarted()
-        if self.health.healthy and not self.health.missing:
+        if self.health.serving:
             return []
         # given up, or waiting for a worker for as long as it takes: nobody is kept waiting for that
         self.sched.engine_down = self.health.missing or self.health.last_error

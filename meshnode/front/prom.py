@@ -48,7 +48,7 @@ SNAPSHOT = [
     ("meshnode_engine_last_tick_seconds", "gauge", "Duration of the last engine step.", lambda t: t["engine"]["last_tick_ms"] / 1e3),
     ("meshnode_engine_wait_p50_seconds", "gauge", "Engine's median wait for its next tick (front + IPC), last 1024 ticks.",
      lambda t: t["engine"]["wait_us_p50"] / 1e6),
-    ("meshnode_engine_healthy", "gauge", "1 while the engine serves, 0 in a crash loop.", lambda t: int(t["engine"]["healthy"])),
+    ("meshnode_engine_healthy", "gauge", "1 while the engine serves, 0 in a crash loop or waiting for an RPC worker.", lambda t: int(t["engine"]["healthy"])),
     ("meshnode_engine_waiting_for_worker", "gauge", "1 while an RPC worker the engine needs does not answer.",
      lambda t: int(bool(t["engine"].get("missing")))),
     ("meshnode_memory_available_bytes", "gauge", "Host or cgroup memory available.", lambda t: t["memory"]["available_bytes"]),

@@ -4,7 +4,9 @@ The snapshot is the telemetry's counters plus what other parts own: the
 engine's pid and restarts and the node's health (meshnode/core/health.py),
 the client sockets' figures, the front's own memory and descriptors. It is
 published at least once a second on the PUB and to /metrics; systemd gets a
-STATUS line every few seconds and WATCHDOG only while the engine is healthy.
+STATUS line every few seconds and WATCHDOG only while the engine is healthy
+(a node waiting for an RPC worker is unhealthy to clients but keeps its
+watchdog: restarting it would not bring the worker back).
 """
 from __future__ import annotations
 
@@ -48,12 +50,12 @@ class Report:
     def snapshot(self) -> dict:
         n = self.src
         snap = n.telemetry.snapshot()
-        snap["engine"].update(pid=n.link.pid, restarts=n.health.restarts, healthy=n.health.healthy,
+        snap["engine"].update(pid=n.link.pid, restarts=n.health.restarts, healthy=n.health.serving,
                               missing=n.health.missing)
         snap.update(n.clients.stats())
         snap["front_rss_bytes"], snap["fds_open"], snap["fds_limit"] = self.front_rss, self.fds_open, n.fd_limit
         snap["tokenizer_jobs_total"], snap["tokenizer_backlog_chars"] = n.texts.jobs_total, n.texts.backlog_chars
-        snap["healthy"] = n.health.healthy
+        snap["healthy"] = n.health.serving
         snap["model"], snap["recipe"] = os.path.basename(n.cfg.model), n.recipe
         snap["deterministic"], snap["kv_layout"] = n.deterministic, n.cfg.layout
         return snap
@@ -62,7 +64,7 @@ class Report:
         """The `status` event: node info, the snapshot, and the capacity for a prompt of that size."""
         n, h = self.src, self.src.health
         info = {"version": __version__, "recipe": n.recipe, "model": n.cfg.model, "budgets": n.budget.as_dict(),
-                "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.healthy,
+                "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.serving,
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
                 "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.deterministic,
                 "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache, "engine_missing": h.missing,
