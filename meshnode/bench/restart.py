@@ -51,7 +51,8 @@ def _jobs(n: int) -> dict:
 
 
 def _run(path: str, threads: int, jobs: dict, kill: bool, extra: list[str]) -> dict[str, list[int]]:
-    with NodeProcess(path, "--threads", str(threads), "--ctx", "8192", "--log-level", "WARNING", *extra) as n, \
+    # default ctx: every session may reach 4,096 tokens (a fixed --ctx 8192 left 1,024 a stream: all refused)
+    with NodeProcess(path, "--threads", str(threads), "--log-level", "WARNING", *extra) as n, \
             n.client(timeout_s=1800) as c:
         for sid, kw in jobs.items():
             c.submit(sid, **kw)
@@ -59,6 +60,8 @@ def _run(path: str, threads: int, jobs: dict, kill: bool, extra: list[str]) -> d
             seen, kept = 0, []
             while seen < KILL_AT:
                 ev = c.recv(120)
+                if ev is None or ev["event"] in ("rejected", "error"):
+                    raise RuntimeError(f"no tokens to kill the engine under: {ev or 'nothing in 120 s'}")
                 kept.append(ev)
                 seen += ev["event"] == "tokens" and ev["id"] == "greedy-1"
             os.kill(c.status()["node"]["engine_pid"], signal.SIGKILL)
