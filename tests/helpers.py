@@ -216,6 +216,13 @@ def children_of(pid):
         return []
 
 
+def run_jobs(c, jobs: dict, **over) -> dict:
+    """Submit every job ({id: submit kwargs}, `over` on top) through client `c` and collect them all."""
+    for sid, kw in jobs.items():
+        c.submit(sid, **{**kw, **over})
+    return c.collect(list(jobs))
+
+
 def wait_until(pred, timeout_s=10.0, every_s=0.05):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from helpers import assert_consistent, assert_continues, serve, wait_until
+from helpers import assert_consistent, assert_continues, run_jobs, serve, wait_until
 from ipc.shm import leftover_segments
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
@@ -24,9 +24,7 @@ JOBS = {f"f{i}": dict(tokens=[3 + (i * 17 + k) % 500 for k in range(3 + 4 * i)],
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_model):
     with NodeProcess(tiny_model) as n, n.client() as c:
-        for sid, kw in JOBS.items():
-            c.submit(sid, **kw)
-        return c.collect(list(JOBS))
+        return run_jobs(c, JOBS)
 
 
 @pytest.mark.parametrize("kind", ["fatal", "raise", "hang", "kill", "bad_sample"])
@@ -36,9 +34,7 @@ def test_engine_fault_reprefills_and_every_session_continues(tiny_model, referen
     # hang (1 s made a second restart there, 3 of 5 kinds in one run)
     deadline = ["--tick-deadline-s", "5"] if kind == "hang" else []
     with NodeProcess(tiny_model, *deadline, internal=internal) as n, n.client() as c:
-        for sid, kw in JOBS.items():
-            c.submit(sid, **kw)
-        got = c.collect(list(JOBS))
+        got = run_jobs(c, JOBS)
         t = c.status()["telemetry"]
     assert_continues(got, reference_tokens, JOBS, R.LENGTH)
     assert t["engine"]["restarts"] == 1 and t["healthy"]
@@ -49,9 +45,7 @@ def test_a_refused_tick_ends_its_sessions_and_the_node_goes_on(tiny_model, refer
     too and planned again after a resync; no restart, and the next session is served exactly."""
     internal = {"faults": [{"kind": "refuse", "at_tick": 20}]}
     with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
-        for sid, kw in JOBS.items():
-            c.submit(sid, **kw)
-        got = c.collect(list(JOBS))
+        got = run_jobs(c, JOBS)
         c.submit("again", **JOBS["f1"])
         again = c.collect(["again"])["again"]
         t = c.status()["telemetry"]
@@ -161,9 +155,7 @@ def test_an_engine_that_dies_before_hello_ends_the_start_at_once_with_its_words(
 def test_an_abort_mid_generation_is_reported_and_the_engine_restarts(tiny_model, reference_tokens):
     internal = {"faults": [{"kind": "abort", "at_tick": 20}, {}]}
     with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
-        for sid, kw in JOBS.items():
-            c.submit(sid, **kw)
-        got = c.collect(list(JOBS))
+        got = run_jobs(c, JOBS)
         t = c.status()["telemetry"]
         log = n.log()
     assert_continues(got, reference_tokens, JOBS, R.LENGTH)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import serve, wait_until
+from helpers import run_jobs, serve, wait_until
 from ipc.transport import free_tcp_port
 from meshnode.core import reasons as R
 from meshnode.dev.nodeproc import NodeProcess
@@ -37,17 +37,13 @@ def test_this_build_has_the_rpc_backend():
 @pytest.fixture(scope="module")
 def local_tokens(tiny_model):
     with NodeProcess(tiny_model) as n, n.client() as c:
-        for sid, kw in JOBS.items():
-            c.submit(sid, **kw)
-        return c.collect(list(JOBS))
+        return run_jobs(c, JOBS)
 
 
 def test_a_model_split_over_two_workers_decodes_what_a_local_node_decodes(tiny_model, workers, local_tokens):
     rpc = ",".join(w.endpoint for w in workers)
     with NodeProcess(tiny_model, "--rpc", rpc, "--gpu-layers", "3") as n, n.client() as c:
-        for sid, kw in JOBS.items():
-            c.submit(sid, **kw)
-        got = c.collect(list(JOBS))
+        got = run_jobs(c, JOBS)
         node = c.status()["node"]
         log = n.log()
     where = {d["name"]: d for d in node["devices"]}
