@@ -216,10 +216,10 @@ def children_of(pid):
         return []
 
 
-def run_jobs(c, jobs: dict, **over) -> dict:
-    """Submit every job ({id: submit kwargs}, `over` on top) through client `c` and collect them all."""
+def run_jobs(c, jobs: dict) -> dict:
+    """Submit every job ({id: submit kwargs}) through client `c` and collect them all."""
     for sid, kw in jobs.items():
-        c.submit(sid, **{**kw, **over})
+        c.submit(sid, **kw)
     return c.collect(list(jobs))
 
 
