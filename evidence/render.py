@@ -131,6 +131,7 @@ def main() -> int:
                f"Greedy tokens identical for {peers['identical_jobs']}/{peers['jobs']} jobs.", ""]
     md += sections.burst() + sections.ticks() + sections.layout() + sections.chat() + sections.sampling()
     md += sections.abuse()
+    md += sections.rpc()
     md += sections.deterministic_sweeps()
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:

@@ -27,6 +27,7 @@ done
 python -m meshnode bench restart --preset tiny --json evidence/restart-tiny.json > evidence/restart-tiny.txt 2>&1
 python -m meshnode bench restart --preset bench --json evidence/restart-bench.json > evidence/restart-bench.txt 2>&1
 python -m meshnode bench ipc > evidence/ipc.txt 2>&1
+python -m meshnode bench rpc --preset bench --rounds 3 --json evidence/rpc-bench.json > evidence/rpc-bench.txt 2>&1
 bash evidence/abuse.sh  # before and after issue 23, both presets
 python -m meshnode bench soak --preset tiny --minutes 2 --kill-every 10 --json evidence/soak-tiny.json > evidence/soak-tiny.txt 2>&1
 python evidence/render.py

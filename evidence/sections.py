@@ -135,6 +135,23 @@ def sampling() -> list[str]:
             f"all options {a['everything']:.2f} ms.", ""]
 
 
+def rpc() -> list[str]:
+    d = load("rpc-bench.json")
+    if not d:
+        return []
+    md = ["## One model over ggml RPC workers (bench model)", "",
+          "`meshnode bench rpc --preset bench --rounds 3 --json evidence/rpc-bench.json`, on "
+          f"{d['build']}: through fresh nodes, the sides' order rotating per round; the workers are "
+          "`meshnode rpc-worker` processes on this same host (their compute shares its cores with the node's), "
+          "the delays a Python proxy holding each chunk half the round trip each way (no netem in this kernel). "
+          "One session decoding (c1), eight together (c8), one 512-token prompt (prefill); medians of rounds.", "",
+          "| side | c1 tok/s | c8 tok/s | c8 / c1 | prefill tok/s | c1, c8, prefill vs local |", "|---|---|---|---|---|---|"]
+    for name, m in d["table"].items():
+        md.append(f"| {name} | {m['c1_tok_s']:.1f} | {m['c8_tok_s']:.1f} | {m['c8_over_c1']:.1f}x | {m['prefill_tok_s']:.0f} | "
+                  f"{m['c1_vs_local']:.2f}, {m['c8_vs_local']:.2f}, {m['prefill_vs_local']:.2f} |")
+    return md + [""] + [f"- {line}" for line in d["verdict"]] + [""]
+
+
 def deterministic_sweeps() -> list[str]:
     runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(HERE, "sweep-bench-default-*.json")))]
     if not runs:
