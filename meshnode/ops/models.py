@@ -29,6 +29,7 @@ class Preset:
     n_vocab: int
     n_ctx_train: int
     dtype: type
+    vocab: str = "spm"  # spm: byte-level SentencePiece (llama); bpe: GPT-2 byte-level BPE (meshnode/ops/bpevocab.py)
 
 
 PRESETS = {
@@ -38,6 +39,8 @@ PRESETS = {
     # the same shape in f16 (and, through --quant, in the formats users run): llama.cpp takes other
     # kernels for each, which matters for what deterministic mode can promise
     "tiny-f16": Preset(4, 256, 4, 2, 512, 512, 65536, np.float16),
+    # the same shape with a byte-level BPE vocab (gpt2 tokenizer, ChatML markers as control tokens)
+    "tiny-bpe": Preset(4, 256, 4, 2, 512, 512, 65536, np.float32, "bpe"),
     # ~270 MB f16: decode is bound by reading weights, as with real models
     "bench": Preset(12, 1024, 16, 4, 2816, 512, 4096, np.float16),
 }
@@ -151,15 +154,28 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(p.n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if p.dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16)
-    tokens, scores, types = build_vocab(p.n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
+    if p.vocab == "bpe":
+        from meshnode.ops.bpevocab import SPECIALS, build_bpe_vocab
+
+        tokens, types, merges = build_bpe_vocab(p.n_vocab, WORDS)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tokens.index(SPECIALS[0]))
+        w.add_eos_token_id(tokens.index(SPECIALS[0]))
+        w.add_add_bos_token(False)
+    else:
+        tokens, scores, types = build_vocab(p.n_vocab)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     if chat_template:
         w.add_chat_template(CHATML)  # so `messages` work on the demo models (the vocab has no ChatML tokens: bytes)
