@@ -9,6 +9,7 @@ malformed frame becomes one `ProtocolError` with a contract error code.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -16,7 +17,7 @@ import msgpack
 import numpy as np
 
 from meshnode.core import reasons as R
-from meshnode.core.types import Sampling
+from meshnode.core.types import FORMATS, ResponseFormat, Sampling
 
 VERSION = b"MN1"
 TELEMETRY_TOPIC = b"telemetry"
@@ -29,6 +30,7 @@ MAX_STOP_TOKENS = 64
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 MAX_LOGPROBS = 20
 MAX_MESSAGES = 1024
+MAX_FORMAT_BYTES = 64 * 1024  # a response_format's schema, regex or grammar
 ROLES = ("system", "developer", "user", "assistant", "tool")  # a role reaches the template as is: no free text
 _UNPACK = dict(max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
                max_array_len=MAX_LIST, max_map_len=64, max_ext_len=0, strict_map_key=True, raw=False,
@@ -65,6 +67,7 @@ class Submit:
     recipe: str | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the decoded text
     messages: list[dict] | None = None  # [{role, content}], formatted with the model's chat template
+    response_format: ResponseFormat | None = None  # constrained output (json schema, regex, grammar)
 
 
 @dataclass
@@ -128,6 +131,26 @@ def _sampling(v, id, logprobs: int) -> Sampling:
     _check(_is_num(pp) and -2 <= pp <= 2, "sampling.presence_penalty must be a number in [-2, 2]", id)
     _check(_is_num(fp) and -2 <= fp <= 2, "sampling.frequency_penalty must be a number in [-2, 2]", id)
     return Sampling(float(t), int(k), float(p), int(seed), float(mp), float(rp), int(rn), float(pp), float(fp), logprobs)
+
+
+def _response_format(v, id) -> ResponseFormat | None:
+    """{"type": "json_schema", "schema": {...}} | {"type": "json_object"} | {"type": "regex", "pattern": ".."}
+    | {"type": "grammar", "gbnf": ".."}: shape and size only; the constraint library judges the content."""
+    if v is None:
+        return None
+    _check(isinstance(v, dict) and v.get("type") in FORMATS,
+           f"response_format must be a map with type one of {', '.join(FORMATS)}", id)
+    kind = v["type"]
+    if kind == "json_object":
+        return ResponseFormat(kind)
+    key = {"json_schema": "schema", "regex": "pattern", "grammar": "gbnf"}[kind]
+    spec = v.get(key)
+    if kind == "json_schema":
+        _check(isinstance(spec, (dict, bool)), "response_format.schema must be a JSON schema (a map)", id)
+        spec = json.dumps(spec, separators=(",", ":"))
+    _check(isinstance(spec, str) and spec, f"response_format.{key} must be a non-empty string", id)
+    _check(len(spec.encode()) <= MAX_FORMAT_BYTES, f"response_format.{key} over {MAX_FORMAT_BYTES} bytes", id)
+    return ResponseFormat(kind, spec)
 
 
 def _stop_strings(v, id) -> list[str]:
@@ -209,7 +232,8 @@ def decode_request(frames: list[bytes], n_vocab: int):
     _check(recipe is None or (isinstance(recipe, str) and len(recipe) <= 256), "recipe must be a string", id)
     stops = _stop_strings(msg.get("stop") or [], id)
     messages = _messages(msg["messages"], id) if has_msgs else None
-    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages)
+    fmt = _response_format(msg.get("response_format"), id)
+    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt)
 
 
 def encode_request(req) -> list[bytes]:
@@ -222,9 +246,19 @@ def encode_request(req) -> list[bytes]:
         body[k] = v
     if isinstance(req, Submit):
         body["sampling"] = {k: v for k, v in asdict(req.sampling).items() if k != "logprobs"}
+        if req.response_format is not None:
+            body["response_format"] = _format_wire(req.response_format)
         if req.sampling.logprobs:
             body["logprobs"] = req.sampling.logprobs
     return [VERSION, pack(body)]
+
+
+def _format_wire(f: ResponseFormat) -> dict:
+    if f.kind == "json_object":
+        return {"type": f.kind}
+    if f.kind == "json_schema":
+        return {"type": f.kind, "schema": json.loads(f.spec)}
+    return {"type": f.kind, {"regex": "pattern", "grammar": "gbnf"}[f.kind]: f.spec}
 
 
 # -- node events ----------------------------------------------------------------------

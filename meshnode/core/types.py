@@ -27,6 +27,18 @@ class FatalEngineError(EngineError):
     fatal = True
 
 
+FORMATS = ("json_schema", "json_object", "regex", "grammar")  # response_format types (docs/protocol.md)
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What a session's output must match: `kind` one of FORMATS; `spec` the schema as JSON text, the regex, or
+    the GBNF grammar ("" for json_object). Checked by the constraint library before admission."""
+
+    kind: str
+    spec: str = ""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How a session's tokens are picked (meshnode/engine/sampling.py; ranges in docs/protocol.md)."""
