@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 
 from ipc import seqpacket
 from ipc.protocol import pack, unpack
-from meshnode.core.types import Device, EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
+from meshnode.core.types import Constrained, Device, EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
 
 HALVES = 2
 _SAMPLING = [f.name for f in fields(Sampling)]
@@ -172,7 +172,7 @@ def encode(msg: Message, arena=None) -> bytes:
 def _tick_map(msg: TickRequest, arena) -> dict:
     off, _ = _bases(msg.tick, arena)
     buf, cols = arena.input, {"seq": [], "pos": [], "offset": [], "n": [], "draw": []}
-    sampling, follow = [], []
+    sampling, follow, constraint = [], [], []
     for c in msg.plan.chunks:
         n = len(c.tokens)
         buf[off:off + n] = c.tokens
@@ -180,12 +180,15 @@ def _tick_map(msg: TickRequest, arena) -> dict:
             cols[k].append(int(v))
         if c.sampling is not None:
             sampling.append({"seq": c.seq_id, **asdict(c.sampling)})
+        if c.constraint is not None:
+            constraint.append({"seq": c.seq_id, **asdict(c.constraint)})
         if c.follow:
             follow.append(c.seq_id)
         off += n
     return {"kind": "tick", "tick": msg.tick, "release": [int(s) for s in msg.plan.release],
             "kv": [[_KV_CODES[type(op)], *map(int, op)] for op in msg.plan.kv], **cols,
-            "sampling": sampling, "follow": follow, "resync": msg.resync, "fresh": msg.fresh}
+            "sampling": sampling, "follow": follow, "resync": msg.resync, "fresh": msg.fresh,
+            **({"constraint": constraint} if constraint else {})}
 
 
 def decode(data, arena=None) -> Message:
@@ -246,6 +249,12 @@ def _tick_request(m: dict, arena) -> TickRequest:
         if not isinstance(s, dict) or set(s) != {"seq", *_SAMPLING}:
             raise ValueError(f"malformed sampling entry {s!r}")
         sampling[s["seq"]] = Sampling(**{k: s[k] for k in _SAMPLING})
+    constraint = {}
+    for c in m.get("constraint", []):
+        if (not isinstance(c, dict) or set(c) != {"seq", "grammar", "n_prompt"} or not isinstance(c["grammar"], str)
+                or not isinstance(c["n_prompt"], int)):
+            raise ValueError(f"malformed constraint entry {str(c)[:80]!r}")
+        constraint[c["seq"]] = Constrained(c["grammar"], c["n_prompt"])
     follow = set(_ints(m.get("follow", []), "follow"))
     tick = m.get("tick")
     if not isinstance(tick, int):
@@ -257,7 +266,8 @@ def _tick_request(m: dict, arena) -> TickRequest:
     for seq, pos, off, n, draw in zip(*cols):
         if off < 0 or n < 0 or off + n > arena.n_input:
             raise ValueError(f"chunk of sequence {seq} points outside the arena")
-        chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling.get(seq), seq in follow))
+        chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling.get(seq), seq in follow,
+                               constraint.get(seq)))
     kv = []
     for op in m.get("kv", []):
         op = _ints(op, "kv")

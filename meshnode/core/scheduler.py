@@ -42,7 +42,7 @@ from meshnode.core.costmodel import (TILE_ROWS, TickCost, fill, fill_determinist
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
 from meshnode.core.seqs import Sequences
-from meshnode.core.types import Plan, Release, SeqChunk, StepResult
+from meshnode.core.types import Constrained, Plan, Release, SeqChunk, StepResult
 
 
 @dataclass
@@ -184,7 +184,8 @@ class Scheduler:
         end = start + n == len(s.tokens) + s.draws_in_flight
         chunk = SeqChunk(s.seq_id, start, np.asarray(known + [-1] * (n - len(known)), dtype=np.int32),
                          draw=s.n_generated + s.draws_in_flight if end else -1,
-                         sampling=s.sampling if start == s.n_reused else None, follow=follow)
+                         sampling=s.sampling if start == s.n_reused else None, follow=follow,
+                         constraint=Constrained(s.grammar, len(s.prompt)) if s.grammar and start == s.n_reused else None)
         s.n_planned += n
         s.draws_in_flight += end
         return s, chunk

@@ -40,6 +40,15 @@ class ResponseFormat:
 
 
 @dataclass(frozen=True)
+class Constrained:
+    """A session's compiled output grammar (llguidance), riding on its sequence's first chunk like its
+    sampling; the engine feeds it every token generated past `n_prompt` (meshnode/engine/constraint.py)."""
+
+    grammar: str
+    n_prompt: int
+
+
+@dataclass(frozen=True)
 class Sampling:
     """How a session's tokens are picked (meshnode/engine/sampling.py; ranges in docs/protocol.md)."""
     temperature: float = 0.0
@@ -87,6 +96,7 @@ class SeqChunk:
     draw: int = -1
     sampling: Sampling | None = None
     follow: bool = False
+    constraint: Constrained | None = None
 
 
 class Release(NamedTuple):

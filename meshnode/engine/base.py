@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from meshnode.core.types import GREEDY, InvalidPlan, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
+from meshnode.core.types import GREEDY, Constrained, InvalidPlan, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
 from meshnode.engine.sampling import logprobs, sample
 
 
@@ -92,6 +92,7 @@ class Engine:
         self._next_pos = [0] * self.n_seq_max
         self._history: list[list[int]] = [[] for _ in range(self.n_seq_max)]  # tokens fed, by position
         self._samplers: dict[int, Sampling] = {}
+        self._constraints: dict = {}  # seq -> engine/constraint.Constraint, for sessions with a response_format
 
     def step(self, plan: Plan) -> StepResult:
         """Run one tick: validate, release, compute every chunk, sample where asked."""
@@ -116,6 +117,7 @@ class Engine:
                 self._next_pos[op.seq_id] = op.n
                 del self._history[op.seq_id][op.n:]
                 self._samplers.pop(op.seq_id, None)
+                self._constraints.pop(op.seq_id, None)
             else:
                 self.share_kv(op.src, op.dst, op.n)
                 self._next_pos[op.dst] = op.n
@@ -123,6 +125,9 @@ class Engine:
         for c in plan.chunks:
             if c.sampling is not None or c.pos == 0:
                 self._samplers[c.seq_id] = c.sampling or GREEDY
+                self._constraints.pop(c.seq_id, None)
+            if c.constraint is not None:
+                self._constraints[c.seq_id] = self.constraint(c.constraint)
 
     def end(self, plan: Plan, res: StepResult) -> None:
         """The part after: the chunks that ran advance their sequences; the ones that lost their
@@ -140,7 +145,10 @@ class Engine:
         """The chunk's token into `res` (and its log-probabilities, when the session asked for them).
         Penalties see the sequence's tokens up to and including this chunk's."""
         s = self._samplers[c.seq_id]
-        history = self._history[c.seq_id][:c.pos] + list(c.tokens) if s.penalized else ()
+        k = self._constraints.get(c.seq_id)
+        history = self._history[c.seq_id][:c.pos] + list(c.tokens) if s.penalized or k else ()
+        if k is not None:  # what it generated so far, the sample of the tick before included
+            logits = k.masked(logits, history)
         tok = res.tokens[c.seq_id] = sample(logits, s, c.draw, history)
         if s.logprobs:
             res.logprobs[c.seq_id] = logprobs(logits, tok, s.logprobs)
@@ -150,6 +158,12 @@ class Engine:
         self._next_pos[seq_id] = 0
         self._history[seq_id] = []
         self._samplers.pop(seq_id, None)
+        self._constraints.pop(seq_id, None)
+
+    def constraint(self, c: Constrained):
+        """The engine's matcher for a compiled grammar (meshnode/engine/constraint.py); engines without a
+        tokenizer for it refuse the plan."""
+        raise InvalidPlan("this engine cannot constrain output")
 
     def release_kv(self, seq_id: int) -> None:
         """Drop the sequence's cached state (the subclass's KV)."""

@@ -11,7 +11,7 @@ import numpy as np
 
 
 class Constraint:
-    def __init__(self, tokenizer, grammar: str, n_vocab: int):
+    def __init__(self, tokenizer, grammar: str, n_vocab: int, n_prompt: int = 0):
         import llguidance as G
         import llguidance.numpy as GN
 
@@ -19,7 +19,7 @@ class Constraint:
         self.matcher = G.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
-        self.n_vocab = n_vocab
+        self.n_vocab, self.n_prompt, self.consumed = n_vocab, n_prompt, 0
         self._mask = GN.allocate_token_bitmask(1, tokenizer.vocab_size)
 
     def allowed(self) -> np.ndarray:
@@ -35,10 +35,18 @@ class Constraint:
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
             raise ValueError(f"constraint refused token {token}: {self.matcher.get_error()}")
+        self.consumed += 1
 
     def replay(self, tokens) -> None:
         for t in tokens:
             self.consume(t)
+
+    def masked(self, logits: np.ndarray, history) -> np.ndarray:
+        """`logits` constrained for the token after `history` (the sequence's tokens so far): what was
+        generated past the prompt and not fed yet is fed first. So one path serves a token sampled the
+        tick before (a follow row), a session re-prefilled after a restart, and KV reused from the cache."""
+        self.replay(history[self.n_prompt + self.consumed:])
+        return self.apply(logits)
 
     @property
     def complete(self) -> bool:
