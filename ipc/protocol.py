@@ -233,6 +233,8 @@ def decode_request(frames: list[bytes], n_vocab: int):
     stops = _stop_strings(msg.get("stop") or [], id)
     messages = _messages(msg["messages"], id) if has_msgs else None
     fmt = _response_format(msg.get("response_format"), id)
+    _check(fmt is None or not ignore_eos, "ignore_eos cannot be combined with response_format: a constrained "
+           "answer ends when it is complete", id)
     return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt)
 
 
@@ -282,8 +284,11 @@ def tokens(id: str, toks: list[int], text: str, logprobs: list | None = None) ->
     return event("tokens", id=id, tokens=toks, text=text, logprobs=lps)
 
 
-def done(id: str, reason: str, toks: list[int], text: str, usage: dict, detail: str = "") -> list[bytes]:
-    return event("done", id=id, reason=reason, tokens=toks, text=text, usage=usage, **({"detail": detail} if detail else {}))
+def done(id: str, reason: str, toks: list[int], text: str, usage: dict, detail: str = "",
+         incomplete: bool = False) -> list[bytes]:
+    """`incomplete`: a constrained (response_format) session ended before its output matched in full."""
+    return event("done", id=id, reason=reason, tokens=toks, text=text, usage=usage, **({"detail": detail} if detail else {}),
+                 **({"incomplete": True} if incomplete else {}))
 
 
 def telemetry(snapshot: dict) -> list[bytes]:

@@ -63,5 +63,6 @@ class Events:
         usage = s.usage()
         if self.latency is not None:
             self.latency.observe_done(usage)
-        out.append((ident, P.done(sid, reason, s.generated, text, usage, ev.detail), True))
+        incomplete = s.grammar is not None and reason != R.EOS  # cut before its output matched in full
+        out.append((ident, P.done(sid, reason, s.generated, text, usage, ev.detail, incomplete), True))
         return out, False

@@ -53,6 +53,7 @@ class Requests:
         self.status = status
         self.special_in_content = special_in_content
         self.held: dict[bytes, deque] = {}  # per client waiting behind its text: (frames, arrival)
+        self._constraints = None  # llguidance over the served vocab, built for the first response_format
 
     def on_frames(self, ident: bytes, frames: list[bytes]) -> list[Action]:
         arrived = self.sched.clock()  # a session's times count from here, tokenizer waits included
@@ -83,9 +84,24 @@ class Requests:
                 Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
         return self._submit(ident, req, arrived)
 
+    def _grammar(self, req: P.Submit) -> tuple[str | None, str]:
+        """The compiled response_format (None without one), or why the constraint library refused it."""
+        if req.response_format is None:
+            return None, ""
+        if self._constraints is None:
+            from meshnode.text.constraints import Constraints
+
+            self._constraints = Constraints(self.tok.vocab)
+        grammar, why = self._constraints.compile(req.response_format)
+        return grammar or None, why
+
     def _submit(self, ident: bytes, req: P.Submit, arrived: float) -> list[Action]:
+        grammar, why = self._grammar(req)
+        if why:  # before admission, with the library's own words
+            self.telemetry.count_bad_frame()
+            return [Answer(ident, P.error(R.BAD_REQUEST, why, req.id))]
         if req.tokens is not None:
-            return self._admit(ident, req, req.tokens, arrived)
+            return self._admit(ident, req, req.tokens, arrived, grammar)
         prompt = req.text
         if req.messages is not None:
             try:
@@ -95,7 +111,7 @@ class Requests:
         d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens, req.recipe))
         if not d.accepted:
             return [self._refuse(ident, req.id, d.reason, d.detail)]
-        if not self.texts.submit((ident, req, arrived), prompt, owner=ident):
+        if not self.texts.submit((ident, req, arrived, grammar), prompt, owner=ident):
             return [self._refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
                                  f"the tokenizer's backlog is full ({self.texts.max_backlog_chars} characters of "
                                  "text wait); retry later or send tokens")]
@@ -104,11 +120,11 @@ class Requests:
 
     def on_text(self, job: TextJob) -> list[Action]:
         """A text is tokenized: admit it, then handle what its client sent behind it."""
-        ident, req, arrived = job.key
+        ident, req, arrived, grammar = job.key
         if job.error:
             out = [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, job.error)]
         else:
-            out = self._admit(ident, req, job.tokens, arrived)
+            out = self._admit(ident, req, job.tokens, arrived, grammar)
         held = self.held.pop(ident, deque())
         while held:
             out += self._handle(ident, *held.popleft())
@@ -121,9 +137,10 @@ class Requests:
         self.telemetry.count_reject(reason)
         return Answer(ident, P.rejected(id, reason, detail))
 
-    def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float) -> list[Action]:
+    def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float,
+               grammar: str | None = None) -> list[Action]:
         s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
-                    req.ignore_eos, req.recipe, owner=ident, t_submit=arrived)
+                    req.ignore_eos, req.recipe, owner=ident, grammar=grammar, t_submit=arrived)
         d = self.sched.submit(s)
         if d.accepted:
             return [Opened(s.key, req.stop), Answer(ident, P.admitted(req.id, d.reason))]

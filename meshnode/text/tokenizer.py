@@ -55,6 +55,11 @@ class Tokenizer:
         self._specials = chat.Specials({texts[t].decode("utf-8", "replace"): t for t in range(self.n_vocab)
                                         if texts[t] and lc.llama_vocab_get_attr(self._vocab, t) & special})
 
+    @property
+    def vocab(self):
+        """llama.cpp's llama_vocab pointer (for llguidance's tokenizer, meshnode/text/constraints.py)."""
+        return self._vocab
+
     def _spm_foreign(self, texts: list[bytes]) -> re.Pattern | None:
         """A pattern matching any character no token's text contains, when the linear SPM path applies."""
         lc, v = self._lc, self._vocab
