@@ -15,6 +15,9 @@ import json
 from meshnode.core.types import ResponseFormat
 
 JSON_OBJECT = {"type": "object"}  # `json_object`: any JSON object, as OpenAI's and llama-server's json mode
+# compact JSON (",", ":" and no whitespace between tokens): llguidance's default allows any run of
+# whitespace anywhere, which a weak model fills until max_tokens; a schema's "x-guidance" can ask otherwise
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class Constraints:
@@ -30,9 +33,9 @@ class Constraints:
 
         try:
             if fmt.kind == "json_schema":
-                grammar = G.LLMatcher.grammar_from_json_schema(json.loads(fmt.spec))
+                grammar = G.LLMatcher.grammar_from_json_schema(json.loads(fmt.spec), defaults=JSON_OPTIONS)
             elif fmt.kind == "json_object":
-                grammar = G.LLMatcher.grammar_from_json_schema(JSON_OBJECT)
+                grammar = G.LLMatcher.grammar_from_json_schema(JSON_OBJECT, defaults=JSON_OPTIONS)
             elif fmt.kind == "regex":
                 grammar = G.LLMatcher.grammar_from_regex(fmt.spec)
             else:
