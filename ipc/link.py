@@ -16,9 +16,12 @@ from dataclasses import asdict, dataclass, fields
 
 from ipc import seqpacket
 from ipc.protocol import pack, unpack
-from meshnode.core.types import Constrained, Device, EngineInfo, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
+from meshnode.core.types import (Constrained, Device, EngineInfo, Grammar, Keep, Plan, Release, Sampling, SeqChunk, Share,
+                                 StepResult)
 
 HALVES = 2
+MAX_GRAMMAR_BYTES = seqpacket.MAX_MESSAGE - 4096  # a compiled grammar and its message's other fields
+GRAMMARS_KEPT = 256  # grammars an engine holds at once (well above the sequences one tick can start)
 _SAMPLING = [f.name for f in fields(Sampling)]
 _INFO = [f.name for f in fields(EngineInfo)]
 _KV_OPS = {0: Release, 1: Keep, 2: Share}  # a tick's KV operations travel as [code, *fields]
@@ -35,6 +38,16 @@ class TickRequest:
     plan: Plan
     resync: bool = False
     fresh: bool = False
+
+
+@dataclass(frozen=True)
+class GrammarText:
+    """A compiled output grammar, sent once per engine incarnation ahead of the first tick that names it
+    (a tick carries only keys: eight new sessions' schemas would not fit one message); `forget`: keys
+    no tick will name any more (GrammarsSent decides)."""
+
+    grammar: Grammar
+    forget: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,31 @@ class TickRefused:
     detail: str
 
 
-Message = TickRequest | Stop | Hello | HelloFailed | Aborted | TickDone | TickRefused
+Message = TickRequest | GrammarText | Stop | Hello | HelloFailed | Aborted | TickDone | TickRefused
+
+
+class GrammarsSent:
+    """The front's record of the grammars its engine incarnation holds: which GrammarText messages must
+    precede a tick, and which old ones the engine may drop (least recently named first)."""
+
+    def __init__(self, keep: int = GRAMMARS_KEPT):
+        self.keep = keep
+        self._keys: dict[str, None] = {}  # insertion order = least recently named first
+
+    def ahead_of(self, plan: Plan) -> list[GrammarText]:
+        named = {c.constraint.grammar.key: c.constraint.grammar for c in plan.chunks if c.constraint is not None}
+        for key in named:
+            if key in self._keys:
+                self._keys[key] = self._keys.pop(key)
+        out = []
+        for key, grammar in named.items():
+            if key not in self._keys:
+                self._keys[key] = None
+                spare = [k for k in self._keys if k not in named][:max(0, len(self._keys) - self.keep)]
+                for k in spare:
+                    del self._keys[k]
+                out.append(GrammarText(grammar, tuple(spare)))
+        return out
 
 
 # -- the spawn ------------------------------------------------------------------------------------
@@ -162,6 +199,8 @@ def encode(msg: Message, arena=None) -> bytes:
         return pack(_tick_map(msg, arena))
     if isinstance(msg, Hello):
         return pack({"kind": "hello", "pid": msg.pid, "info": {**asdict(msg.info), "eog": list(msg.info.eog)}})
+    if isinstance(msg, GrammarText):
+        return pack({"kind": "grammar", "key": msg.grammar.key, "text": msg.grammar.text, "forget": list(msg.forget)})
     if isinstance(msg, TickDone):
         return pack({"kind": "done", **asdict(msg), "cache_miss": list(msg.cache_miss),
                      "logprobs": [[s, lp, [list(t) for t in top]] for s, lp, top in msg.logprobs]})
@@ -181,7 +220,7 @@ def _tick_map(msg: TickRequest, arena) -> dict:
         if c.sampling is not None:
             sampling.append({"seq": c.seq_id, **asdict(c.sampling)})
         if c.constraint is not None:
-            constraint.append({"seq": c.seq_id, **asdict(c.constraint)})
+            constraint.append({"seq": c.seq_id, "key": c.constraint.grammar.key, "n_prompt": c.constraint.n_prompt})
         if c.follow:
             follow.append(c.seq_id)
         off += n
@@ -191,16 +230,17 @@ def _tick_map(msg: TickRequest, arena) -> dict:
             **({"constraint": constraint} if constraint else {})}
 
 
-def decode(data, arena=None) -> Message:
+def decode(data, arena=None, grammars: dict | None = None) -> Message:
     """A message from its bytes; ValueError names what is malformed. A TickRequest's tokens are copied
-    out of `arena`."""
+    out of `arena`, its constraints' grammars looked up in `grammars` (key -> Grammar, as GrammarText
+    messages left them)."""
     m = unpack(data, max_bytes=seqpacket.MAX_MESSAGE)  # no link message can be larger than the socket carries
     if not isinstance(m, dict):
         raise ValueError("engine link message is not a map")
     kind = m.get("kind")
     if kind == "tick":
         try:
-            return _tick_request(m, arena)
+            return _tick_request(m, arena, grammars or {})
         except (KeyError, TypeError, ValueError) as e:
             raise MalformedTick(m["tick"] if isinstance(m.get("tick"), int) else 0, f"malformed tick: {e}") from None
     try:
@@ -216,6 +256,10 @@ def decode(data, arena=None) -> Message:
                 "eog": tuple(info["eog"]), "calibration": tuple((int(c), int(r), float(a), float(s), bool(z), float(ms))
                                        for c, r, a, s, z, ms in info["calibration"]),
                 "devices": tuple(Device(**{**d, "layers": tuple(d["layers"])}) for d in info["devices"])}))
+        if kind == "grammar":
+            if not isinstance(m["text"], str) or not isinstance(m["key"], str):
+                raise ValueError("grammar key and text must be strings")
+            return GrammarText(Grammar(m["key"], m["text"]), tuple(str(k) for k in m["forget"]))
         if kind == "hello_failed":
             return HelloFailed(str(m["detail"]))
         if kind == "aborted":
@@ -240,7 +284,7 @@ def _ints(v, name: str) -> list[int]:
     return v
 
 
-def _tick_request(m: dict, arena) -> TickRequest:
+def _tick_request(m: dict, arena, grammars: dict) -> TickRequest:
     cols = [_ints(m.get(k, []), k) for k in ("seq", "pos", "offset", "n", "draw")]
     if len({len(c) for c in cols}) != 1:
         raise ValueError("tick columns differ in length")
@@ -251,10 +295,11 @@ def _tick_request(m: dict, arena) -> TickRequest:
         sampling[s["seq"]] = Sampling(**{k: s[k] for k in _SAMPLING})
     constraint = {}
     for c in m.get("constraint", []):
-        if (not isinstance(c, dict) or set(c) != {"seq", "grammar", "n_prompt"} or not isinstance(c["grammar"], str)
-                or not isinstance(c["n_prompt"], int)):
+        if not isinstance(c, dict) or set(c) != {"seq", "key", "n_prompt"} or not isinstance(c["n_prompt"], int):
             raise ValueError(f"malformed constraint entry {str(c)[:80]!r}")
-        constraint[c["seq"]] = Constrained(c["grammar"], c["n_prompt"])
+        if c["key"] not in grammars:
+            raise ValueError(f"constraint names grammar {str(c['key'])[:40]!r}, which this engine was not sent")
+        constraint[c["seq"]] = Constrained(grammars[c["key"]], c["n_prompt"])
     follow = set(_ints(m.get("follow", []), "follow"))
     tick = m.get("tick")
     if not isinstance(tick, int):

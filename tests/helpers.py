@@ -1,5 +1,6 @@
 """What the tests share: prompts, a clock, one way to build a scheduler, engine drivers, node helpers."""
 import os
+import random
 import subprocess
 import sys
 import time
@@ -279,3 +280,43 @@ def assert_continues(got: dict, want: dict, jobs: dict, reason=None, prefix_if=N
         assert_consistent(r, None if early else kw["max_tokens"], None if early else reason)
         if kw.get("sampling") is None:
             assert_same_or_a_tie(r, want[sid], prefix=early)
+
+
+def history(e):
+    """A conversation so far: a 100-token prompt and the 30 tokens the model answered (greedy)."""
+    q = [3 + (k * 13) % 500 for k in range(100)]
+    return q, scenario(e, q, GREEDY, n_new=30)["tokens"]
+
+
+def scenario(e, p, sampling, n_new=40, crowd=None, restart_after=None, warm=None, grammar=None):
+    """Session x's tokens, logprobs and cached prompt tokens, and its neighbours' tokens, run by a
+    deterministic scheduler: alone, or with `crowd` (a seed) others arriving at random ticks before and
+    after it; with the engine's KV lost (a restart) after x generated `restart_after` tokens; after `warm`
+    (a prompt) finished first. x ignores EOS unless it has a `grammar` (it ends when that is complete)."""
+    e.step(Plan([], list(range(e.n_seq_max))))
+    sched = Scheduler(NodeBudget.from_engine(e), e.eog, recipe=e.recipe_fingerprint, prefix_cache="client",
+                      deterministic=True)
+    if warm:
+        sched.submit(Session("warm", warm[0], len(warm[1]), ignore_eos=True, owner="c"))
+        run_to_completion(sched, e)
+    rng = random.Random(crowd)
+    x = Session("x", p, n_new, sampling=sampling, ignore_eos=grammar is None, owner="c", grammar=grammar)
+    arrivals = [(rng.randrange(12) if crowd is not None else 0, x)]
+    for i in range(9 if crowd is not None else 0):
+        arrivals.append((rng.randrange(40), Session(f"o{i}", [3 + rng.randrange(500) for _ in range(
+            rng.choice([1, 2, 9, 63, 64, 70, 130, 200]))], rng.choice([1, 5, 30, 60]), ignore_eos=True, owner="o")))
+    others = [s for _, s in arrivals[1:]]
+    events, t, restarted = [], 0, restart_after is None
+    while arrivals or not sched.idle:
+        for when, s in [a for a in arrivals if a[0] <= t]:
+            arrivals.remove((when, s))
+            sched.submit(s)
+        if not restarted and x.n_generated >= restart_after:
+            e.step(Plan([], list(range(e.n_seq_max))))  # what a new engine process holds: nothing
+            sched.engine_restarted()
+            restarted = True
+        events += run_tick(sched, e)
+        t += 1
+    mine = [ev for ev in events if ev.session is x and ev.kind == "tokens"]
+    return {"tokens": x.generated, "logprobs": [ev.logprobs for ev in mine], "cached": x.n_reused,
+            "others": {s.key: s.generated for s in others}}

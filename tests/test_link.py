@@ -9,7 +9,7 @@ import pytest
 from ipc import link, seqpacket
 from ipc.protocol import pack
 from ipc.shm import TokenArena
-from meshnode.core.types import EngineInfo, Plan, Sampling, SeqChunk
+from meshnode.core.types import Constrained, EngineInfo, Grammar, Plan, Sampling, SeqChunk
 
 
 @pytest.fixture
@@ -37,7 +37,29 @@ def test_a_tick_round_trips_and_consecutive_ticks_use_separate_halves(arena):
     assert arena.input[:3].tolist() == [5, 6, 7] and arena.input[16:19].tolist() == [5, 6, 7]
 
 
-@pytest.mark.parametrize("msg", [link.Stop(), link.HelloFailed("no model"), link.Aborted("GGML_ASSERT(x) failed"),
+def test_a_grammar_crosses_once_per_incarnation_and_ticks_name_it_by_key(arena):
+    """Eight new sessions on one schema cost one GrammarText, not eight copies in the tick; a tick naming
+    a grammar the engine was not sent is refused in its place; the least recently named are forgotten."""
+    g, h = Grammar("k1", "x" * 100_000), Grammar("k2", "y")
+    chunks = [SeqChunk(s, 0, np.array([5], np.int32), 0, constraint=Constrained(g, 1)) for s in range(3)]
+    sent = link.GrammarsSent(keep=1)
+    ahead = sent.ahead_of(Plan(chunks))
+    assert ahead == [link.GrammarText(g)] and sent.ahead_of(Plan(chunks)) == []
+    data = link.encode(link.TickRequest(1, Plan(chunks)), arena)
+    assert len(data) < 1000
+    with pytest.raises(link.MalformedTick, match="not sent"):
+        link.decode(data, arena, {})
+    store = {}
+    got = link.decode(link.encode(ahead[0]), arena)
+    store[got.grammar.key] = got.grammar
+    tick = link.decode(data, arena, store)
+    assert [c.constraint for c in tick.plan.chunks] == [Constrained(g, 1)] * 3
+    assert tick.plan.chunks[0].constraint.grammar.text == g.text
+    assert sent.ahead_of(Plan([SeqChunk(4, 0, np.array([5], np.int32), 0, constraint=Constrained(h, 1))])) == \
+        [link.GrammarText(h, forget=("k1",))]
+
+
+@pytest.mark.parametrize("msg", [link.Stop(), link.GrammarText(Grammar("k", "g"), ("old",)), link.HelloFailed("no model"), link.Aborted("GGML_ASSERT(x) failed"),
                                  link.TickDone(3, (1,), 2.5, 40, 0.1, 1 << 20, 5, 9), link.TickRefused(4, True, "rc=-3"),
                                  link.Hello(17, EngineInfo(512, 2, (2, 5), 8, 4096, 4096, 512, 2048, 10, "mn1-x"))])
 def test_every_other_message_round_trips_typed(msg):

@@ -6,10 +6,13 @@ import json
 import jsonschema
 import pytest
 
-from helpers import scheduler
+from helpers import history, scheduler, scenario
+from ipc import link
+from meshnode.core import reasons as R
 from meshnode.core.session import Session
 from meshnode.core.types import ResponseFormat, Sampling
 from meshnode.dev.drive import run_to_completion
+from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.text.constraints import Constraints
 from meshnode.text.tokenizer import Tokenizer
@@ -30,6 +33,11 @@ SCHEMAS = {
                 "required": ["code"], "additionalProperties": False},
 }
 SEEDS = range(20)
+# long enough that a restart lands in the middle of it (each item is ~20 tokens of bytes or word pieces)
+ROWS = {"type": "array", "minItems": 6, "maxItems": 6,
+        "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                   "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+                  "required": ["name", "n"], "additionalProperties": False}}
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-bpe"])
@@ -39,8 +47,9 @@ def served(request, tmp_path_factory):
 
     path = str(make_model(tmp_path_factory.mktemp("m") / f"{request.param}.gguf", request.param, 0))
     tok = Tokenizer(path)
-    with LlamaEngine(EngineConfig(path, n_seq_max=8, n_ctx=8 * 1024, n_threads=1, kv_layout="streams")) as e:
-        yield e, tok, Constraints(tok.vocab)
+    with LlamaEngine(EngineConfig(path, n_seq_max=8, n_ctx=8 * 1024, n_threads=1, kv_layout="streams",
+                                  deterministic=None)) as e:
+        yield e, tok, Constraints(tok.vocab, link.MAX_GRAMMAR_BYTES)
     tok.close()
 
 
@@ -92,3 +101,65 @@ def test_a_bad_schema_or_regex_is_refused_with_the_librarys_words(served):
                        (ResponseFormat("regex", "[a-"), "regex")):
         grammar, why = constraints.compile(fmt)
         assert not grammar and words in why
+
+
+def test_a_constrained_session_is_the_same_alone_in_a_crowd_after_a_restart_and_on_a_cache_hit(served):
+    """Deterministic mode: the matcher is rebuilt by replay after the KV is lost, follows a prefix-cache
+    hit, and masks only its own row, so x's tokens are the same every way and its neighbours' tokens are
+    those they get beside an unconstrained x."""
+    e, tok, constraints = served
+    if not e.deterministic:
+        pytest.skip(f"deterministic mode does not hold here: {e.deterministic_problem}")
+    grammar, why = constraints.compile(ResponseFormat("json_schema", json.dumps(ROWS)))
+    assert grammar, why
+    q, answer = history(e)
+    p = q + answer + [3 + (k * 31) % 500 for k in range(20)]
+    seeded = Sampling(1.0, 0, 1.0, 3, logprobs=2)
+    alone = scenario(e, p, seeded, n_new=400, grammar=grammar)
+    runs = {"crowd": scenario(e, p, seeded, n_new=400, crowd=1, grammar=grammar),
+            "restart": scenario(e, p, seeded, n_new=400, restart_after=17, grammar=grammar),
+            "cache hit": scenario(e, p, seeded, n_new=400, warm=(q, answer), grammar=grammar),
+            "cache hit, crowd, restart": scenario(e, p, seeded, n_new=400, warm=(q, answer), crowd=2, restart_after=40,
+                                                  grammar=grammar)}
+    jsonschema.validate(json.loads(tok.decode(alone["tokens"])), ROWS)
+    assert 40 < len(alone["tokens"]) < 400 and alone["tokens"][-1] in e.eog
+    assert runs["cache hit"]["cached"] > 0
+    for what, got in runs.items():
+        assert got["tokens"] == alone["tokens"], what
+        assert got["logprobs"] == alone["logprobs"], what
+    free = scenario(e, p, seeded, n_new=len(alone["tokens"]), crowd=1)
+    assert free["others"] == runs["crowd"]["others"] and free["tokens"] != alone["tokens"]
+
+
+def test_through_a_node_constraints_hold_across_an_engine_kill_and_end_as_they_should(tmp_path):
+    """Over the engine link (a grammar sent once, named by key), through a kill at tick 12 and its
+    re-prefill: every constrained answer validates; a stop string or max_tokens cut ends it with
+    `incomplete`; a pattern the library rejects is a counted BAD_REQUEST, before admission."""
+    from meshnode.ops.models import make_model
+
+    path = str(make_model(tmp_path / "bpe.gguf", "tiny-bpe", 0))
+    rows = ResponseFormat("json_schema", json.dumps(ROWS))
+    code = ResponseFormat("regex", "[A-Z]{2}-[0-9]{3}")
+    with NodeProcess(path, internal={"faults": [{"kind": "kill", "at_tick": 12}, {}]}) as n, n.client() as c:
+        for i in range(6):
+            c.submit(f"rows{i}", text="list them:", max_tokens=400, sampling=Sampling(1.0, 0, 1.0, i), response_format=rows)
+        for i in range(2):
+            c.submit(f"code{i}", tokens=[5, 9, 33], max_tokens=20, sampling=Sampling(1.0, 0, 1.0, i), response_format=code)
+        c.submit("cut", tokens=[5, 9], max_tokens=3, response_format=rows)
+        c.submit("stopped", tokens=[5, 9], max_tokens=400, response_format=rows, stop=['"n"'])
+        got = c.collect([f"rows{i}" for i in range(6)] + ["code0", "code1", "cut", "stopped"], timeout_s=300)
+        before = c.status()["telemetry"]["bad_frames_total"]
+        c.submit("bad", tokens=[5], response_format=ResponseFormat("regex", "[A-"))
+        bad = c.collect(["bad"])["bad"]
+        t = c.status()["telemetry"]
+    assert t["engine"]["restarts"] == 1
+    for i in range(6):
+        r = got[f"rows{i}"]
+        assert r.done["reason"] == R.EOS and "incomplete" not in r.done, r.done
+        jsonschema.validate(json.loads(r.done["text"]), ROWS)
+    for i in range(2):
+        assert __import__("re").fullmatch("[A-Z]{2}-[0-9]{3}", got[f"code{i}"].done["text"]), got[f"code{i}"].done
+    assert got["cut"].done["reason"] == R.LENGTH and got["cut"].done["incomplete"] is True
+    assert got["stopped"].done["reason"] == R.STOP and got["stopped"].done["incomplete"] is True
+    assert bad.done is None and bad.admission["event"] == "error" and bad.admission["code"] == R.BAD_REQUEST
+    assert "regex" in bad.admission["detail"] and t["bad_frames_total"] == before + 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from meshnode.core.types import GREEDY, Sampling
+from meshnode.core.types import GREEDY, Grammar, Sampling
 
 NEW, QUEUED, RUNNING, DONE = "NEW", "QUEUED", "RUNNING", "DONE"
 
@@ -33,7 +33,7 @@ class Session:
     ignore_eos: bool = False
     recipe: str | None = None
     owner: Hashable = None  # whose cached KV it may reuse (the client identity; meshnode/core/prefix.py)
-    grammar: str | None = None  # compiled response_format (meshnode/text/constraints.py)
+    grammar: Grammar | None = None  # compiled response_format (meshnode/text/constraints.py)
     # progress: `tokens` is prompt + generated. tokens[:n_planned] are in the KV or in a tick on
     # its way there; `draws_in_flight` samples are asked for and not back yet (pipelined ticks)
     tokens: list[int] = field(default_factory=list)

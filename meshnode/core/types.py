@@ -40,11 +40,20 @@ class ResponseFormat:
 
 
 @dataclass(frozen=True)
-class Constrained:
-    """A session's compiled output grammar (llguidance), riding on its sequence's first chunk like its
-    sampling; the engine feeds it every token generated past `n_prompt` (meshnode/engine/constraint.py)."""
+class Grammar:
+    """A compiled response_format (llguidance's grammar text) under a key derived from the text: the text
+    crosses the engine link once per engine incarnation (ipc/link.py, GrammarText) and ticks name it by key."""
 
-    grammar: str
+    key: str
+    text: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Constrained:
+    """A session's output grammar, riding on its sequence's first chunk like its sampling; the engine
+    feeds it every token generated past `n_prompt` (meshnode/engine/constraint.py)."""
+
+    grammar: Grammar
     n_prompt: int
 
 

@@ -7,20 +7,43 @@ matcher; a restarted engine rebuilds it by replaying the tokens generated so far
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
+
+from meshnode.core.types import Constrained
+
+KEEP = 64  # parsed grammars kept: a new session on a known grammar copies its matcher instead of parsing
+
+
+class Matchers:
+    """The engine's matchers over its model's own vocabulary (llguidance's tokenizer, built once)."""
+
+    def __init__(self, tokenizer, n_vocab: int):
+        import llguidance
+        import llguidance.numpy
+
+        self._g, self._gn = llguidance, llguidance.numpy
+        self.tokenizer, self.n_vocab = tokenizer, n_vocab
+        self._parsed: OrderedDict[str, object] = OrderedDict()  # grammar key -> a matcher that never consumes
+
+    def start(self, c: Constrained) -> Constraint:
+        template = self._parsed.pop(c.grammar.key, None)
+        if template is None:
+            template = self._g.LLMatcher(self.tokenizer, c.grammar.text)
+            if template.is_error():
+                raise ValueError(template.get_error())
+        self._parsed[c.grammar.key] = template
+        if len(self._parsed) > KEEP:
+            self._parsed.popitem(last=False)
+        return Constraint(template.deep_copy(), self._gn.allocate_token_bitmask(1, self.tokenizer.vocab_size),
+                          self._gn, self.n_vocab, c.n_prompt)
 
 
 class Constraint:
-    def __init__(self, tokenizer, grammar: str, n_vocab: int, n_prompt: int = 0):
-        import llguidance as G
-        import llguidance.numpy as GN
-
-        self._gn = GN
-        self.matcher = G.LLMatcher(tokenizer, grammar)
-        if self.matcher.is_error():
-            raise ValueError(self.matcher.get_error())
+    def __init__(self, matcher, mask: np.ndarray, gn, n_vocab: int, n_prompt: int):
+        self.matcher, self._mask, self._gn = matcher, mask, gn
         self.n_vocab, self.n_prompt, self.consumed = n_vocab, n_prompt, 0
-        self._mask = GN.allocate_token_bitmask(1, tokenizer.vocab_size)
 
     def allowed(self) -> np.ndarray:
         """The tokens that may come next, as a bool row of n_vocab."""

@@ -179,17 +179,15 @@ class LlamaEngine(Engine):
                     self.close()
                     raise FatalEngineError(f"{self.deterministic_problem}; serve without it (--no-deterministic)")
         self.recipe_fingerprint = cfg.recipe(self.deterministic, devices.fingerprint(self.devices))
-        self._llg = None  # llguidance's tokenizer, for the first constrained session
+        self._matchers = None  # llguidance over this model's vocab, built for the first constrained session
 
     def constraint(self, c):
-        """A matcher over this model's own vocabulary (its llguidance tokenizer built once)."""
-        from meshnode.engine.constraint import Constraint
+        from meshnode.engine.constraint import Matchers
 
-        if self._llg is None:
-            from llguidance.llamacpp import lltokenizer_from_vocab
-
-            self._llg = lltokenizer_from_vocab(self._lc.llama_model_get_vocab(self._model))
-        return Constraint(self._llg, c.grammar, self.n_vocab, c.n_prompt)
+        if self._matchers is None:
+            self._matchers = Matchers(llamacpp.constraint_tokenizer(self._lc.llama_model_get_vocab(self._model)),
+                                      self.n_vocab)
+        return self._matchers.start(c)
 
     def _alloc_batch(self, n: int) -> None:
         """A llama_batch whose arrays are numpy buffers we own and fill with slices."""

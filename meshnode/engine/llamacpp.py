@@ -107,6 +107,18 @@ def abort(message: str) -> None:
     ggml_library("libggml-base").ggml_abort(b"injected", 0, b"%s", message.encode())
 
 
+def constraint_tokenizer(vocab):
+    """llguidance's tokenizer over a loaded llama_vocab (the structured-output masks index its tokens).
+    Its builder still calls llama-cpp-python's deprecated llama_token_get_attr, once per token: silenced."""
+    import warnings
+
+    from llguidance.llamacpp import lltokenizer_from_vocab
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "llama_token_get_attr is deprecated", DeprecationWarning)
+        return lltokenizer_from_vocab(vocab)
+
+
 def row_bytes(n: int, ggml_type: int) -> int:
     blck, size = _TYPE_SIZE[ggml_type]
     return (n // blck) * size

@@ -79,6 +79,7 @@ class EngineLink:
         self.going_down = False  # it closed the link or aborted: wait a moment for its exit status
         self._next_liveness = 0.0
         self.words = ""  # what this incarnation said about its own failure (hello failed, abort)
+        self.grammars = link.GrammarsSent()
 
     @property
     def path(self) -> str:
@@ -107,6 +108,7 @@ class EngineLink:
         self._close_sock()
         self.generation += 1
         self.words = ""
+        self.grammars = link.GrammarsSent()  # a new incarnation holds none
         self.arena.reset_heartbeat()
         self.claim(self.path)
         self.listener = seqpacket.listen(self.path)
@@ -183,6 +185,8 @@ class EngineLink:
 
     def send(self, tick: Tick, fresh: bool = False) -> None:
         try:
+            for msg in self.grammars.ahead_of(tick.plan):
+                self.sock.send(link.encode(msg))
             self.sock.send(link.encode(link.TickRequest(tick.t, tick.plan, tick.resync, fresh), self.arena))
         except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
             self._break(f"engine link send failed: {e}", going_down=True)

@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ipc import link
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.scheduler import Event, Scheduler
 from meshnode.core.session import Ask, Session
 from meshnode.core.telemetry import Telemetry
+from meshnode.core.types import Grammar
 from meshnode.text.jobs import TextJob, TextJobs
 from meshnode.text.tokenizer import Tokenizer
 
@@ -84,16 +86,15 @@ class Requests:
                 Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
         return self._submit(ident, req, arrived)
 
-    def _grammar(self, req: P.Submit) -> tuple[str | None, str]:
-        """The compiled response_format (None without one), or why the constraint library refused it."""
+    def _grammar(self, req: P.Submit) -> tuple[Grammar | None, str]:
+        """The compiled response_format (None without one), or why it cannot be served."""
         if req.response_format is None:
             return None, ""
         if self._constraints is None:
             from meshnode.text.constraints import Constraints
 
-            self._constraints = Constraints(self.tok.vocab)
-        grammar, why = self._constraints.compile(req.response_format)
-        return grammar or None, why
+            self._constraints = Constraints(self.tok.vocab, link.MAX_GRAMMAR_BYTES)
+        return self._constraints.compile(req.response_format)
 
     def _submit(self, ident: bytes, req: P.Submit, arrived: float) -> list[Action]:
         grammar, why = self._grammar(req)
@@ -138,7 +139,7 @@ class Requests:
         return Answer(ident, P.rejected(id, reason, detail))
 
     def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float,
-               grammar: str | None = None) -> list[Action]:
+               grammar: Grammar | None = None) -> list[Action]:
         s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
                     req.ignore_eos, req.recipe, owner=ident, grammar=grammar, t_submit=arrived)
         d = self.sched.submit(s)

@@ -10,41 +10,59 @@ the front's vocab-only load, so the masks agree with llama.cpp's tokens.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import OrderedDict
 
-from meshnode.core.types import ResponseFormat
+from meshnode.core.types import Grammar, ResponseFormat
+from meshnode.engine import llamacpp
 
 JSON_OBJECT = {"type": "object"}  # `json_object`: any JSON object, as OpenAI's and llama-server's json mode
 # compact JSON (",", ":" and no whitespace between tokens): llguidance's default allows any run of
 # whitespace anywhere, which a weak model fills until max_tokens; a schema's "x-guidance" can ask otherwise
 JSON_OPTIONS = {"whitespace_flexible": False}
+KEEP = 256  # compiled formats kept: clients tend to send the same few schemas again and again
 
 
 class Constraints:
-    def __init__(self, vocab_ptr):
-        """`vocab_ptr`: llama.cpp's llama_vocab of the served model (the front's vocab-only load)."""
-        from llguidance.llamacpp import lltokenizer_from_vocab
+    def __init__(self, vocab_ptr, max_bytes: int):
+        """`vocab_ptr`: llama.cpp's llama_vocab of the served model (the front's vocab-only load);
+        `max_bytes`: the largest compiled grammar the engine link carries in one message."""
+        import llguidance
 
-        self.tokenizer = lltokenizer_from_vocab(vocab_ptr)
+        self._g = llguidance
+        self.tokenizer = llamacpp.constraint_tokenizer(vocab_ptr)
+        self.max_bytes = max_bytes
+        self._kept: OrderedDict[ResponseFormat, Grammar] = OrderedDict()
 
-    def compile(self, fmt: ResponseFormat) -> tuple[str, str]:
-        """(grammar, "") for the engine, or ("", why the library refused it) for a BAD_REQUEST."""
-        import llguidance as G
+    def compile(self, fmt: ResponseFormat) -> tuple[Grammar | None, str]:
+        """(grammar, "") for the engine, or (None, why the library refused it) for a BAD_REQUEST."""
+        if fmt in self._kept:
+            self._kept.move_to_end(fmt)
+            return self._kept[fmt], ""
+        text, why = self._compile(fmt)
+        if why:
+            return None, f"response_format: {why}"
+        if len(text.encode()) > self.max_bytes:
+            return None, f"response_format: compiled to {len(text.encode())} bytes, over the {self.max_bytes} the node carries"
+        grammar = self._kept[fmt] = Grammar(hashlib.sha256(text.encode()).hexdigest()[:24], text)
+        if len(self._kept) > KEEP:
+            self._kept.popitem(last=False)
+        return grammar, ""
 
+    def _compile(self, fmt: ResponseFormat) -> tuple[str, str]:
+        M = self._g.LLMatcher
         try:
             if fmt.kind == "json_schema":
-                grammar = G.LLMatcher.grammar_from_json_schema(json.loads(fmt.spec), defaults=JSON_OPTIONS)
+                text = M.grammar_from_json_schema(json.loads(fmt.spec), defaults=JSON_OPTIONS)
             elif fmt.kind == "json_object":
-                grammar = G.LLMatcher.grammar_from_json_schema(JSON_OBJECT, defaults=JSON_OPTIONS)
+                text = M.grammar_from_json_schema(JSON_OBJECT, defaults=JSON_OPTIONS)
             elif fmt.kind == "regex":
-                grammar = G.LLMatcher.grammar_from_regex(fmt.spec)
+                text = M.grammar_from_regex(fmt.spec)
             else:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-                grammar = G.LLMatcher.grammar_from_lark(gbnf_to_lark(fmt.spec))
+                text = M.grammar_from_lark(gbnf_to_lark(fmt.spec))
         except Exception as e:  # the library's own parsers: a bad schema or grammar text
-            return "", f"response_format: {e}"
-        problem = G.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if problem:
-            return "", f"response_format: {problem}"
-        return grammar, ""
+            return "", str(e)
+        return text, M.validate_grammar(text, self.tokenizer) or ""

@@ -35,6 +35,7 @@ class LinkIO:
         self.sock, self.arena = sock, arena
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.grammars: dict = {}  # key -> Grammar, as the front's GrammarText messages left them (reader thread only)
         self._mem = {"rss": 0, "mem_available": 0, "mem_total": 0}
         self._mem_at = -MEMORY_EVERY_S
         self._threads = [threading.Thread(target=self._guard, args=(self._read,), name="link-reader", daemon=True),
@@ -82,9 +83,14 @@ class LinkIO:
                 self._inbox.put(CLOSED)
                 return
             try:
-                msg = link.decode(data, self.arena)
+                msg = link.decode(data, self.arena, self.grammars)
             except link.MalformedTick as e:
                 msg = e
+            if isinstance(msg, link.GrammarText):  # for the ticks behind it: they name it by key
+                self.grammars[msg.grammar.key] = msg.grammar
+                for key in msg.forget:
+                    self.grammars.pop(key, None)
+                continue
             self._inbox.put(msg)
             if isinstance(msg, link.Stop):
                 return
