@@ -76,6 +76,23 @@ def test_min_p_keeps_only_tokens_near_the_best():
     assert picked == {0, 1}  # 0.15 and 0.05 are under half of 0.5
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.9), (3, 1.0), (0, 0.3)])
+def test_every_mode_draws_in_proportion_and_never_a_forbidden_token(monkeypatch, top_k, top_p):
+    """The id-order walk (no truncation), the partial sort (top-p alone) and top-k draw the same
+    distribution; a token at -inf (a response_format's mask) is not drawn even by u just under 1."""
+    probs = np.array([0.05, 0.5, 0, 0.3, 0.15, 0])
+    with np.errstate(divide="ignore"):
+        logits = np.log(probs)
+    counts = np.bincount([sample(logits, Sampling(1.0, top_k, top_p, seed), 0) for seed in range(20000)], minlength=6)
+    kept = np.array([1, 1, 0, 1, 1, 0]) if top_p == 1.0 and top_k == 0 else \
+        np.array([0, 1, 0, 1, 1, 0]) if top_p == 0.9 or top_k == 3 else np.array([0, 1, 0, 0, 0, 0])
+    want = probs * kept / (probs * kept).sum()
+    assert np.abs(counts / counts.sum() - want).max() < 0.015, counts
+    monkeypatch.setattr("meshnode.engine.sampling.uniform", lambda seed, i: 1 - 2 ** -53)
+    for k, p in ((0, 1.0), (0, 0.99), (6, 1.0)):
+        assert np.isfinite(logits[sample(logits, Sampling(1.0, k, p, 0), 0)])
+
+
 # -- the engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_model):
