@@ -22,24 +22,26 @@ BENCHES = {
     "chat": "8 users x 6 turns re-sending their history: prefix cache on vs off (vs llama-server)",
     "ticks": "what a tick costs by shape (chunk sizes around the attention tile, deep, beside decode rows)",
     "rpc": "the model split over 1 and 2 ggml RPC workers vs local, and behind 0.2-5 ms of round trip",
+    "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
-    p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench"])
+    p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench", "bench-32k"])
     p.add_argument("--model", help="a GGUF instead of the preset")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
     p.add_argument("--minutes", type=float, default=1.0, help="soak: how long")
     p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
-    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks, rpc: rounds")
+    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks, rpc, structured: rounds")
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
     p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
                    "also unified)")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
-    p.add_argument("--llama-server", help="chat, burst: a llama-server binary to run side by side (README, Benchmarks)")
+    p.add_argument("--llama-server", help="chat, burst, structured: a llama-server binary to run side by side (README, "
+                   "Benchmarks)")
     chat = p.add_argument_group("chat workload")
     chat.add_argument("--users", type=int, default=8)
     chat.add_argument("--turns", type=int, default=6)
@@ -67,6 +69,15 @@ def token_gaps(times: dict, lo: float, hi: float) -> list[float]:
         idx = np.nonzero((t[1:] > lo) & (t[1:] <= hi))[0] + 1
         out += list((t[idx] - t[idx - 1]) * 1e3)
     return out
+
+
+def steady_rate(times: list[list[float]]) -> tuple[float, float]:
+    """Sessions decoding together, from the arrival times of each one's tokens: (aggregate tok/s, ms per
+    decode tick), counted from the moment every session is past its prompt to the last token."""
+    start = max(t[0] for t in times)
+    end = max(t[-1] for t in times)
+    after = [sum(1 for x in t if x > start) for t in times]
+    return sum(after) / (end - start), (end - start) * 1e3 / max(1, max(after))
 
 
 def llama_build() -> str:

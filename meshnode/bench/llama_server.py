@@ -35,12 +35,16 @@ class LlamaServer:
                     raise RuntimeError(f"llama-server did not start: {' '.join(self.cmd)}") from None
                 time.sleep(0.5)
 
-    def complete(self, tokens: list[int], n: int, on_token=None) -> tuple[list[int], float | None]:
-        """One streamed greedy /completion with prompt caching; (tokens, ms to the first one).
-        `on_token(time)` runs as each token arrives and may raise Stop."""
+    def complete(self, tokens: list[int], n: int, on_token=None, final: dict | None = None,
+                 **params) -> tuple[list[int], float | None]:
+        """One streamed /completion with prompt caching, greedy and past EOS unless `params` (its request
+        fields) say otherwise; (tokens, ms to the first one). `on_token(time)` runs as each token arrives
+        and may raise Stop. `final` receives the server's last message: its counts (`tokens_predicted`; a
+        stream holds back tokens that end inside a UTF-8 character and never sends the last of them) and
+        `stop_type`."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         body = json.dumps({"prompt": tokens, "n_predict": n, "temperature": 0, "ignore_eos": True,
-                           "return_tokens": True, "stream": True, "cache_prompt": True})
+                           "return_tokens": True, "stream": True, "cache_prompt": True, **params})
         t0 = time.monotonic()
         out, ttft = [], None
         try:
@@ -59,6 +63,8 @@ class LlamaServer:
                     if on_token:
                         on_token(now)
                 if msg.get("stop"):
+                    if final is not None:
+                        final.update(msg)
                     break
         except Stop:
             pass

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from meshnode.bench import llama_build, model_path
+from meshnode.bench import llama_build, model_path, steady_rate
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.dev.rpcproc import DelayProxy, RpcWorker
 
@@ -75,11 +75,7 @@ def _decode(c, n: int) -> tuple[float, float, list]:
     for i, sid in enumerate(ids):
         c.submit(sid, tokens=[3 + i, 4, 5, 6], max_tokens=NEW, ignore_eos=True)
     res = c.collect(ids, timeout_s=900)
-    start = max(r.token_times[0] for r in res.values())  # every session past its prompt
-    end = max(r.token_times[-1] for r in res.values())
-    after = sum(sum(1 for t in r.token_times if t > start) for r in res.values())
-    ticks = max(sum(1 for t in r.token_times if t > start) for r in res.values())
-    return after / (end - start), (end - start) * 1e3 / max(1, ticks), res[ids[0]].tokens
+    return (*steady_rate([r.token_times for r in res.values()]), res[ids[0]].tokens)
 
 
 def main(a) -> int:

@@ -20,7 +20,16 @@ def byte_symbols() -> list[str]:
     return [out[b] for b in range(256)]
 
 
-def build_bpe_vocab(n_vocab: int, words: list[str]) -> tuple[list[str], list[int], list[str]]:
+def letter_words():
+    """Every two- and three-letter lowercase word, for vocabularies larger than the real words fill: a
+    32k vocab of such pieces has a token trie as deep and as wide as a real one's, which is what a
+    structured-output mask's cost depends on (tests/test_structured.py, `meshnode bench structured`)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    yield from (a + b for a in letters for b in letters)
+    yield from (a + b + c for a in letters for b in letters for c in letters)
+
+
+def build_bpe_vocab(n_vocab: int, words) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges): the byte symbols, then each word with and without a leading space
     built one character at a time by merges (so "Ġthe" comes from Ġ+t, Ġt+h, Ġth+e), padded with unused
     tokens, and the special tokens last."""

@@ -43,6 +43,9 @@ PRESETS = {
     "tiny-bpe": Preset(4, 256, 4, 2, 512, 512, 65536, np.float32, "bpe"),
     # ~270 MB f16: decode is bound by reading weights, as with real models
     "bench": Preset(12, 1024, 16, 4, 2816, 512, 4096, np.float16),
+    # the bench shape with a 32k byte-level BPE vocab (real words, then every 2- and 3-letter piece): where a
+    # vocabulary-wide cost shows (structured output's masks, sampling), as with real models' 32k-150k vocabs
+    "bench-32k": Preset(12, 1024, 16, 4, 2816, 32768, 4096, np.float16, "bpe"),
 }
 
 WORDS = ("the of and to in is it you that he was for on are with as his they be at one have this "
@@ -155,9 +158,9 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
     w.add_vocab_size(p.n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if p.dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16)
     if p.vocab == "bpe":
-        from meshnode.ops.bpevocab import SPECIALS, build_bpe_vocab
+        from meshnode.ops.bpevocab import SPECIALS, build_bpe_vocab, letter_words
 
-        tokens, types, merges = build_bpe_vocab(p.n_vocab, WORDS)
+        tokens, types, merges = build_bpe_vocab(p.n_vocab, [*WORDS, *letter_words()])
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
         w.add_token_list(tokens)
