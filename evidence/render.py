@@ -132,6 +132,7 @@ def main() -> int:
     md += sections.burst() + sections.ticks() + sections.layout() + sections.chat() + sections.sampling()
     md += sections.abuse()
     md += sections.rpc()
+    md += sections.structured()
     md += sections.deterministic_sweeps()
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:

@@ -17,6 +17,11 @@ fi
 python -m meshnode bench peers --preset bench --json evidence/peers-bench.json > evidence/peers-bench.txt 2>&1
 PEER=${MESHNODE_LLAMA_SERVER:+--llama-server $MESHNODE_LLAMA_SERVER}
 python -m meshnode bench burst --preset bench --rounds 3 $PEER --json evidence/burst-bench.json > evidence/burst-bench.txt 2>&1
+if [ -n "$PEER" ]; then  # the peer is the point of this one
+    for preset in bench bench-32k; do
+        python -m meshnode bench structured --preset $preset --rounds 3 $PEER --json evidence/structured-$preset.json > evidence/structured-$preset.txt 2>&1
+    done
+fi
 python -m meshnode bench chat --preset bench --rounds 3 $PEER --json evidence/chat-bench.json > evidence/chat-bench.txt 2>&1
 python -m meshnode bench ticks --preset bench --rounds 5 --json evidence/tick-shapes.json > evidence/tick-shapes.txt 2>&1
 python -m meshnode bench sampling --preset bench --rounds 3 --json evidence/sampling-bench.json > evidence/sampling-bench.txt 2>&1

@@ -152,6 +152,39 @@ def rpc() -> list[str]:
     return md + [""] + [f"- {line}" for line in d["verdict"]] + [""]
 
 
+def structured() -> list[str]:
+    md = []
+    for name, what in (("structured-bench-32k.json", "bench-32k: 32,768-token BPE vocab"),
+                       ("structured-bench.json", "bench model: 512-token vocab")):
+        d = load(name)
+        if not d:
+            continue
+        if not md:
+            md = ["## Structured output: a decode tick with JSON-schema rows, vs llama-server's json_schema", "",
+                  f"`meshnode bench structured --preset PRESET --rounds 3 --llama-server PATH --json evidence/...`, on "
+                  f"{d['build']}: through a node (deterministic mode, its default), a node with `--no-deterministic` "
+                  "and llama-server built from the same llama.cpp, the order rotating per round; every session "
+                  f"{d['new_tokens']} tokens at temperature 1, the constrained ones to an array-of-objects schema that "
+                  "cannot complete sooner. ms per decode tick, medians of rounds.", ""]
+        cases = list(next(iter(d["median_ms_per_tick"].values())))
+        md += [f"**{what}**", "", "| side | " + " | ".join(cases) + " | constraining 8 of 8 rows costs |",
+               "|---|" + "---|" * (len(cases) + 1)]
+        for side, m in d["median_ms_per_tick"].items():
+            md.append(f"| {side} | " + " | ".join(f"{m[c]:.1f}" for c in cases) + f" | {d['constrained_share_b8'][side]:+.1%} |")
+        md += [""] + [f"- {line}" for line in d["verdict"][-3:]] + [""]
+    libs = load("constraint-libs.json")
+    if libs:
+        md += ["Why llguidance (`tools/constraint_libs.py`, in a venv with both libraries): on the bench-32k vocab and "
+               f"the same schema, over a walk of {libs['tokens']} tokens, one row's bitmask took "
+               f"{libs['llguidance_mask_ms_median']:.3f} ms (p90 {libs['llguidance_mask_ms_p90']:.3f}) with llguidance "
+               f"and {libs['xgrammar_mask_ms_median']:.3f} ms (p90 {libs['xgrammar_mask_ms_p90']:.3f}) with xgrammar; "
+               f"compiling, {libs['llguidance_compile_ms']:.1f} ms and {libs['xgrammar_compile_ms']:.1f} ms. Both are "
+               "under 0.1 % of a tick, so speed does not decide: xgrammar needs torch, transformers and triton "
+               "(over a GB a CPU node does not otherwise install), llguidance builds its tokenizer from llama.cpp's "
+               "own vocab and reads llama.cpp's GBNF, and llama.cpp itself uses it.", ""]
+    return md
+
+
 def deterministic_sweeps() -> list[str]:
     runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(HERE, "sweep-bench-default-*.json")))]
     if not runs:

@@ -1,7 +1,8 @@
 """`meshnode bench structured`: what constraining output to a JSON schema costs a decode tick, beside
 llama-server's `json_schema` on the same model.
 
-Through a node and (given `--llama-server`) llama.cpp's own server with the same model, threads and
+Through a node (its default, deterministic mode where it holds, and with `--no-deterministic`) and (given
+`--llama-server`) llama.cpp's own server with the same model, threads and
 8 slots, in rounds whose order rotates: one session decoding alone, unconstrained and constrained, then
 eight together with 0, 1 and 8 of them constrained to SCHEMA. Each session runs NEW tokens at
 temperature 1 (the schema cannot be complete sooner, so constrained sessions end by LENGTH like the
@@ -41,10 +42,10 @@ def prompt(i: int) -> list[int]:
     return [3 + (i * 37 + k * 11) % 500 for k in range(16)]
 
 
-def through_node(path: str, threads: int) -> dict:
+def through_node(path: str, threads: int, *flags: str) -> dict:
     fmt = ResponseFormat("json_schema", json.dumps(SCHEMA))
     out = {}
-    with NodeProcess(path, "--threads", str(threads), "--log-level", "WARNING", "--max-active", "8") as node, \
+    with NodeProcess(path, "--threads", str(threads), "--log-level", "WARNING", "--max-active", "8", *flags) as node, \
             node.client(timeout_s=900) as c:
         c.generate("warm", tokens=[3, 4, 5], max_tokens=2)
         out["deterministic"] = c.status()["node"]["deterministic"]
@@ -118,7 +119,8 @@ def main(a) -> int:
     threads = a.threads or os.cpu_count()
     print(f"bench structured: {os.path.basename(path)}, {NEW} tokens per session at temperature 1, {a.rounds} rounds, "
           f"threads {threads}; {llama_build()}", flush=True)
-    sides = {"node": lambda: through_node(path, threads)}
+    sides = {"node": lambda: through_node(path, threads),  # the default: deterministic mode where it holds
+             "node, not deterministic": lambda: through_node(path, threads, "--no-deterministic")}
     if a.llama_server:
         sides["llama-server"] = lambda: through_llama_server(a.llama_server, path, threads)
     runs: dict[str, list[dict]] = {k: [] for k in sides}
@@ -126,7 +128,7 @@ def main(a) -> int:
     for r in range(a.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             runs[name].append(sides[name]())
-            print(f"  round {r + 1} {name:<13}" + "  ".join(f"{case}: {runs[name][-1][case]:.1f}" for case, _, _ in CASES)
+            print(f"  round {r + 1} {name:<24}" + "  ".join(f"{case}: {runs[name][-1][case]:.1f}" for case, _, _ in CASES)
                   + " ms/tick", flush=True)
     mask = mask_alone(path)
     summary = _summary(runs, mask)
@@ -143,8 +145,8 @@ def _summary(runs: dict, mask: dict) -> dict:
     med = {side: {case: float(np.median([r[case] for r in rs])) for case, _, _ in CASES} for side, rs in runs.items()}
     share = {side: (m["batch 8, all constrained"] - m["batch 8, none"]) / m["batch 8, all constrained"]
              for side, m in med.items()}
-    verdict = [f"medians of {len(runs['node'])} rounds, ms per decode tick; node deterministic mode: "
-               f"{runs['node'][0]['deterministic']}"]
+    verdict = [f"medians of {len(runs['node'])} rounds, ms per decode tick; deterministic mode on the node: "
+               f"{runs['node'][0]['deterministic']}, on the other node: {runs['node, not deterministic'][0]['deterministic']}"]
     for side, m in med.items():
         verdict.append(f"{side}: " + ", ".join(f"{case} {v:.1f}" for case, v in m.items())
                        + f"; constraining all 8 rows costs {share[side]:.1%} of a batch-8 tick")
@@ -152,7 +154,8 @@ def _summary(runs: dict, mask: dict) -> dict:
                    f"(p90 {mask['mask_ms_p90']:.3f})")
     out = {"median_ms_per_tick": med, "constrained_share_b8": share, "verdict": verdict}
     if "llama-server" in med:
-        ratio = {case: med["node"][case] / med["llama-server"][case] for case, _, _ in CASES}
-        out["node_over_llama_server"] = ratio
-        verdict.append("node / llama-server ms per tick: " + ", ".join(f"{c} {v:.2f}" for c, v in ratio.items()))
+        for side in ("node", "node, not deterministic"):
+            ratio = {case: med[side][case] / med["llama-server"][case] for case, _, _ in CASES}
+            out[f"{side} / llama-server"] = ratio
+            verdict.append(f"{side} / llama-server, ms per tick: " + ", ".join(f"{c} {v:.2f}" for c, v in ratio.items()))
     return out
