@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,11 @@ from meshnode.core.types import ResponseFormat, Sampling
 
 
 SESSION_EVENTS = ("admitted", "rejected", "tokens", "done")
+
+
+def _release(sock: zmq.Socket, ctx: zmq.Context) -> None:
+    sock.close(0)
+    ctx.term()
 
 
 class ProtocolViolation(AssertionError):
@@ -49,10 +55,14 @@ class Client:
                  client_cert: tuple[bytes, bytes] | None = None):
         # a context of its own, terminated by close(): with one shared context a busy client's long stream
         # went missing in a quiet run at the connection cap (not understood yet; the suite had passed 20 of
-        # 20 with this). A client dropped unclosed in a reference cycle can still hang pyzmq's finalizer:
-        # close clients (`with Client(...)`).
+        # 20 with this)
         self.ctx = zmq.Context()
         self.sock = client_dealer(self.ctx, endpoint, server_public_key, client_cert)
+        # a client dropped unclosed in a reference cycle: the garbage collector clears the context's weak
+        # references to its sockets before pyzmq's Context.__del__ terminates it, which then waits for ever
+        # for the socket it can no longer see (a quiet suite run hung so, in Context.term). A finalizer keyed
+        # to the client runs before any __del__ and closes both in order.
+        self._release = weakref.finalize(self, _release, self.sock, self.ctx)
         self.timeout_s = timeout_s
         self.buffer: deque = deque()
         self.open: dict[str, int] = {}  # id -> submits not yet answered with their final event
@@ -175,8 +185,7 @@ class Client:
         return self.collect([id])[id]
 
     def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
+        self._release()
 
     def __enter__(self):
         return self

@@ -1,5 +1,7 @@
 """Client faults: readers that stall, connections that pile up, text that ends mid-character."""
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -284,3 +286,15 @@ def test_one_remote_address_holds_at_most_its_share_of_connections(monkeypatch, 
         for d in dealers:
             d.close()
         router.close()
+
+
+def test_an_unclosed_client_in_a_reference_cycle_does_not_hang_the_garbage_collector():
+    """pyzmq's own finalizer deadlocks on a context collected with its sockets (the clients' finalizer
+    closes them first); run where the tests' guard (conftest.py) is not installed."""
+    code = ("import gc, threading\nfrom meshnode.client import Client\n"
+            "def leak():\n    c = Client('ipc:///nonexistent/node.sock')\n    c.me = c\n"
+            "gc.disable()\nfor _ in range(5):\n    leak()\n"
+            "t = threading.Thread(target=gc.collect, daemon=True)\nt.start()\nt.join(20)\n"
+            "print('hung' if t.is_alive() else 'collected')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert out.stdout.strip() == "collected", out.stdout + out.stderr
