@@ -58,7 +58,7 @@ def unpack(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES, **limits):
 @dataclass
 class Submit:
     id: str
-    max_tokens: int
+    max_tokens: int | None  # None: as many as the session's context share leaves after the prompt
     tokens: list[int] | None = None
     text: str | None = None
     sampling: Sampling = field(default_factory=Sampling)
@@ -215,7 +215,8 @@ def decode_request(frames: list[bytes], n_vocab: int):
     if op == "cancel":
         return Cancel(id)
     mt = msg.get("max_tokens")
-    _check(_is_int(mt) and 1 <= mt <= MAX_NEW_TOKENS, f"max_tokens must be an int in [1, {MAX_NEW_TOKENS}]", id)
+    _check(mt is None or (_is_int(mt) and 1 <= mt <= MAX_NEW_TOKENS),
+           f"max_tokens must be an int in [1, {MAX_NEW_TOKENS}] (or absent: up to the context)", id)
     has_tokens, has_text, has_msgs = (msg.get(k) is not None for k in ("tokens", "text", "messages"))
     _check(has_tokens + has_text + has_msgs == 1, "exactly one of tokens, text or messages is required", id)
     tokens = _token_list(msg["tokens"], "tokens", n_vocab, id) if has_tokens else None

@@ -115,3 +115,18 @@ def test_a_role_outside_the_fixed_set_is_a_bad_request(role):
     with pytest.raises(P.ProtocolError, match="role") as e:
         P.decode_request(frames, 512)
     assert e.value.code == R.BAD_REQUEST and e.value.id == "m"
+
+
+def test_without_max_tokens_a_session_may_fill_its_context_share():
+    """`max_tokens` absent (the OpenAI API's default): the context share left after the prompt, for token
+    and text prompts alike; a prompt that fills the share leaves 1, which admission refuses as too long."""
+    sched, reqs, texts, replies = front(Clock())
+    share = sched.budget.n_ctx_seq
+    reqs.on_frames(b"c", P.encode_request(P.Submit("toks", None, tokens=prompt(10))))
+    reqs.on_frames(b"c", P.encode_request(P.Submit("text", None, text="hello mesh")))
+    job = texts.jobs.pop()
+    job.tokens = prompt(7)
+    reqs.on_text(job)
+    assert sched.live[(b"c", "toks")].max_tokens == share - 10 and sched.live[(b"c", "text")].max_tokens == share - 7
+    reqs.on_frames(b"c", P.encode_request(P.Submit("full", None, tokens=prompt(share))))
+    assert replies[-1]["event"] == "rejected" and replies[-1]["reason"] == R.REJECTED_CONTEXT_TOO_LONG

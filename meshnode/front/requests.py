@@ -109,7 +109,7 @@ class Requests:
                 prompt = self.tok.chat_prompt(req.messages, self.special_in_content)
             except ValueError as e:
                 return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
-        d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens, req.recipe))
+        d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe))
         if not d.accepted:
             return [self._refuse(ident, req.id, d.reason, d.detail)]
         if not self.texts.submit((ident, req, arrived, grammar), prompt, owner=ident):
@@ -140,7 +140,9 @@ class Requests:
 
     def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float,
                grammar: Grammar | None = None) -> list[Action]:
-        s = Session((ident, req.id), prompt, req.max_tokens, req.sampling, frozenset(req.stop_tokens),
+        # no max_tokens: what the session's context share leaves (llama-server's n_predict -1, vLLM's default)
+        max_tokens = req.max_tokens or max(1, self.sched.budget.n_ctx_seq - len(prompt))
+        s = Session((ident, req.id), prompt, max_tokens, req.sampling, frozenset(req.stop_tokens),
                     req.ignore_eos, req.recipe, owner=ident, grammar=grammar, t_submit=arrived)
         d = self.sched.submit(s)
         if d.accepted:
