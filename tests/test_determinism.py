@@ -195,13 +195,20 @@ def same(got, want) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["f16", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("name, kv", [("f16", ("f16", "f16")), ("q8_0", ("f16", "f16")), ("q4_k_m", ("f16", "f16")),
+                                      ("f16", ("q8_0", "q4_0"))])
 def test_through_a_node_alone_in_a_crowd_after_a_kill_and_on_a_cache_hit_a_session_is_the_same(models, problems,
-                                                                                              name):
+                                                                                              name, kv):
+    """Quantized KV (llama-server's --cache-type-k/-v) too: the start-up self-check runs on the context
+    as configured, so the mode is on only where it holds, and the budget counts llama.cpp's own bytes."""
     holding(problems, name)
-    with NodeProcess(models[name], "--deterministic", "--ctx", "8192") as n, n.client(timeout_s=300) as c:
+    with NodeProcess(models[name], "--deterministic", "--ctx", "8192", "-ctk", kv[0], "--cache-type-v", kv[1]) as n, \
+            n.client(timeout_s=300) as c:
         info = c.status()["node"]
         assert info["deterministic"] is True and info["kv_layout"] == "streams"
+        assert (info["cache_type_k"], info["cache_type_v"]) == kv
+        llama_kv = sum(d["kv_bytes"] for d in info["devices"])  # from llama.cpp's load log, in 0.01 MiB
+        assert abs(info["budgets"]["kv_budget_bytes"] - llama_kv) <= 0.01 * llama_kv
         alone = c.generate("alone", **JOB)
         rng = random.Random(5)
         for i in range(7):  # others arrive before, with and after it, with jitter

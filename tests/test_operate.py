@@ -60,6 +60,7 @@ def test_environment_errors_name_the_variable_or_the_key(name, value):
     ('model = "/nonexistent.gguf"\n', "model"),
     ("engine_kind = 'fake'\n", "engine_kind"),  # internal knobs are not config keys
     ("max_queue = [\n", "not valid TOML"),
+    ("n_seq_max = 4\nmax_batch = 8\n", "max_batch: 8 is more than n_seq_max"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError, match=key):
@@ -70,6 +71,8 @@ def test_defaults_let_every_session_reach_4096_tokens():
     assert config.NodeConfig().layout == "streams" and config.NodeConfig().n_ctx == 8 * 4096
     assert config.NodeConfig(kv_layout="unified").n_ctx == 4096  # one pool: any one session may take it all
     assert config.NodeConfig(ctx=1000, n_seq_max=4).n_ctx == 1000
+    wide = config.load(None, {"max_active": 64, "max_batch": 64})  # n_seq_max follows: 64 sessions at 4,096
+    assert wide.n_seq_max == 64 and wide.n_ctx == 64 * 4096
 
 
 def test_the_example_file_and_the_flags_come_from_the_one_list_of_settings():
@@ -84,6 +87,8 @@ def test_the_example_file_and_the_flags_come_from_the_one_list_of_settings():
     assert flags["type_v"] == "q8_0" and flags["max_clients_per_host"] == 3 and flags["insecure"] is True
     cfg = config.load(None, {k: v for k, v in flags.items() if k != "model"})
     assert cfg.type_v == "q8_0" and cfg.log_level == "DEBUG" and cfg.max_queue == 64  # unset flags: defaults
+    a = build_parser().parse_args(["serve", "-ctk", "q4_0", "--cache-type-v", "q8_0"])  # llama-server's names
+    assert (a.type_k, a.type_v) == ("q4_0", "q8_0")
     with pytest.raises(ConfigError, match="type_k: must be one of f32, f16"):
         config.load(None, {"type_k": "q2_k"})
 

@@ -68,6 +68,7 @@ class Report:
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
                 "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.deterministic,
                 "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache, "engine_missing": h.missing,
+                "cache_type_k": n.cfg.type_k, "cache_type_v": n.cfg.type_v, "kv_bytes_per_token": n.budget.kv_bytes_per_token,
                 "devices": [asdict(d) for d in n.devices]}
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
         return P.status(info, snap, snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens))
