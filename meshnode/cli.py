@@ -1,4 +1,4 @@
-"""`meshnode` command line: make-model, serve, rpc-worker, generate, top, sweep, bench."""
+"""`meshnode` command line: make-model, serve, rpc-worker, gateway, generate, top, sweep, bench."""
 from __future__ import annotations
 
 import argparse
@@ -123,6 +123,12 @@ def cmd_rpc_worker(a) -> int:
     os._exit(code)  # ggml's server thread has no stop call: the process ends with it
 
 
+def cmd_gateway(a) -> int:
+    from meshnode.gateway.server import main as gateway_main
+
+    return gateway_main(a)
+
+
 def cmd_sweep(a) -> int:
     from meshnode.bench.sweep import main as sweep_main
 
@@ -185,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rpc-worker", help="serve this host's devices to a node over ggml's RPC backend")
     rpc_worker_args(p)
     p.set_defaults(fn=cmd_rpc_worker)
+
+    from meshnode.gateway.options import add_args as gateway_args
+    p = sub.add_parser("gateway", help="the OpenAI HTTP API in front of a node (a client of it)")
+    gateway_args(p)
+    p.set_defaults(fn=cmd_gateway)
 
     from meshnode.bench.sweep import add_args as sweep_args
     p = sub.add_parser("sweep", help="concurrency sweep through real nodes")

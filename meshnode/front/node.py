@@ -38,6 +38,7 @@ from meshnode.front.gate import RESERVE_FDS, SAFE_IPC_FDS, descriptors
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.outbox import GONE, STALLED
 from meshnode.front.prom import Exposition
+from meshnode.front.gateway_child import GatewayChild
 from meshnode.front.reaper import Reaper
 from meshnode.front.report import Report, Sources
 from meshnode.front.requests import Action, Answer, Opened, Requests
@@ -61,7 +62,7 @@ class Front:
         self._locks: list[EndpointLock] = []
         # set by initialize(); shutdown() releases whichever of them exist
         self.sched = self.link = self.clients = self.arena = self.zctx = self.tok = self.texts = self.requests = None
-        self.reaper = None
+        self.reaper = self.gateway = None
 
     # -- initialize ------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -116,13 +117,16 @@ class Front:
         self._link_fd = None
         b = self.budget
         log.info("meshnode ready: listen=%s telemetry=%s model=%s recipe=%s engine_pid=%d "
-                 "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token) "
+                 "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token, K %s, V %s) "
                  "ctx_per_seq=%d weights=%d B max_clients=%d kv_layout=%s deterministic=%s devices=%s%s", self.listen,
                  self.telemetry_ep, cfg.model, self.recipe, self.link.pid, b.effective_active_cap, b.max_queue,
                  b.max_batch_size,
-                 b.max_prefill_tokens_per_tick, b.kv_budget_bytes, b.kv_bytes_per_token, b.n_ctx_seq, b.weight_bytes,
-                 max_clients, cfg.layout, self.sched.deterministic, _devices_line(self.link.info.devices),
+                 b.max_prefill_tokens_per_tick, b.kv_budget_bytes, b.kv_bytes_per_token, cfg.type_k, cfg.type_v,
+                 b.n_ctx_seq, b.weight_bytes, max_clients, cfg.layout, self.sched.deterministic, _devices_line(self.link.info.devices),
                  f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
+        if cfg.http:
+            self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
+                                        cfg.metrics_listen)
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
 
@@ -191,6 +195,8 @@ class Front:
                 self.sched.engine_down = None
             self._dispatch()
             self.clients.flush()
+            if self.gateway is not None and drain_deadline is None:
+                self.gateway.check(now)
 
     def _begin_drain(self, now: float) -> float:
         log.info("draining: new sessions refused, %d live get up to %.1f s", len(self.sched.live),
@@ -319,7 +325,8 @@ class Front:
             self._send(self.sched.end_all(R.DRAINED))
         # destroy, not term: a start that failed half-way (a port in use) leaves sockets no owner closes,
         # and term would wait for them for ever
-        steps = [(self.link, "stop"), (self.texts, "close"), (self.clients, "close"), (self.arena, "close"),
+        steps = [(self.gateway, "stop"), (self.link, "stop"), (self.texts, "close"), (self.clients, "close"),
+                 (self.arena, "close"),
                  (self.zctx, "destroy"), *((lock, "release") for lock in self._locks), (self.tok, "close"),
                  (self.notifier, "close"), (self.reaper, "done")]
         for obj, method in steps:

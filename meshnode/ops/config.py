@@ -24,11 +24,12 @@ from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ  
 
 
 def setting(default=None, help: str = "", *, range: tuple | None = None, choices: tuple | None = None,
-            example=None, internal: bool = False):
+            example=None, internal: bool = False, aliases: tuple = ()):
     """One setting: its default, the one line that documents it (the example file's comment and the
     flag's --help), the finite range a number must lie in or the values a string may take, and, for a
-    default that is derived (None), an example value the example file shows commented out."""
-    meta = {"help": help, "internal": internal, "example": example}
+    default that is derived (None), an example value the example file shows commented out. `aliases`:
+    other flags for it (llama-server's names, where it has the same setting)."""
+    meta = {"help": help, "internal": internal, "example": example, "aliases": aliases}
     if range is not None:
         meta["range"] = range
     if choices is not None:
@@ -44,6 +45,7 @@ def _in(lo: float, hi: float, default=None, internal: bool = False):
 DAY = 86400.0
 DEFAULT_LAYOUT = "streams"  # chosen by `meshnode bench burst` and `bench layout` (README, "KV layout")
 EVICT_AFTER_S = 60.0  # at the connection cap, only a client silent this long gives way (front/gate.py says why)
+DEFAULT_SEQS = 8  # sequence slots when neither n_seq_max nor max_active / max_batch asks for more
 SESSION_CELLS = 4096  # with no ctx set, every session may reach this many tokens (fewer if the model's trained context is)
 
 
@@ -72,11 +74,13 @@ class NodeConfig:
                                      range=(0, 1e9))
     ctx: int | None = setting(None, "KV cells in all (streams: ctx / n_seq_max each); unset = 4096 a session "
                               "(x n_seq_max on streams)", range=(1, 1 << 26), example=32768)
-    n_seq_max: int = setting(8, "llama.cpp sequence slots (most sessions that can run at once)", range=(1, MAX_SEQ))
+    n_seq_max: int | None = setting(None, "llama.cpp sequence slots (most sessions that can run at once); unset = "
+                                    "8, or max_active / max_batch where larger", range=(1, MAX_SEQ), example=8)
     n_batch: int = setting(512, "most tokens one llama_decode may carry (> max_batch)", range=(1, 1 << 20))
     threads: int = setting(0, "CPU threads for llama.cpp; 0 = all cores", range=(0, 4096))
-    type_k: str = setting("f16", "KV cache type for K", choices=tuple(KV_TYPES))
-    type_v: str = setting("f16", "KV cache type for V (a quantized one needs flash attention)", choices=tuple(KV_TYPES))
+    type_k: str = setting("f16", "KV cache type for K", choices=tuple(KV_TYPES), aliases=("--cache-type-k", "-ctk"))
+    type_v: str = setting("f16", "KV cache type for V (a quantized one needs flash attention)", choices=tuple(KV_TYPES),
+                          aliases=("--cache-type-v", "-ctv"))
     flash_attn: str = setting("auto", "llama.cpp flash attention: auto, on, off (off = f32 attention numerics)",
                               choices=tuple(FLASH_ATTN))
     kv_layout: str | None = setting(None, "streams: ctx / n_seq_max cells per sequence; unified: one KV pool for "
@@ -118,6 +122,11 @@ class NodeConfig:
                                         "ipc:// are exempt)", range=(0, 1_000_000))
     metrics_listen: str | None = setting(None, "serve Prometheus /metrics on HOST:PORT; unset = off",
                                          example="127.0.0.1:9108")
+    http: str | None = setting(None, "serve the OpenAI HTTP API on HOST:PORT (`meshnode gateway` as a supervised child); "
+                               "unset = off", example="127.0.0.1:8080")
+    http_api_key_file: str | None = setting(None, "API keys the HTTP API accepts, one per line (Authorization: Bearer); "
+                                            "needed for an address others can reach, unless insecure",
+                                            example="/etc/meshnode/api-keys")
     curve_secret_key: str | None = setting(None, "CURVE server certificate (zmq.auth format)",
                                            example="/etc/meshnode/server.key_secret")
     curve_allow_dir: str | None = setting(None, "directory of allowed client public keys (*.key)",
@@ -131,6 +140,13 @@ class NodeConfig:
     engine_wrapper: str = setting("", internal=True)  # "module:callable" that injects them
     fake: dict | None = setting(None, internal=True)
     evict_after_s: float = _in(0, DAY, EVICT_AFTER_S, internal=True)  # at the cap, silence that makes a connection give way
+
+    def __post_init__(self) -> None:
+        """n_seq_max unset follows max_active / max_batch: `--max-active 64` alone is enough to run 64 sessions
+        (bad types are validate()'s to name: only numbers count here)."""
+        asked = [v for v in (self.max_active, self.max_batch) if isinstance(v, int)]
+        if self.n_seq_max is None:
+            self.n_seq_max = max([DEFAULT_SEQS, *asked])
 
     def validate(self) -> None:
         if isinstance(self.log_level, str):
@@ -151,6 +167,10 @@ class NodeConfig:
                     raise ConfigError(f"{f.name}: must be between {lo:g} and {hi:g}, got {v!r}")
             if "choices" in f.metadata and v not in f.metadata["choices"]:
                 raise ConfigError(f"{f.name}: must be one of {', '.join(f.metadata['choices'])}, got {v!r}")
+        for key in ("max_active", "max_batch"):
+            if (getattr(self, key) or 0) > self.n_seq_max:
+                raise ConfigError(f"{key}: {getattr(self, key)} is more than n_seq_max ({self.n_seq_max}) sequence "
+                                  f"slots; raise n_seq_max or leave it unset (it follows {key})")
         if self.model is not None and not os.path.isfile(self.model):
             raise ConfigError(f"model: no such file {self.model}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
@@ -164,7 +184,24 @@ class NodeConfig:
             if not (host and port.isdigit() and 1 <= int(port) <= 65535):
                 raise ConfigError(f"metrics_listen: must be HOST:PORT with a port in [1, 65535], "
                                   f"got {self.metrics_listen!r}")
-        from ipc.transport import EndpointError, check_private
+        from ipc.transport import EndpointError, check_private, exposure
+
+        if self.http is not None:
+            if self.curve_secret_key is not None:
+                raise ConfigError("http: the gateway child cannot reach a CURVE node; run `meshnode gateway` with its "
+                                  "--curve-server-key and --curve-client-cert instead")
+            from meshnode.core.endpoints import host_port
+
+            try:
+                host_port(self.http)
+            except ValueError as e:
+                raise ConfigError(f"http: {e}") from None
+            if self.http_api_key_file is not None and not os.path.isfile(self.http_api_key_file):
+                raise ConfigError(f"http_api_key_file: no such file {self.http_api_key_file}")
+            why = exposure(f"tcp://{self.http}")
+            if why and self.http_api_key_file is None and not self.insecure:
+                raise ConfigError(f"http: refusing to serve HTTP on {self.http} without API keys: {why}; set "
+                                  "http_api_key_file or insecure")
 
         for key, ep, what in (("listen", self.listen, "client"), ("telemetry", self.telemetry, "telemetry"),
                               ("metrics_listen", self.metrics_listen and f"tcp://{self.metrics_listen}", "metrics")):
@@ -268,7 +305,7 @@ def add_flags(parser) -> None:
             continue
         rng = f" [{m['range'][0]:g}, {m['range'][1]:g}]" if "range" in m else ""
         # choices are checked with the file's values (one line naming the key, case-insensitive log level)
-        parser.add_argument(flag, type=want, metavar=f.name.upper(), help=_help(f) + rng)
+        parser.add_argument(flag, *m["aliases"], dest=f.name, type=want, metavar=f.name.upper(), help=_help(f) + rng)
 
 
 ENV_PREFIX = "MESHNODE_"

@@ -8,7 +8,6 @@ exit 0; ggml's server has no stop call, so the process ends with it.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import resource
@@ -17,7 +16,7 @@ import sys
 import threading
 import time
 
-from ipc.transport import reachable
+from ipc.transport import exposure, reachable
 from meshnode.core.endpoints import host_port
 
 log = logging.getLogger("meshnode.rpc_worker")
@@ -38,14 +37,10 @@ def add_args(p) -> None:
 def refusal(a) -> str:
     """Why these arguments cannot serve ("" when they can), in one line with the fix."""
     try:
-        host, _ = host_port(a.listen)
+        host_port(a.listen)
     except ValueError as e:
         return f"--listen: {e}"
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not a.insecure:
+    if exposure(f"tcp://{a.listen}") and not a.insecure:
         return (f"refusing to listen on {a.listen}: ggml's RPC protocol has no authentication and runs any "
                 "client's graphs; use 127.0.0.1 with a tunnel, or pass --insecure on a private network")
     if a.threads < 0 or a.mem_mb < 0:

@@ -1,0 +1,265 @@
+"""The OpenAI API in the node's terms, both ways, with no I/O: a request body becomes one typed `Submit`,
+the node's events become OpenAI's response, stream chunks and error bodies.
+
+Ranges and types of the numbers are the node's to judge (ipc/protocol.py, one home): values are passed
+through as sent and a bad one comes back as the node's BAD_REQUEST, turned into a 400 here. What is
+checked here is only what the OpenAI shape adds: `n`, message content parts, `stop` as a string,
+`logprobs` / `top_logprobs`, `response_format`'s wrapping, and what the node does not do (tools, echo).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+from ipc import protocol as P
+from meshnode.core import reasons as R
+from meshnode.core.types import ResponseFormat, Sampling
+
+FINISH = {R.EOS: "stop", R.STOP: "stop", R.LENGTH: "length"}  # others end a stream with an error chunk
+# the node's rejection -> (HTTP status, OpenAI error type); Retry-After goes with the 429s
+REJECTED = {R.REJECTED_QUEUE_FULL: 429, R.REJECTED_KV_BUDGET: 429, R.REJECTED_SCRATCH_BUDGET: 429,
+            R.REJECTED_MEMORY_PRESSURE: 429, R.REJECTED_DRAINING: 503, R.REJECTED_ENGINE_UNAVAILABLE: 503,
+            R.REJECTED_CONTEXT_TOO_LONG: 400, R.REJECTED_BAD_REQUEST: 400, R.REJECTED_RECIPE_MISMATCH: 400}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+RETRY_AFTER_S = 1
+UNSUPPORTED = ("tools", "functions", "tool_choice", "echo", "suffix", "best_of", "logit_bias")
+
+
+class ApiError(Exception):
+    """An answer other than 200, in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    @property
+    def retry_after(self) -> int | None:
+        return RETRY_AFTER_S if self.status == 429 else None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """One HTTP request in the node's terms, and what its answer must look like."""
+
+    chat: bool
+    submit: P.Submit
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs asked; else how many alternatives per token (0..20)
+    model: str
+
+
+def parse(body, chat: bool, model: str, new_id) -> Request:
+    """A /v1/chat/completions or /v1/completions body -> Request; ApiError(400) for what cannot be served."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for key in UNSUPPORTED:
+        v = body.get(key)
+        if v and not (key == "tool_choice" and v in ("none", "auto")):
+            raise ApiError(400, f"{key} is not supported by this server", param=key)
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n = 1 is supported: send the request again for another answer", param="n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be a boolean", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    top = _logprobs(body, chat)
+    sampling = Sampling(body.get("temperature", 1.0), body.get("top_k", 0), body.get("top_p", 1.0),
+                        body["seed"] if body.get("seed") is not None else int.from_bytes(os.urandom(8), "little") >> 1,
+                        body.get("min_p", 0.0), body.get("repeat_penalty", 1.0), body.get("repeat_last_n", 64),
+                        body.get("presence_penalty", 0.0), body.get("frequency_penalty", 0.0),
+                        0 if top is None else max(1, top))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    text, tokens, messages = None, None, None
+    if chat:
+        messages = _messages(body.get("messages"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list: what the SDK sends for a single string sometimes
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            tokens = prompt
+        else:
+            raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request)", param="prompt")
+    # ignore_eos: llama-server's extension (benchmarks, load tests)
+    submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
+                      _stop(body.get("stop")), messages, _response_format(body))
+    return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    if chat:
+        if not body.get("logprobs"):
+            if body.get("top_logprobs"):
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        top = body.get("top_logprobs") or 0
+    else:
+        top = body.get("logprobs")
+        if top is None or top is False:
+            return None
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= P.MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be an int in [0, {P.MAX_LOGPROBS}]", param="top_logprobs")
+    return top
+
+
+def _messages(v) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for m in v:
+        if not isinstance(m, dict):
+            raise ApiError(400, "each message must be an object with role and content", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        out.append({"role": m.get("role"), "content": "" if content is None else content})
+    return out
+
+
+def _stop(v) -> list:
+    if v is None:
+        return []
+    return [v] if isinstance(v, str) else v  # a list of anything else: the node says what is wrong
+
+
+def _response_format(body: dict) -> ResponseFormat | None:
+    """OpenAI's `response_format` (text, json_object, json_schema with its `json_schema.schema`; llama-server's
+    json_object with a `schema`), or llama-server's `json_schema` and `grammar` fields."""
+    if body.get("grammar") is not None:
+        return ResponseFormat("grammar", body["grammar"])
+    if body.get("json_schema") is not None:
+        return ResponseFormat("json_schema", json.dumps(body["json_schema"]))
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_schema", json.dumps(rf["schema"])) if "schema" in rf else ResponseFormat("json_object")
+    if kind == "json_schema" and isinstance(rf.get("json_schema"), dict) and isinstance(rf["json_schema"].get("schema"), dict):
+        return ResponseFormat("json_schema", json.dumps(rf["json_schema"]["schema"]))
+    raise ApiError(400, "response_format must be {type: text}, {type: json_object} or {type: json_schema, "
+                        "json_schema: {name, schema}}", param="response_format")
+
+
+# -- the node's answers -> OpenAI's -------------------------------------------------------------------
+def rejection(ev: dict) -> ApiError:
+    """A `rejected` or `error` event -> the HTTP error."""
+    if ev["event"] == "error":
+        return ApiError(400 if ev.get("code") in (R.BAD_REQUEST, R.TOO_LARGE) else 500, ev.get("detail", ""),
+                        code=ev.get("code"))
+    return ApiError(REJECTED.get(ev["reason"], 500), ev.get("detail", ""), code=ev["reason"])
+
+
+def usage(done: dict) -> dict:
+    u = done["usage"]
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+
+
+def finish_error(done: dict) -> ApiError | None:
+    """A `done` that is no normal finish (engine error, cancelled, drained) -> the error to report."""
+    if done["reason"] in FINISH:
+        return None
+    return ApiError(503 if done["reason"] in (R.DRAINED, R.ENGINE_ERROR) else 500,
+                    done.get("detail") or f"the generation ended with {done['reason']}", code=done["reason"])
+
+
+class Answer:
+    """One request's OpenAI answer, built from the node's events as they come: stream chunks, or the
+    whole response at the end. `piece(token) -> bytes` names tokens for logprobs (the model's vocab);
+    `fingerprint`, the node's recipe, is OpenAI's `system_fingerprint`: what produced the answer."""
+
+    def __init__(self, req: Request, piece=None, fingerprint: str = ""):
+        self.req, self.piece, self.fingerprint = req, piece, fingerprint
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + req.submit.id
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.logprobs: list[dict] = []  # chat: OpenAI's content entries; completions: (token, lp, top)
+        self.sent_role = False
+
+    def _base(self, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.req.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model,
+                "system_fingerprint": self.fingerprint}
+
+    def tokens(self, ev: dict) -> list[dict]:
+        """A `tokens` event -> the stream chunks it makes (kept for the whole answer as well)."""
+        self.text.append(ev["text"])
+        lps = self._logprobs(ev) if self.req.top_logprobs is not None else None
+        if lps:
+            self.logprobs += lps
+        if not self.req.stream:
+            return []
+        out = []
+        if self.req.chat and not self.sent_role:
+            self.sent_role = True
+            out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
+        if ev["text"] or lps:
+            out.append(self._chunk({"content": ev["text"]} if self.req.chat else ev["text"], lps, None))
+        return out
+
+    def _chunk(self, delta, lps, finish) -> dict:
+        choice = {"index": 0, ("delta" if self.req.chat else "text"): delta, "logprobs": self._wrap(lps) if lps else None,
+                  "finish_reason": finish}
+        return {**self._base(True), "choices": [choice], **({"usage": None} if self.req.include_usage else {})}
+
+    def _logprobs(self, ev: dict) -> list:
+        if self.piece is None:
+            raise ApiError(400, "logprobs need the model's vocabulary, which this gateway could not read "
+                                "(run it where the model file is, or give --model)", param="logprobs")
+        out = []
+        for e in ev.get("logprobs") or []:
+            # a constrained row's alternatives past the allowed tokens are at -inf: JSON has no such number
+            top = [t for t in e["top"][:self.req.top_logprobs] if math.isfinite(t["logprob"])]
+            if self.req.chat:
+                out.append({**self._token(e["token"], e["logprob"]), "top_logprobs": [
+                    self._token(t["token"], t["logprob"]) for t in top]})
+            else:
+                out.append((self._name(e["token"]), e["logprob"], {self._name(t["token"]): t["logprob"] for t in top}))
+        return out
+
+    def _name(self, token: int) -> str:
+        return self.piece(token).decode("utf-8", "replace")
+
+    def _token(self, token: int, lp: float) -> dict:
+        raw = self.piece(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
+
+    def _wrap(self, lps: list):
+        if self.req.chat:
+            return {"content": lps}
+        return {"tokens": [t for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
+                "top_logprobs": [top for _, _, top in lps], "text_offset": []}
+
+    def end(self, done: dict) -> list[dict]:
+        """The `done` event -> the last stream chunks (finish reason, usage), or the whole response."""
+        finish = FINISH[done["reason"]]
+        if self.req.stream:
+            last = self._chunk({} if self.req.chat else "", None, finish)
+            out = [last]
+            if self.req.include_usage:
+                out.append({**self._base(True), "choices": [], "usage": usage(done)})
+            return out
+        text = "".join(self.text)
+        lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps, "finish_reason": finish}
+                  if self.req.chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish})
+        return [{**self._base(False), "choices": [choice], "usage": usage(done)}]

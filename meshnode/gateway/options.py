@@ -1,0 +1,38 @@
+"""`meshnode gateway`'s flags and the checks made before anything starts (no aiohttp here: the command line
+is built without it)."""
+from __future__ import annotations
+
+from ipc.transport import exposure
+from meshnode.core.endpoints import host_port
+
+
+def add_args(p) -> None:
+    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="where the HTTP API listens")
+    p.add_argument("--node", help="the node's client endpoint (default: the default serve endpoint)")
+    p.add_argument("--api-key-file", help="accepted API keys, one per line (Authorization: Bearer KEY)")
+    p.add_argument("--insecure", action="store_true", help="a non-loopback address without API keys")
+    p.add_argument("--model", help="the GGUF the node serves, for token names in logprobs (default: the "
+                   "node's model path, where this host can read it)")
+    p.add_argument("--metrics-from", help="the node's /metrics URL, served again at /metrics")
+    p.add_argument("--curve-server-key", help="the node's public certificate, for a CURVE node")
+    p.add_argument("--curve-client-cert", help="this gateway's secret certificate, for a CURVE node")
+
+
+def refusal(listen: str, keys: set[str], insecure: bool) -> str:
+    """Why the gateway must not listen there ("" when it may), in one line with the fix."""
+    try:
+        host_port(listen)
+    except ValueError as e:
+        return f"--listen: {e}"
+    why = exposure(f"tcp://{listen}")
+    if why and not keys and not insecure:
+        return (f"refusing to serve HTTP on {listen} without API keys: {why}; give --api-key-file (clients send "
+                "Authorization: Bearer KEY) or --insecure")
+    return ""
+
+
+def api_keys(path: str | None) -> set[str]:
+    if not path:
+        return set()
+    with open(path) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}

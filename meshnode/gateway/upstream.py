@@ -1,0 +1,119 @@
+"""The gateway's one connection to the node: a DEALER over which every HTTP request is a session, with
+one reader task handing each event to its session's queue.
+
+A request whose HTTP client went away is cancelled at the node and its events are dropped until its
+final one. When the connection drops (the node restarted, or closed it) or the node stops answering
+pings, every open session gets one synthetic error event: the node answers a new connection under a new
+identity, so what the old one was owed never comes, and no HTTP request may wait for it for ever.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from ipc import protocol as P
+from ipc.transport import client_dealer
+
+log = logging.getLogger("meshnode.gateway")
+PING_EVERY_S, NODE_SILENT_S = 2.0, 10.0
+NODE_GONE = "NODE_UNREACHABLE"  # the synthetic error code (docs/gateway.md)
+FINAL = ("rejected", "done", "error")
+
+
+class Upstream:
+    def __init__(self, endpoint: str, **curve):
+        self.ctx = zmq.asyncio.Context()
+        self.sock = client_dealer(self.ctx, endpoint, **curve)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sessions: dict[str, asyncio.Queue | None] = {}  # None: abandoned, dropped at its final event
+        self._replies: deque[asyncio.Future | None] = deque()  # status / ping waiters, answered in order
+        self._heard = 0.0
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._heard = asyncio.get_running_loop().time()
+        self._tasks = [asyncio.create_task(t) for t in (self._read(), self._watch(), self._connection())]
+
+    def open(self, submit: P.Submit) -> asyncio.Queue:
+        q = self.sessions[submit.id] = asyncio.Queue()
+        self.sock.send_multipart(P.encode_request(submit))  # zmq.asyncio: queued without waiting
+        return q
+
+    def finished(self, sid: str) -> None:
+        """The handler has the final event: forget the session."""
+        self.sessions.pop(sid, None)
+
+    def abandon(self, sid: str) -> None:
+        """The HTTP client went away before the end: cancel at the node, drop what still comes."""
+        if sid in self.sessions:
+            self.sessions[sid] = None
+            self.sock.send_multipart(P.encode_request(P.Cancel(sid)))
+
+    async def ask(self, req, timeout_s: float = 5.0) -> dict:
+        """A status or ping answer."""
+        fut = asyncio.get_running_loop().create_future()
+        self._replies.append(fut)
+        self.sock.send_multipart(P.encode_request(req))
+        return await asyncio.wait_for(fut, timeout_s)
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            ev = P.decode_event(await self.sock.recv_multipart())
+            self._heard = loop.time()
+            sid = ev.get("id")
+            if sid is not None and sid in self.sessions:
+                q = self.sessions[sid]
+                if q is not None:
+                    q.put_nowait(ev)
+                elif ev["event"] in FINAL:
+                    del self.sessions[sid]
+            elif sid is None and ev["event"] in ("status", "pong", "error") and self._replies:
+                fut = self._replies.popleft()
+                if fut is not None and not fut.done():
+                    fut.set_result(ev)
+
+    async def _watch(self) -> None:
+        """Ping the node while anyone waits on it; when it has been silent too long, end every session."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(PING_EVERY_S)
+            if not self.sessions:
+                self._heard = loop.time()
+                continue
+            self._replies.append(None)  # the pong's place in line; nobody awaits it
+            self.sock.send_multipart(P.encode_request(P.Ping()))
+            if loop.time() - self._heard > NODE_SILENT_S:
+                self._end_all(f"the node has not answered for {NODE_SILENT_S:.0f} s")
+
+    async def _connection(self) -> None:
+        while True:
+            ev = parse_monitor_message(await self.monitor.recv_multipart())
+            if ev["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            while self._replies:  # asked on the old connection: their answers will not come
+                fut = self._replies.popleft()
+                if fut is not None and not fut.done():
+                    fut.set_exception(ConnectionError("the connection to the node was lost"))
+            if self.sessions:
+                self._end_all("the connection to the node was lost (it restarted, or closed the connection)")
+
+    def _end_all(self, why: str) -> None:
+        log.error("%s: ending %d open requests", why, len(self.sessions))
+        for sid, q in list(self.sessions.items()):
+            if q is not None:
+                q.put_nowait({"event": "error", "id": sid, "code": NODE_GONE, "detail": why})
+            del self.sessions[sid]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+        self.ctx.term()

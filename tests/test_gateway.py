@@ -1,0 +1,331 @@
+"""The OpenAI HTTP gateway (`serve --http`, `meshnode gateway`), driven by the official `openai` package and
+by raw HTTP for the edges. llama.cpp's own server tests (tools/server/tests/unit/test_chat_completion.py,
+test_completion.py) were the checklist; what they check that depends on a real model's words is out of
+scope here (docs/gateway.md lists it)."""
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from helpers import wait_until
+from ipc.transport import free_tcp_port
+from meshnode.core import reasons as R
+from meshnode.core.types import Sampling
+from meshnode.dev.nodeproc import NodeProcess
+from meshnode.text.tokenizer import Tokenizer
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+
+
+def gateway_up(base: str, headers=None) -> None:
+    """Until the gateway child answers /health (it starts once the node serves)."""
+    def ok():
+        try:
+            return httpx.get(f"{base}/health", headers=headers, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    assert wait_until(ok, timeout_s=120, every_s=0.2), "the gateway never became healthy"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    """A node with its gateway child, an openai client on it, and the node's own ZeroMQ client."""
+    port, metrics = free_tcp_port(), free_tcp_port()
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text("# one per line\nsk-test-1\n")
+    with NodeProcess(tiny_model, "--http", f"127.0.0.1:{port}", "--http-api-key-file", str(keys),
+                     "--metrics-listen", f"127.0.0.1:{metrics}", "--max-active", "2", "--max-queue", "0") as n, \
+            n.client() as c:
+        base = f"http://127.0.0.1:{port}"
+        gateway_up(base)
+        oa = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-1", max_retries=0, timeout=120)
+        yield base, oa, c, n
+        oa.close()
+
+
+def auth():
+    return {"Authorization": "Bearer sk-test-1"}
+
+
+def test_a_seeded_chat_answer_is_the_protocols_answer_for_the_same_request(served):
+    _, oa, c, _ = served
+    msgs = [{"role": "user", "content": "hello mesh"}]
+    r = oa.chat.completions.create(model="x", messages=msgs, max_tokens=12, temperature=0.9, seed=7)
+    ref = c.generate("ref", messages=msgs, max_tokens=12, sampling=Sampling(0.9, 0, 1.0, 7))
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.done["text"]
+    assert r.choices[0].finish_reason == {R.LENGTH: "length", R.EOS: "stop"}[ref.done["reason"]]
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (ref.done["usage"]["prompt_tokens"], len(ref.tokens))
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    other = oa.chat.completions.create(model="x", messages=msgs, max_tokens=12, temperature=0.9, seed=8)
+    assert other.choices[0].message.content != r.choices[0].message.content  # the seed reached the node
+
+
+def test_a_stream_says_the_role_first_then_the_same_text_and_ends_with_usage_when_asked(served):
+    _, oa, _, _ = served
+    kw = {"model": "x", "messages": [{"role": "user", "content": "count"}], "max_tokens": 20, "temperature": 0.7,
+          "seed": 3}
+    whole = oa.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(oa.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and len({ch.id for ch in chunks}) == 1
+    assert all(ch.choices[0].delta.role is None for ch in chunks[1:] if ch.choices)
+    assert chunks[0].system_fingerprint == served[2].status()["node"]["recipe"]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 1 and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_completions_take_text_or_token_ids_and_report_logprobs_by_token_name(served, tiny_model):
+    _, oa, c, _ = served
+    r = oa.completions.create(model="x", prompt=[5, 9, 33], max_tokens=6, temperature=0, logprobs=2)
+    ref = c.generate("ref-lp", tokens=[5, 9, 33], max_tokens=6, logprobs=2)
+    tok = Tokenizer(tiny_model)
+    try:
+        names = [tok.piece(t).decode("utf-8", "replace") for t in ref.tokens]
+    finally:
+        tok.close()
+    lp = r.choices[0].logprobs
+    assert r.object == "text_completion" and r.choices[0].text == ref.done["text"]
+    assert lp.tokens == names and lp.token_logprobs == [e["logprob"] for ev in ref.events for e in ev["logprobs"]]
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    text = oa.completions.create(model="x", prompt="hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert text.usage.completion_tokens == 4 and text.choices[0].finish_reason == "length"
+
+
+def test_chat_logprobs_carry_bytes_and_alternatives(served):
+    _, oa, _, _ = served
+    r = oa.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], max_tokens=5, temperature=0,
+                                   logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+
+
+def test_a_stop_string_ends_the_answer_before_it(served):
+    _, oa, _, _ = served
+    kw = {"model": "x", "prompt": "abc", "max_tokens": 30, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    free = oa.completions.create(**kw).choices[0].text
+    stop = next(free[i:i + 2] for i in range(5, len(free) - 1) if free[i:i + 2].isascii() and free[i:i + 2].isprintable())
+    r = oa.completions.create(**kw, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == free[:free.index(stop)]
+
+
+def test_response_format_json_schema_answers_parse(served):
+    _, oa, _, _ = served
+    for seed in range(3):
+        r = oa.chat.completions.create(model="x", messages=[{"role": "user", "content": "who?"}], max_tokens=80,
+                                       seed=seed, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "who", "schema": SCHEMA}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n = 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text content"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "objekt"}}}}, 400, "objekt"),
+])
+def test_bad_requests_get_openais_error_body(served, body, status, words):
+    base = served[0]
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=auth(), timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_keys_models_health_and_metrics(served):
+    base = served[0]
+    assert httpx.get(f"{base}/health", timeout=5).json() == {"status": "ok"}  # no key needed
+    r = httpx.get(f"{base}/v1/models", timeout=5)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=5).status_code == 401
+    models = httpx.get(f"{base}/v1/models", headers=auth(), timeout=5).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny.gguf"
+    assert "meshnode_requests_running" in httpx.get(f"{base}/metrics", headers=auth(), timeout=5).text
+    assert httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers=auth(), timeout=5).status_code == 400
+
+
+def test_a_full_node_answers_429_with_retry_after_and_a_disconnect_cancels(served):
+    """Two running (max_active 2, no queue): a third request is refused at once; dropping the streams
+    cancels their sessions at the node."""
+    base, _, c, _ = served
+    streams = []
+    body = {"prompt": "go", "max_tokens": 4000, "temperature": 1.0, "stream": True, "ignore_eos": True}
+    before = c.status()["telemetry"]["decode_tokens_total"]
+    client = httpx.Client(timeout=60, headers=auth())
+    try:
+        for _ in range(2):
+            cm = client.stream("POST", f"{base}/v1/completions", json=body)
+            resp = cm.__enter__()
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # it is running
+            streams.append((cm, lines))  # a line iterator dropped closes its stream: keep it
+        r = client.post(f"{base}/v1/completions", json={**body, "stream": False})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == R.REJECTED_QUEUE_FULL
+    finally:
+        for cm, _ in streams:
+            cm.__exit__(None, None, None)
+        client.close()
+    assert wait_until(lambda: c.status()["telemetry"]["active_sessions"] == 0, timeout_s=60, every_s=0.2)
+    assert c.status()["telemetry"]["decode_tokens_total"] - before < 4000  # cut short: cancelled, not finished
+
+
+def test_a_request_whose_client_gives_up_is_cancelled(served):
+    """A non-streamed request the client stops waiting for (llama.cpp's test_cancel_request): the
+    handler is cancelled with the connection, and the node's session with it."""
+    base, _, c, _ = served
+    before = c.status()["telemetry"]["decode_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", headers=auth(), timeout=httpx.Timeout(60, read=0.5),
+                   json={"prompt": "go", "max_tokens": 4000, "temperature": 1.0, "ignore_eos": True})
+    assert wait_until(lambda: c.status()["telemetry"]["active_sessions"] == 0, timeout_s=60, every_s=0.2)
+    assert c.status()["telemetry"]["decode_tokens_total"] - before < 4000
+
+
+@pytest.mark.parametrize("messages", [None, "string", [123], [{}], [{"role": 123}], [{"role": "system", "content": 123}],
+                                      [{"role": "system", "content": "test"}, {}]])
+def test_malformed_messages_are_400s(served, messages):
+    r = httpx.post(f"{served[0]}/v1/chat/completions", headers=auth(), json={"messages": messages}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+def test_grammar_and_const_schemas_as_llama_server_takes_them(served):
+    base = served[0]
+    msgs = [{"role": "user", "content": "x"}]
+    r = httpx.post(f"{base}/v1/chat/completions", headers=auth(), timeout=60,
+                   json={"messages": msgs, "max_tokens": 6, "grammar": 'root ::= "a"{5,5}'})
+    assert r.json()["choices"][0]["message"]["content"] == "aaaaa"
+    r = httpx.post(f"{base}/v1/chat/completions", headers=auth(), timeout=60, json={
+        "messages": msgs, "max_tokens": 12, "response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"const": "foooooo"}}}})
+    assert r.json()["choices"][0]["message"]["content"] == '"foooooo"'
+    for bad in ({"type": "sound"}, {"type": "json_object", "schema": 123}, {"type": "json_object", "schema": {"type": "hiccup"}}):
+        r = httpx.post(f"{base}/v1/chat/completions", headers=auth(), timeout=60,
+                       json={"messages": msgs, "max_tokens": 4, "response_format": bad})
+        assert r.status_code == 400, (bad, r.text)
+    r = httpx.post(f"{base}/v1/chat/completions", headers=auth(), timeout=60,
+                   json={"messages": msgs, "max_tokens": 4, "grammar": "root ::= this is (not valid GBNF"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_a_non_loopback_gateway_without_keys_is_refused_in_one_line(tiny_model):
+    from helpers import serve
+
+    out = serve(tiny_model, "--http", "0.0.0.0:8089")
+    lines = [ln for ln in out.stderr.splitlines() if "http" in ln]
+    assert out.returncode == 2 and len(lines) == 1 and "http_api_key_file" in lines[0], out.stderr
+    out = subprocess.run([sys.executable, "-m", "meshnode", "gateway", "--listen", "0.0.0.0:8089"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--api-key-file" in out.stderr, out.stderr
+
+
+def test_the_node_restarts_a_gateway_that_dies(served):
+    base, _, _, n = served
+    import psutil
+
+    gw = [p for p in psutil.Process(n.proc.pid).children() if "gateway" in " ".join(p.cmdline())]
+    assert len(gw) == 1
+    gw[0].kill()
+    gateway_up(base)
+    again = [p for p in psutil.Process(n.proc.pid).children() if "gateway" in " ".join(p.cmdline())]
+    assert len(again) == 1 and again[0].pid != gw[0].pid
+
+
+def test_many_streams_at_once_each_get_their_own_tokens(served):
+    """Sessions multiplexed over the gateway's one connection: eight concurrent requests (two run, the
+    rest refused 429 at once: max_queue 0), and each running one gets exactly its own answer."""
+    _, oa, c, _ = served
+    out, errors = {}, []
+
+    def one(i):
+        try:
+            r = oa.completions.create(model="x", prompt=f"p{i}", max_tokens=8, temperature=1.0, seed=i)
+            out[i] = r.choices[0].text
+        except openai.RateLimitError:
+            errors.append(i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) + len(errors) == 8 and out
+    for i, text in out.items():
+        assert text == c.generate(f"m{i}", text=f"p{i}", max_tokens=8, sampling=Sampling(1.0, 0, 1.0, i)).done["text"]
+
+
+# -- the translation alone (meshnode/gateway/api.py) -----------------------------------------------------
+def parse(body, chat=True):
+    from meshnode.gateway import api
+
+    return api.parse(body, chat, "m.gguf", lambda: "s1")
+
+
+def test_openai_defaults_become_the_nodes_terms():
+    """temperature 1 and a fresh seed per request (OpenAI's defaults), no max_tokens = up to the context,
+    OpenAI's and llama-server's ways to ask for a format."""
+    from meshnode.core.types import ResponseFormat
+
+    a, b = parse({"messages": [{"role": "user", "content": "x"}]}), parse({"messages": [{"role": "user", "content": "x"}]})
+    assert a.submit.sampling.temperature == 1.0 and a.submit.sampling.seed != b.submit.sampling.seed
+    assert a.submit.max_tokens is None and a.submit.messages == [{"role": "user", "content": "x"}]
+    got = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                 "max_completion_tokens": 5, "seed": 3, "stop": "\n", "logprobs": True, "top_logprobs": 0})
+    assert got.submit.messages[0]["content"] == "ab" and got.submit.max_tokens == 5 and got.submit.stop == ["\n"]
+    assert got.top_logprobs == 0 and got.submit.sampling.logprobs == 1  # the token's own logprob needs one
+    schema = {"type": "object"}
+    for body, want in (({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+                        ResponseFormat("json_schema", json.dumps(schema))),
+                       ({"response_format": {"type": "json_object"}}, ResponseFormat("json_object")),
+                       ({"response_format": {"type": "text"}}, None),
+                       ({"json_schema": schema}, ResponseFormat("json_schema", json.dumps(schema))),
+                       ({"grammar": 'root ::= "a"'}, ResponseFormat("grammar", 'root ::= "a"'))):
+        assert parse({"prompt": "x", **body}, chat=False).submit.response_format == want
+    assert parse({"prompt": [[1, 2, 3]]}, chat=False).submit.tokens == [1, 2, 3]
+
+
+@pytest.mark.parametrize("reason, status", [(R.REJECTED_QUEUE_FULL, 429), (R.REJECTED_KV_BUDGET, 429),
+                                            (R.REJECTED_DRAINING, 503), (R.REJECTED_CONTEXT_TOO_LONG, 400),
+                                            (R.REJECTED_ENGINE_UNAVAILABLE, 503)])
+def test_rejections_map_to_status_codes(reason, status):
+    from meshnode.gateway import api
+
+    e = api.rejection({"event": "rejected", "id": "s1", "reason": reason, "detail": "why"})
+    assert e.status == status and e.body()["error"]["code"] == reason
+    assert e.retry_after == (1 if status == 429 else None)
+
+
+def test_a_stream_of_events_becomes_openais_chunks():
+    from meshnode.gateway import api
+
+    req = parse({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                 "stream_options": {"include_usage": True}})
+    ans = api.Answer(req)
+    chunks = ans.tokens({"event": "tokens", "id": "s1", "tokens": [5], "text": "he"})
+    chunks += ans.tokens({"event": "tokens", "id": "s1", "tokens": [6], "text": ""})  # a held character: nothing
+    chunks += ans.tokens({"event": "tokens", "id": "s1", "tokens": [7], "text": "llo"})
+    chunks += ans.end({"event": "done", "id": "s1", "reason": R.EOS, "tokens": [5, 6, 7], "text": "hello",
+                       "usage": {"prompt_tokens": 4, "completion_tokens": 3, "cached_tokens": 2}})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "he"}, {"content": "llo"}, {}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == [None, None, None, "stop"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}
+    assert all(c["id"] == "chatcmpl-s1" and c["object"] == "chat.completion.chunk" for c in chunks)
+    assert api.finish_error({"reason": R.ENGINE_ERROR, "detail": "engine died"}).status == 503
