@@ -133,6 +133,8 @@ def main() -> int:
     md += sections.abuse()
     md += sections.rpc()
     md += sections.structured()
+    md += sections.gateway()
+    md += sections.scale()
     md += sections.deterministic_sweeps()
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:

@@ -185,6 +185,52 @@ def structured() -> list[str]:
     return md
 
 
+def gateway() -> list[str]:
+    d, stacks = load("gateway-bench.json"), load("http-stacks.json")
+    md = []
+    if d:
+        md = ["## The OpenAI HTTP gateway (bench model)", "",
+              "`meshnode bench gateway --preset bench --rounds 3 --llama-server PATH --json evidence/gateway-bench.json`, "
+              f"on {d['build']}: one node with its gateway child; the same greedy sessions through the ZeroMQ client "
+              "and the gateway's streamed /v1/completions, and the 16-job mix through the gateway and llama-server's "
+              "/v1/completions, the order rotating per round (medians).", "",
+              "| path | tok/s | first token p50 ms | gap p50 ms | gap p99 ms |", "|---|---|---|---|---|"]
+        for name, m in d["median"].items():
+            if "tok_s" in m:  # the burst's figures are in the verdict
+                md.append(f"| {name} | {m['tok_s']:.1f} | {m['ttft_p50_ms']:.1f} | {m['gap_p50_ms']:.1f} | {m['gap_p99_ms']:.1f} |")
+        md += [""] + [f"- {line}" for line in d["verdict"]] + [""]
+    if stacks:
+        m = stacks["median"]
+        md += ["Why aiohttp (`tools/http_stacks.py --rounds 3 --json evidence/http-stacks.json`, "
+               f"{', '.join(f'{k} {v}' for k, v in stacks['versions'].items())}): the server process's CPU per "
+               f"streamed chunk {m['aiohttp']['cpu_us_per_chunk']:.0f} us (aiohttp) vs "
+               f"{m['starlette']['cpu_us_per_chunk']:.0f} us (Starlette on uvicorn), per small JSON request "
+               f"{m['aiohttp']['cpu_us_per_request']:.0f} vs {m['starlette']['cpu_us_per_request']:.0f} us (medians of "
+               "rounds).", ""]
+    return md
+
+
+def scale() -> list[str]:
+    d = load("scale-bench.json")
+    if not d:
+        return []
+    md = ["## The node's own cost per tick as sessions grow", "",
+          f"`meshnode bench scale --rounds 3 --json evidence/scale-bench.json`, on {d['build']}: a node over the fake "
+          f"engine sleeping {d['step_ms']:g} ms a step (a fast GPU tick), N sessions decoding; and the scheduler's "
+          "plan() and apply() alone in one process. Medians of rounds.", "",
+          "| sessions | ms a tick | the node's own ms | share of the 5 ms | plan() us | apply() us |",
+          "|---|---|---|---|---|---|"]
+    for n, m in d["median"].items():
+        md.append(f"| {n} | {m['ms_per_tick']:.2f} | {m['node_ms_per_tick']:.2f} | {m['node_share_of_5ms']:.0%} | "
+                  f"{m['plan_us_p50']:.0f} | {m['apply_us_p50']:.0f} |")
+    md += ["", "KV cache types (`-ctk` / `-ctv`, bench model): the budget's bytes beside the KV buffer llama.cpp "
+               "allocated (its load log, 0.01 MiB steps).", "",
+           "| type | bytes a token | budget / llama.cpp's buffer | sessions of 4,096 tokens in 4 GiB |", "|---|---|---|---|"]
+    for t, k in d.get("kv_types", {}).items():
+        md.append(f"| {t} | {k['kv_bytes_per_token']} | {k['budget_over_llama_cpp']:.3f} | {k['sessions_of_4096_in_4gib']} |")
+    return md + [""]
+
+
 def deterministic_sweeps() -> list[str]:
     runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(HERE, "sweep-bench-default-*.json")))]
     if not runs:

@@ -39,8 +39,8 @@ def dump(a) -> int:
     for t in range(llama_cpp.llama_vocab_n_tokens(vocab)):
         n = llama_cpp.llama_token_to_piece(vocab, t, buf, 256, 0, True)
         pieces.append(bytes(buf[:n]).hex())
-    json.dump({"model": path, "eos": llama_cpp.llama_vocab_eos(vocab), "tokens": pieces, "schema": SCHEMA},
-              open(a.out, "w"))
+    with open(a.out, "w") as f:
+        json.dump({"model": path, "eos": llama_cpp.llama_vocab_eos(vocab), "tokens": pieces, "schema": SCHEMA}, f)
     llama_cpp.llama_model_free(model)
     print(f"{len(pieces)} tokens of {path} -> {a.out}")
     return 0
@@ -64,7 +64,8 @@ def timing(a) -> int:
     import numpy as np
     import xgrammar as xgr
 
-    d = json.load(open(a.vocab))
+    with open(a.vocab) as f:
+        d = json.load(f)
     tokens, eos, schema = [bytes.fromhex(h) for h in d["tokens"]], d["eos"], json.dumps(d["schema"])
     n = len(tokens)
     rng = np.random.default_rng(0)
@@ -112,7 +113,8 @@ def timing(a) -> int:
           f"({out['xgrammar_mask_ms_p90']:.3f}) ms; compile: llguidance {out['llguidance_compile_ms']:.1f} ms, "
           f"xgrammar {out['xgrammar_compile_ms']:.1f} ms; masks differed at {disagree} of {a.tokens} steps")
     if a.json:
-        json.dump(out, open(a.json, "w"), indent=1)
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
 
 

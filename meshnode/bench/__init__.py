@@ -22,6 +22,8 @@ BENCHES = {
     "chat": "8 users x 6 turns re-sending their history: prefix cache on vs off (vs llama-server)",
     "ticks": "what a tick costs by shape (chunk sizes around the attention tile, deep, beside decode rows)",
     "rpc": "the model split over 1 and 2 ggml RPC workers vs local, and behind 0.2-5 ms of round trip",
+    "scale": "the node's own time per tick over a 5 ms fake engine, and plan()/apply(), at 1-64 sessions",
+    "gateway": "the OpenAI HTTP gateway vs the ZeroMQ client at concurrency 1 and 8, and the mix vs llama-server's HTTP",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }
 
@@ -35,12 +37,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=1.0, help="soak: how long")
     p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
-    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks, rpc, structured: rounds")
+    p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks, rpc, structured, gateway, "
+                   "scale: rounds")
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
     p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
                    "also unified)")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
-    p.add_argument("--llama-server", help="chat, burst, structured: a llama-server binary to run side by side (README, "
+    p.add_argument("--llama-server", help="chat, burst, structured, gateway: a llama-server binary to run side by side (README, "
                    "Benchmarks)")
     chat = p.add_argument_group("chat workload")
     chat.add_argument("--users", type=int, default=8)

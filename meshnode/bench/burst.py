@@ -27,12 +27,13 @@ STEADY_TOKENS = 100  # per steady session before the burst: 400 gaps, so p99 is 
 FIXED = ("--tick-target-ms", "0", "--prefill-chunk", "64")
 
 
-def steady_prompt(i: int) -> list[int]:
-    return [3 + (i * 7 + k) % 500 for k in range(8)]
+def steady_prompt(i: int, salt: int = 0) -> list[int]:
+    return [3 + (i * 7 + k + salt * 101) % 500 for k in range(8)]
 
 
-def burst_prompt(i: int) -> list[int]:
-    return [3 + (i * 31 + k * 13) % 500 for k in range(BURST_PROMPT)]
+def burst_prompt(i: int, salt: int = 0) -> list[int]:
+    """`salt`: another prompt for each round where a server lives through rounds (its prompt cache)."""
+    return [3 + (i * 31 + k * 13 + salt * 101) % 500 for k in range(BURST_PROMPT)]
 
 
 def summary(times: dict, first: dict, t_burst: float, t_end: float) -> dict:
@@ -101,35 +102,41 @@ def one(path: str, threads: int, chunk: int | None = None, extra: tuple = (), py
 
 def through_llama_server(binary: str, path: str, threads: int) -> dict:
     with LlamaServer(binary, path, threads, slots=8, ctx=CTX) as server:
-        times: dict[str, list[float]] = {f"s{i}": [] for i in range(STEADY)}
-        first: dict[str, float] = {}
-        stop = threading.Event()
+        return burst_with(server.complete)
 
-        def steady(i: int) -> None:
-            def on_token(now: float) -> None:
-                times[f"s{i}"].append(now)
-                if stop.is_set():
-                    raise Stop
-            server.complete(steady_prompt(i), 1000, on_token)
 
-        def burst(i: int) -> None:
-            server.complete(burst_prompt(i), 4, lambda now: first.setdefault(f"b{i}", now))
+def burst_with(complete, salt: int = 0) -> dict:
+    """The burst through an HTTP server: `complete(prompt, n, on_token)` streams one greedy request past EOS,
+    calling `on_token(time)` per token, which raises Stop to hang up (llama-server's or the gateway's)."""
+    times: dict[str, list[float]] = {f"s{i}": [] for i in range(STEADY)}
+    first: dict[str, float] = {}
+    stop = threading.Event()
 
-        workers = [threading.Thread(target=steady, args=(i,)) for i in range(STEADY)]
-        for w in workers:
-            w.start()
-        while min(len(t) for t in times.values()) < STEADY_TOKENS:
-            time.sleep(0.01)
-        t_burst = time.monotonic()
-        bursts = [threading.Thread(target=burst, args=(i,)) for i in range(4)]
-        for w in bursts:
-            w.start()
-        for w in bursts:
-            w.join()
-        t_end = time.monotonic()
-        stop.set()
-        for w in workers:
-            w.join()
+    def steady(i: int) -> None:
+        def on_token(now: float) -> None:
+            times[f"s{i}"].append(now)
+            if stop.is_set():
+                raise Stop
+        complete(steady_prompt(i, salt), 1000, on_token)
+
+    def burst(i: int) -> None:
+        complete(burst_prompt(i, salt), 4, lambda now: first.setdefault(f"b{i}", now))
+
+    workers = [threading.Thread(target=steady, args=(i,)) for i in range(STEADY)]
+    for w in workers:
+        w.start()
+    while min(len(t) for t in times.values()) < STEADY_TOKENS:
+        time.sleep(0.01)
+    t_burst = time.monotonic()
+    bursts = [threading.Thread(target=burst, args=(i,)) for i in range(4)]
+    for w in bursts:
+        w.start()
+    for w in bursts:
+        w.join()
+    t_end = time.monotonic()
+    stop.set()
+    for w in workers:
+        w.join()
     return summary(times, first, t_burst, t_end)
 
 

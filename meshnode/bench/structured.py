@@ -52,7 +52,7 @@ def through_node(path: str, threads: int, *flags: str) -> dict:
         for name, batch, constrained in CASES:
             ids = [f"{name}-{i}" for i in range(batch)]
             for i, sid in enumerate(ids):
-                kw = dict(response_format=fmt) if i < constrained else dict(ignore_eos=True)
+                kw = {"response_format": fmt} if i < constrained else {"ignore_eos": True}
                 c.submit(sid, tokens=prompt(i), max_tokens=NEW, sampling=Sampling(1.0, 0, 1.0, i), **kw)
             res = c.collect(ids, timeout_s=900)
             assert all(len(r.tokens) == NEW for r in res.values()), {k: r.done for k, r in res.items()}
@@ -71,12 +71,12 @@ def through_llama_server(binary: str, path: str, threads: int) -> dict:
             times: list[list[float]] = [[] for _ in range(batch)]
             finals: list[dict] = [{} for _ in range(batch)]
 
-            def one(i: int) -> None:
-                params = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i, ignore_eos=i >= constrained,
-                              **({"json_schema": SCHEMA} if i < constrained else {}))
+            def one(i: int, constrained: int, times: list, finals: list) -> None:
+                params = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": i,
+                          "ignore_eos": i >= constrained, **({"json_schema": SCHEMA} if i < constrained else {})}
                 server.complete(prompt(i), NEW, times[i].append, finals[i], **params)
 
-            workers = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+            workers = [threading.Thread(target=one, args=(i, constrained, times, finals)) for i in range(batch)]
             for w in workers:
                 w.start()
             for w in workers:
@@ -145,8 +145,9 @@ def _summary(runs: dict, mask: dict) -> dict:
     med = {side: {case: float(np.median([r[case] for r in rs])) for case, _, _ in CASES} for side, rs in runs.items()}
     share = {side: (m["batch 8, all constrained"] - m["batch 8, none"]) / m["batch 8, all constrained"]
              for side, m in med.items()}
-    verdict = [f"medians of {len(runs['node'])} rounds, ms per decode tick; deterministic mode on the node: "
-               f"{runs['node'][0]['deterministic']}, on the other node: {runs['node, not deterministic'][0]['deterministic']}"]
+    modes = (runs["node"][0]["deterministic"], runs["node, not deterministic"][0]["deterministic"])
+    verdict = [f"medians of {len(runs['node'])} rounds, ms per decode tick; deterministic mode on the node: {modes[0]}, "
+               + f"on the other node: {modes[1]}"]
     for side, m in med.items():
         verdict.append(f"{side}: " + ", ".join(f"{case} {v:.1f}" for case, v in m.items())
                        + f"; constraining all 8 rows costs {share[side]:.1%} of a batch-8 tick")

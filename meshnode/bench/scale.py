@@ -1,0 +1,109 @@
+"""`meshnode bench scale`: what the node itself costs per tick as sessions grow, apart from llama.cpp.
+
+- the node's own time per tick: a node whose engine is the fake one sleeping a fixed 5 ms a step (what
+  a fast GPU tick takes), N sessions decoding together (N = 1, 8, 32, 64): every ms a tick takes beyond
+  the 5 is the front, the link, the engine process's Python and the sampling stand-in;
+- the policy alone: the scheduler's plan() and apply() in this process, with an engine that costs
+  nothing, as the decoding sessions grow.
+- KV per type (f16, q8_0, q4_0 for K and V) on the bench model (or --model): the bytes a token takes as the
+  budget counts them, beside the KV buffer llama.cpp itself allocated (its load log), and how many
+  sessions of 4,096 tokens fit 4 GiB of KV.
+The rest of issue 28's scale benchmark (concurrency and depth against llama-server, RSS per session, the
+prefix cache with many conversations) is not written yet.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from meshnode.bench import llama_build, model_path
+from meshnode.dev.nodeproc import NodeProcess
+
+STEP_MS = 5.0
+LEVELS = (1, 8, 32, 64)
+NEW = 200
+
+
+def node_overhead(n: int) -> dict:
+    internal = {"engine_kind": "fake", "fake": {"step_s": STEP_MS / 1e3, "n_seq_max": 64, "n_ctx": 64 * 1024}}
+    with NodeProcess(None, "--max-active", "64", "--log-level", "WARNING", internal=internal) as node, \
+            node.client(timeout_s=600) as c:
+        c.generate("warm", tokens=[3, 4, 5], max_tokens=2)
+        ids = [f"s{i}" for i in range(n)]
+        for i, sid in enumerate(ids):
+            c.submit(sid, tokens=[3 + i, 4, 5], max_tokens=NEW, ignore_eos=True)
+        res = c.collect(ids)
+        eng = c.status()["telemetry"]["engine"]
+    start = max(r.token_times[0] for r in res.values())
+    end = max(r.token_times[-1] for r in res.values())
+    ticks = max(sum(1 for t in r.token_times if t > start) for r in res.values())
+    ms = (end - start) * 1e3 / ticks
+    return {"ms_per_tick": ms, "node_ms_per_tick": ms - STEP_MS, "node_share_of_5ms": (ms - STEP_MS) / STEP_MS,
+            "engine_step_ms_p50": eng.get("step_ms_p50")}
+
+
+def policy(n: int, ticks: int = 300) -> dict:
+    from meshnode.core.budget import NodeBudget
+    from meshnode.core.scheduler import Scheduler
+    from meshnode.core.session import Session
+    from meshnode.engine.fake import FakeEngine
+
+    e = FakeEngine(n_seq_max=64, n_ctx=64 * 1024)
+    sched = Scheduler(NodeBudget.from_engine(e, max_active=64, max_batch_size=64), e.eog, recipe=e.recipe_fingerprint)
+    for i in range(n):
+        assert sched.submit(Session(f"s{i}", [3 + i, 4, 5], 1000, ignore_eos=True)).accepted
+    plan_us, apply_us = [], []
+    for _ in range(ticks + 20):
+        t0 = time.perf_counter()
+        tick = sched.plan()
+        t1 = time.perf_counter()
+        res = e.step(tick.plan)
+        t2 = time.perf_counter()
+        sched.apply(sched.pipeline.answer(tick.t), res)
+        t3 = time.perf_counter()
+        plan_us.append((t1 - t0) * 1e6)
+        apply_us.append((t3 - t2) * 1e6)
+    return {"plan_us_p50": float(np.median(plan_us[20:])), "apply_us_p50": float(np.median(apply_us[20:]))}
+
+
+def kv_types(path: str) -> dict:
+    out = {}
+    for t in ("f16", "q8_0", "q4_0"):
+        with NodeProcess(path, "-ctk", t, "-ctv", t, "--log-level", "WARNING") as node, node.client() as c:
+            info = c.status()["node"]
+        llama = sum(d["kv_bytes"] for d in info["devices"])
+        per_token = info["kv_bytes_per_token"]
+        out[t] = {"kv_bytes_per_token": per_token, "budget_bytes": info["budgets"]["kv_budget_bytes"],
+                  "llama_cpp_kv_bytes": llama, "budget_over_llama_cpp": info["budgets"]["kv_budget_bytes"] / llama,
+                  "sessions_of_4096_in_4gib": (4 << 30) // (per_token * 4096)}
+    return out
+
+
+def main(a) -> int:
+    print(f"bench scale: the node's own cost per tick over a fake engine of {STEP_MS:g} ms, {a.rounds} rounds; "
+          f"{llama_build()}", flush=True)
+    runs: dict[str, list[dict]] = {}
+    for r in range(a.rounds):
+        for n in LEVELS[r % len(LEVELS):] + LEVELS[:r % len(LEVELS)]:
+            got = {**node_overhead(n), **policy(n)}
+            runs.setdefault(str(n), []).append(got)
+            print(f"  round {r + 1} {n:>2} sessions: {got['ms_per_tick']:6.2f} ms a tick, the node's "
+                  f"{got['node_ms_per_tick']:5.2f} ms ({got['node_share_of_5ms']:.0%} of {STEP_MS:g} ms); plan "
+                  f"{got['plan_us_p50']:.0f} us, apply {got['apply_us_p50']:.0f} us", flush=True)
+    med = {n: {k: float(np.median([x[k] for x in rs])) for k in rs[0] if rs[0][k] is not None} for n, rs in runs.items()}
+    for n, m in med.items():
+        print(f"median {n:>2} sessions: the node's own {m['node_ms_per_tick']:.2f} ms a tick "
+              f"({m['node_share_of_5ms']:.0%} of a {STEP_MS:g} ms tick); plan {m['plan_us_p50']:.0f} us, "
+              f"apply {m['apply_us_p50']:.0f} us")
+    kv = kv_types(model_path(a))
+    for t, k in kv.items():
+        print(f"KV {t}: {k['kv_bytes_per_token']} B a token as budgeted; the budget {k['budget_bytes']} B vs llama.cpp's "
+              f"buffer {k['llama_cpp_kv_bytes']} B ({k['budget_over_llama_cpp']:.3f}x); {k['sessions_of_4096_in_4gib']} "
+              "sessions of 4,096 tokens in 4 GiB")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"build": llama_build(), "step_ms": STEP_MS, "runs": runs, "median": med, "kv_types": kv}, f,
+                      indent=1)
+    return 0
