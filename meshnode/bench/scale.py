@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from meshnode.bench import llama_build, model_path
+from meshnode.bench import llama_build, model_path, steady_rate
 from meshnode.dev.nodeproc import NodeProcess
 
 STEP_MS = 5.0
@@ -36,10 +36,7 @@ def node_overhead(n: int) -> dict:
             c.submit(sid, tokens=[3 + i, 4, 5], max_tokens=NEW, ignore_eos=True)
         res = c.collect(ids)
         eng = c.status()["telemetry"]["engine"]
-    start = max(r.token_times[0] for r in res.values())
-    end = max(r.token_times[-1] for r in res.values())
-    ticks = max(sum(1 for t in r.token_times if t > start) for r in res.values())
-    ms = (end - start) * 1e3 / ticks
+    ms = steady_rate([r.token_times for r in res.values()])[1]
     return {"ms_per_tick": ms, "node_ms_per_tick": ms - STEP_MS, "node_share_of_5ms": (ms - STEP_MS) / STEP_MS,
             "engine_step_ms_p50": eng.get("step_ms_p50")}
 
