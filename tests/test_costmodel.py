@@ -5,7 +5,7 @@ import pytest
 
 from helpers import Clock, scheduler
 from meshnode.core.capacity import capacity
-from meshnode.core.costmodel import Shape, TickCost, attention, prefill_room, shape, sized
+from meshnode.core.costmodel import Shape, TickCost, TickTarget, attention, prefill_room, shape, sized
 from meshnode.core.session import Session
 from meshnode.engine.fake import FakeEngine
 
@@ -20,18 +20,18 @@ def true_ms(plan, cells):
 class Node:
     """A scheduler and a fake engine in lockstep on a clock that only the engine's steps move."""
 
-    def __init__(self, target=200.0, top=512, slow_every=0):
+    def __init__(self, target=200.0, top=512, slow_every=0, ratio=0.0, speed=1.0):
         self.clock = Clock(0.0)
         self.n = 0
 
         def cost(plan):
             self.n += 1
-            ms = true_ms(plan, sum(self.engine._next_pos))
+            ms = true_ms(plan, sum(self.engine._next_pos)) / speed
             return ms * 6 if slow_every and self.n % slow_every == 0 else ms  # a stall now and then
 
         self.engine, self.sched = scheduler(FakeEngine(n_seq_max=8, n_ctx=16384, n_batch=1024, cost_ms=cost),
                                             clock=self.clock, max_prefill_tokens_per_tick=top)
-        self.sched.tick_target_ms, self.sched.pool_cells = target, 16384
+        self.sched.tick_target, self.sched.pool_cells = TickTarget(target, ratio), 16384
         self.tick_ms: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, ms)
         self.first: dict = {}
 
@@ -78,6 +78,28 @@ def test_with_decoders_each_tick_meets_the_target_and_prompts_still_move():
     during = [ms for d, p, ms in node.tick_ms[-60:] if d and p and ms < 6 * 150]  # the injected stalls aside
     assert max(during) <= 200 * 1.05, "a tick ran past the target by more than noise"
     assert np.median(during) >= 0.8 * 200, "ticks should take as many prompt tokens as fit the target"
+
+
+def test_a_ratio_target_bounds_the_gap_in_decode_ticks_on_a_slow_and_a_fast_engine():
+    """The default target: a tick with prompt rows takes at most `ratio` decode-only ticks, so the worst
+    wait between tokens is the same in ticks on an engine 5x faster, and so is the burst's length in
+    ticks; a target in ms would let the fast engine's decoders wait 5x more of their ticks."""
+    burst_ticks = {}
+    for speed in (1.0, 5.0):
+        node = Node(target=0.0, ratio=8.0, speed=speed)
+        for i in range(4):
+            node.submit(f"d{i}", 8, 3000)
+        node.run_until(lambda: len(node.first) == 4 and node.sched.cost.ready)
+        steady = np.median([ms for d, p, ms in node.tick_ms[-20:] if d and not p])
+        n0 = len(node.tick_ms)
+        burst = [node.submit(f"b{i}", 1000, 4) for i in range(4)]
+        node.run_until(lambda: all(b.key in node.first for b in burst))
+        during = [ms for d, p, ms in node.tick_ms[n0:] if d and p]
+        assert max(during) <= 8 * steady * 1.05, (speed, max(during) / steady)
+        assert np.median(during) >= 0.8 * 8 * steady, "ticks should take as many prompt tokens as fit the target"
+        burst_ticks[speed] = len(node.tick_ms) - n0
+        assert capacity(node.sched)["tick_target_ms"] == pytest.approx(8 * steady, rel=0.05)
+    assert abs(burst_ticks[1.0] - burst_ticks[5.0]) <= 0.1 * burst_ticks[1.0], burst_ticks
 
 
 def test_with_nobody_decoding_a_prompt_goes_in_the_biggest_chunks():
@@ -157,7 +179,7 @@ def test_the_fit_learns_what_small_calls_cost_and_sizing_skips_them_when_a_tile_
     decode = [(100, 1)] * 4
     assert true_cost(shape([*decode, (900, 63)], 0)) > true_cost(shape([*decode, (900, 64)], 0))
     target = true_cost(shape([*decode, (900, 64)], 0)) * 1.05
-    assert prefill_room(cost, target, 504, decode, 0, 900) == 64  # not the largest small chunk under it
+    assert prefill_room(cost, TickTarget(target), 504, decode, 0, 900) == 64  # not the largest small chunk under it
 
 
 def test_the_correction_follows_sized_ticks_only_and_sizing_uses_its_high_quantile():

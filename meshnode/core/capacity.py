@@ -24,7 +24,8 @@ def capacity(sched, prompt_tokens: int = 0) -> dict:
            "free_kv_tokens": max(0, (b.kv_budget_bytes - a.kv_reserved_bytes) // b.kv_bytes_per_token),
            "max_session_tokens": b.n_ctx_seq,
            "queue_room": max(0, b.max_queue - len(sched.waiting)),
-           "decoding": len(decoding), "tick_target_ms": sched.tick_target_ms,
+           "decoding": len(decoding), "tick_target_ms": sched.tick_target.ms or None,
+           "tick_target_ratio": sched.tick_target.ratio if not sched.tick_target.ms else None,
            "decode_tokens_per_s": None, "ttft_ms_estimate": None, "tick_model": cost.describe()}
     never = a.never_fits(Ask(None, prompt_tokens, 1)) if prompt_tokens > 0 else None
     if never:  # no estimate for a prompt that would be refused: say so instead
@@ -33,8 +34,11 @@ def capacity(sched, prompt_tokens: int = 0) -> dict:
     if not cost.ready:
         return out
     unified = sched.cells_planned if sched.pool_cells else 0
-    decode_ms = cost.predict(shape([(s.n_planned, 1) for s in decoding], unified)) if decoding else 0.0
+    decode_only = shape([(s.n_planned, 1) for s in decoding], unified)
+    decode_ms = cost.decode_tick_ms(decode_only) if decoding else 0.0
     out["decode_tokens_per_s"] = round(len(decoding) * 1e3 / decode_ms, 1) if decoding else 0.0
+    if decoding and sched.tick_target and not sched.tick_target.ms:  # what the ratio comes to now
+        out["tick_target_ms"] = round(sched.tick_target.bound_ms(cost, decode_only), 1)
     if prompt_tokens > 0:
         wait_ms = 0.0
         if free_slots <= len(sched.waiting):  # no slot for it: the running session closest to its end frees one
@@ -57,7 +61,7 @@ def _replay(sched, prompts: list[tuple[int, int, int]], decoders: list[tuple[int
         live = [(pos + k, 1) for pos, left in decoders if left > k]
         if unified:
             unified += len(live) - sum(pos + k for pos, left in decoders if left == k)
-        room = prefill_room(cost, sched.tick_target_ms, top, live, unified, prompts[0][0])
+        room = prefill_room(cost, sched.tick_target, top, live, unified, prompts[0][0])
         chunks = []
         for n in sched.fill(room, prompts, bool(live)):  # as plan() gives the room
             pos, left, n_prompt = prompts[0]

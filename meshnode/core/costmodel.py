@@ -35,10 +35,15 @@ COLD_PREFILL = 64  # prompt tokens per tick beside decoders until the model has 
 MIN_PREFILL = 8  # however tight the target, prompts advance
 PER_SHAPE = 32  # newest ticks kept per shape (rows 1, 2-3, 4-7, ... 512-1023, ...)
 MIN_SAMPLES = 10  # below this the model does not guess
-REFIT_EVERY = 2  # ticks between fits (a fit is ~100 us; a tick is >= 10 ms)
+REFIT_MS = 50.0  # engine time between fits: a fit costs 0.2-0.6 ms of the front's CPU, so about 1 % of the
+# engine's time whatever a tick takes (every 2 ticks on a 30 ms CPU tick, every 10 on a 5 ms GPU tick)
 RATIOS = 16  # the last this many sized ticks (prompt rows beside decode rows) correct the model: ...
 MISS_QUANTILE = 0.9  # ... sizing by this quantile of their misses (the target bounds ticks), estimates by the median
 CORRECTION = (0.8, 1.5)  # how far that correction may go
+DECODE_TICKS = 16  # the last this many decode-only ticks of a size are what a decode tick takes (their median)
+MIN_TARGET_MS = 50.0  # a ratio target never asks for ticks shorter than this: below it the per-tick costs
+# outside the matrix products (the node's, llama.cpp's per call) take a growing share of prefill, and a
+# 50 ms pause in a stream is not one a reader sees
 PRIOR = 0.1  # how hard the fit holds the small-call excess at 0 (relative to its column)
 TILE_ROWS = 64  # llama.cpp's CPU flash attention tiles a call of >= this many rows (GGML_FA_TILE_Q)
 
@@ -101,19 +106,23 @@ class TickCost:
         self._per_shape = per_shape
         self._shapes: dict[int, deque] = {}  # rows.bit_length() -> (Shape, ms), newest last
         self._ratios: deque = deque(maxlen=RATIOS)  # measured / fitted, for the last sized ticks
+        self._decode: dict[int, deque] = {}  # rows.bit_length() -> ms of the last decode-only ticks
         self.correction = self.correction_bound = 1.0  # median and high quantile, once there are a few
         self.coef: np.ndarray | None = None  # ms per call, per row, per row x cell, extra per cell in small calls
-        self._since_fit = 0
+        self._since_fit = 0.0  # engine ms observed since the last fit
         self.outliers = 0  # ticks that took more than twice the prediction, once the model is ready
 
     @property
     def ready(self) -> bool:
         return self.coef is not None
 
-    def observe(self, tick: Shape, ms: float, sized: bool = False) -> None:
-        """A tick that ran: `sized` when it carried prompt rows beside decode rows, sized to the target."""
+    def observe(self, tick: Shape, ms: float, sized: bool = False, decode_only: bool = False) -> None:
+        """A tick that ran: `sized` when it carried prompt rows beside decode rows, sized to the target;
+        `decode_only` when every row was a sequence's next token."""
         if tick.rows <= 0 or ms <= 0:
             return
+        if decode_only:
+            self._decode.setdefault(tick.rows.bit_length(), deque(maxlen=DECODE_TICKS)).append(ms)
         if self.ready:
             if ms > 2 * self.predict(tick, sized) + 5:
                 self.outliers += 1
@@ -123,8 +132,8 @@ class TickCost:
                     median, high = np.quantile(self._ratios, [0.5, MISS_QUANTILE])
                     self.correction, self.correction_bound = (float(np.clip(v, *CORRECTION)) for v in (median, high))
         self._shapes.setdefault(tick.rows.bit_length(), deque(maxlen=self._per_shape)).append((tick, ms))
-        self._since_fit += 1
-        if self.samples >= MIN_SAMPLES and (self._since_fit >= REFIT_EVERY or not self.ready):
+        self._since_fit += ms
+        if self.samples >= MIN_SAMPLES and (self._since_fit >= REFIT_MS or not self.ready):
             self._fit()
 
     def describe(self) -> dict:
@@ -143,6 +152,15 @@ class TickCost:
         """The time a tick is expected to take."""
         return self._fitted(tick) * (self.correction if sized else 1.0)
 
+    def decode_tick_ms(self, tick: Shape) -> float:
+        """What a decode-only tick like `tick` takes: measured (the median of the last ones of about its
+        rows, or of the nearest size that ran), the fit's prediction only where none ran yet. Measured,
+        because the fit, which serves prompt-sized ticks, can be far off at a handful of rows."""
+        if not self._decode:
+            return self.predict(tick)
+        size = min(self._decode, key=lambda k: abs(k - tick.rows.bit_length()))
+        return float(np.median(self._decode[size]))
+
     def bound(self, tick: Shape) -> float:
         """A sized tick's time, as ticks of its kind have run at worst lately (nine in ten under it)."""
         return self._fitted(tick) * self.correction_bound
@@ -152,11 +170,15 @@ class TickCost:
         return c * tick.calls + r * tick.rows + a * tick.attn + s * tick.attn_small
 
     def _fit(self) -> None:
-        self._since_fit = 0
+        self._since_fit = 0.0
         pts = [p for d in self._shapes.values() for p in d]
         x, y = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
+        # relative errors, not ms: a 2 ms decode tick is fitted as closely as a 400 ms prompt tick, since the
+        # estimates add up many small ticks (fitted in ms, a decode tick came out 3-4x its measured time)
+        w = 1.0 / np.maximum(y, 1e-3)
+        x, y = x * w[:, None], y * w
         coef = _nonneg_lstsq(x, y)
-        for _ in range(3):  # leave out what fits far worse than the rest (relative to its size), fit again
+        for _ in range(3):  # leave out what fits far worse than the rest, fit again
             err = np.abs(x @ coef - y) / np.maximum(x @ coef, 1e-3)
             keep = err <= max(4 * np.median(err), 0.05)
             if keep.sum() < MIN_SAMPLES:
@@ -250,16 +272,31 @@ def fill_deterministic(room: int, prompts: list[tuple[int, int, int]], decoding:
     return out
 
 
-def prefill_room(cost: TickCost, target_ms: float, top: int, decode: list, unified_cells: int, pos: int) -> int:
+class TickTarget(NamedTuple):
+    """How long a tick with prompt rows may take while sessions decode: `ms` when set, else `ratio` times
+    the decode-only tick those decoders take (but at least MIN_TARGET_MS), so that the longest wait between
+    two tokens is the same number of decode ticks on a slow CPU and a fast GPU; neither: fixed chunks."""
+    ms: float = 0.0
+    ratio: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.ms or self.ratio)
+
+    def bound_ms(self, cost: TickCost, decode_only: Shape) -> float:
+        return self.ms or max(MIN_TARGET_MS, self.ratio * cost.decode_tick_ms(decode_only))
+
+
+def prefill_room(cost: TickCost, target: TickTarget, top: int, decode: list, unified_cells: int, pos: int) -> int:
     """Prompt tokens for a tick beside the `decode` rows ((pos, 1) each), the next prompt at position
     `pos`, `unified_cells` the cells a unified pool holds before the prompt rows (0 on streams). With
     nobody decoding, the most the budget allows (a bigger batch is computed more efficiently and no one
     waits between tokens); with decoders and a target, the most the model says fits it, but always
     some, so prompts move. Every row's attention counts the prompt rows the tick adds, as the fit saw."""
-    if not decode or not target_ms:
+    if not decode or not target:
         return top
     if not cost.ready:
         return min(top, COLD_PREFILL)
+    target_ms = target.bound_ms(cost, shape(decode, unified_cells))
 
     def fits(n: int) -> bool:
         return cost.bound(shape([*decode, (pos, n)], unified_cells + n if unified_cells else 0)) <= target_ms

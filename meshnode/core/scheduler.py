@@ -37,8 +37,8 @@ import numpy as np
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import ConfigError, NodeBudget
-from meshnode.core.costmodel import (TILE_ROWS, TickCost, fill, fill_deterministic, prefill_room, rows_per_call, shape,
-                                     sized)
+from meshnode.core.costmodel import (TILE_ROWS, TickCost, TickTarget, fill, fill_deterministic, prefill_room,
+                                     rows_per_call, shape, sized)
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
 from meshnode.core.seqs import Sequences
@@ -68,13 +68,13 @@ class Counters:
 class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
                  pipeline: TickPipeline | None = None, prefix_cache: str = "off", pool_cells: int = 0,
-                 tick_target_ms: float = 0.0, deterministic: bool = False):
+                 tick_target: TickTarget = TickTarget(), deterministic: bool = False):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
         tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `pipeline`: the ticks
         in flight, shared with whatever sends them (default: one at a time). `prefix_cache`: its
         scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
-        cached KV must fit together; 0 when each sequence has its own stream. `tick_target_ms`: while
-        sessions decode, give each tick the prompt tokens the cost model says fit this (0: always
+        cached KV must fit together; 0 when each sequence has its own stream. `tick_target`: while
+        sessions decode, give each tick the prompt tokens the cost model says fit it (none: always
         the budget's fixed `max_prefill_tokens_per_tick`, which stays the upper bound). `deterministic`:
         chunks cut so that every cell gets the kernel a cold run gives it (costmodel.deterministic_chunk),
         and reuse only of such cells (meshnode/core/prefix.py)."""
@@ -91,7 +91,7 @@ class Scheduler:
         self.deterministic, self.pool_cells = deterministic, pool_cells
         self.seqs = Sequences(budget.n_seq_max, prefix_cache, deterministic, pool_cells)
         self.counters = Counters()
-        self.cost, self.tick_target_ms = TickCost(), tick_target_ms
+        self.cost, self.tick_target = TickCost(), tick_target
         self.draining = False
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
@@ -163,7 +163,7 @@ class Scheduler:
         """The room for `prompts` (in line) beside `decode`, sized at the first one's position."""
         if not prompts:
             return 0
-        return prefill_room(self.cost, self.tick_target_ms, self.budget.max_prefill_tokens_per_tick,
+        return prefill_room(self.cost, self.tick_target, self.budget.max_prefill_tokens_per_tick,
                             [(c.pos, 1) for c in decode], self.cells_planned if self.pool_cells else 0,
                             prompts[0].n_planned)
 
@@ -195,7 +195,8 @@ class Scheduler:
         events: list[Event] = []
         if tick.plan.chunks and result.step_ms > 0:
             spans = [(c.pos, len(c.tokens)) for c in tick.plan.chunks]
-            self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms, sized(spans))
+            self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms, sized(spans),
+                              decode_only=all(n == 1 for _, n in spans))
         missed = set(result.cache_miss)
         for seq_id in missed:  # a finished session's last tick may have lost its cached KV: nothing to keep
             self.seqs.lost(seq_id)

@@ -25,7 +25,7 @@ from ipc.shm import TokenArena, clean_stale
 from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
-from meshnode.core.costmodel import Shape
+from meshnode.core.costmodel import Shape, TickTarget
 from meshnode.core.health import READY, EngineHealth
 from meshnode.core.pipeline import TickPipeline
 from meshnode.core.scheduler import Event, Scheduler
@@ -160,7 +160,8 @@ class Front:
             raise StartStopped("stopped by a signal during start-up")
         mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
         prefill = cfg.prefill_chunk  # with a tick target, an upper bound: as much as one decode carries
-        if prefill is None and cfg.tick_target_ms:
+        target = TickTarget(cfg.tick_target_ms or 0.0, cfg.tick_target_ratio if cfg.tick_target_ms is None else 0.0)
+        if prefill is None and target:
             prefill = info.n_batch - (cfg.max_batch or info.n_seq_max)
         self.budget = NodeBudget.from_engine(
             info, max_active=cfg.max_active, max_queue=cfg.max_queue, max_batch_size=cfg.max_batch,
@@ -168,7 +169,7 @@ class Front:
             weight_budget_bytes=mb(cfg.weight_budget_mb), memory_floor_bytes=mb(cfg.memory_floor_mb))
         sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
                           prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
-                          tick_target_ms=cfg.tick_target_ms, deterministic=info.deterministic)
+                          tick_target=target, deterministic=info.deterministic)
         if info.deterministic_problem:
             log.warning("deterministic mode off: %s", info.deterministic_problem)
         for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request

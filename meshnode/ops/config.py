@@ -64,8 +64,11 @@ class NodeConfig:
                                     range=(1, MAX_SEQ), example=8)
     prefill_chunk: int | None = setting(None, "most prompt tokens per tick; unset = n_batch - max_batch (64 with "
                                         "tick_target_ms = 0)", range=(1, 1 << 20), example=504)
-    tick_target_ms: float = setting(420.0, "while sessions decode, prefill is sized by measured tick cost to keep "
-                                    "ticks under this; 0 = fixed chunks", range=(0, 60_000))
+    tick_target_ms: float | None = setting(None, "while sessions decode, prefill is sized by measured tick cost to "
+                                           "keep ticks under this; unset = tick_target_ratio decode ticks; 0 = fixed "
+                                           "chunks", range=(0, 60_000), example=420.0)
+    tick_target_ratio: float = setting(8.0, "unless tick_target_ms is set: a tick with prompt rows may take this many "
+                                       "times the decode-only tick of the sessions decoding", range=(1, 1000))
     kv_budget_mb: float | None = setting(None, "KV bytes admission may reserve; unset = the whole KV pool",
                                          range=(1e-3, 1e9), example=32.0)
     weight_budget_mb: float | None = setting(None, "refuse to start when the model's weights are larger; unset = no "
