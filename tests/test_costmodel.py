@@ -5,7 +5,7 @@ import pytest
 
 from helpers import Clock, scheduler
 from meshnode.core.capacity import capacity
-from meshnode.core.costmodel import Shape, TickCost, TickTarget, attention, prefill_room, shape, sized
+from meshnode.core.costmodel import Shape, TickCost, TickTarget, attention, prefill_room, shape, sized, within_target
 from meshnode.core.session import Session
 from meshnode.engine.fake import FakeEngine
 
@@ -180,6 +180,22 @@ def test_the_fit_learns_what_small_calls_cost_and_sizing_skips_them_when_a_tile_
     assert true_cost(shape([*decode, (900, 63)], 0)) > true_cost(shape([*decode, (900, 64)], 0))
     target = true_cost(shape([*decode, (900, 64)], 0)) * 1.05
     assert prefill_room(cost, TickTarget(target), 504, decode, 0, 900) == 64  # not the largest small chunk under it
+
+
+def test_a_second_prompt_chunk_stays_only_if_the_tick_still_meets_the_target():
+    """The room is sized for one chunk; where the first prompt finishes and the next starts, the second chunk
+    is another call on streams, and it waits for the next tick when the two together would run over."""
+    cost, rng = TickCost(), np.random.default_rng(1)
+    for _ in range(200):
+        k, n, pos = int(rng.integers(1, 9)), int(rng.integers(2, 300)), int(rng.integers(0, 900))
+        s = shape([(int(rng.integers(0, 900)), 1)] * k + [(pos, n)], 0)
+        cost.observe(s, true_cost(s), sized=True)
+    decode, chunks = [(100, 1)] * 4, [(900, 100), (0, 128)]
+    both = cost.bound(shape([*decode, *chunks], 0))
+    assert within_target(cost, TickTarget(both * 1.01), decode, 0, chunks) == 2
+    assert within_target(cost, TickTarget(both * 0.9), decode, 0, chunks) == 1
+    assert within_target(cost, TickTarget(1.0), decode, 0, chunks) == 1  # the first always moves
+    assert within_target(cost, TickTarget(), decode, 0, chunks) == 2  # fixed chunks: no target to meet
 
 
 def test_the_correction_follows_sized_ticks_only_and_sizing_uses_its_high_quantile():

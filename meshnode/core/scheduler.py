@@ -38,7 +38,7 @@ from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import ConfigError, NodeBudget
 from meshnode.core.costmodel import (TILE_ROWS, TickCost, TickTarget, fill, fill_deterministic, prefill_room,
-                                     rows_per_call, shape, sized)
+                                     rows_per_call, shape, sized, within_target)
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
 from meshnode.core.seqs import Sequences
@@ -145,6 +145,9 @@ class Scheduler:
         prompts = [s for s in self.running if s.pending > 1 and not s.leader][: b.max_batch_size - len(chunks)]
         sizes = self.fill(self._prefill_room([c for _, c in chunks], prompts),
                           [(s.n_planned, s.pending, len(s.prompt)) for s in prompts], bool(chunks))
+        sizes = sizes[:within_target(self.cost, self.tick_target, [(c.pos, 1) for _, c in chunks],
+                                     self.cells_planned if self.pool_cells else 0,
+                                     [(s.n_planned, n) for s, n in zip(prompts, sizes)])]
         for s, n in zip(prompts, sizes):
             chunks.append(self._chunk(s, n))
             self.counters.prefill_tokens += n
