@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
                    "also unified)")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
-    p.add_argument("--llama-server", help="chat, burst, structured, gateway: a llama-server binary to run side by side (README, "
+    p.add_argument("--llama-server", help="chat, burst, structured, gateway, scale: a llama-server binary to run side by side (README, "
                    "Benchmarks)")
     chat = p.add_argument_group("chat workload")
     chat.add_argument("--users", type=int, default=8)

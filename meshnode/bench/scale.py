@@ -9,12 +9,14 @@
 - KV per type (f16, q8_0, q4_0 for K and V) on the bench model (or --model): the bytes a token takes as the
   budget counts them, beside the KV buffer llama.cpp itself allocated (its load log), and how many
   sessions of 4,096 tokens fit 4 GiB of KV.
-The rest of issue 28's scale benchmark (concurrency and depth against llama-server, RSS per session, the
-prefix cache with many conversations) is not written yet.
+With `--llama-server PATH`, also concurrency 1-64 and depth 512-16k beside llama-server
+(meshnode/bench/scale_peers.py). Not written yet: RSS per session and the prefix cache with many
+conversations (issue 28, 5c-d).
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -101,8 +103,18 @@ def main(a) -> int:
         print(f"KV {t}: {k['kv_bytes_per_token']} B a token as budgeted; the budget {k['budget_bytes']} B vs llama.cpp's "
               f"buffer {k['llama_cpp_kv_bytes']} B ({k['budget_over_llama_cpp']:.3f}x); {k['sessions_of_4096_in_4gib']} "
               "sessions of 4,096 tokens in 4 GiB")
+    peers = None
+    if a.llama_server:
+        from meshnode.bench import scale_peers
+        from meshnode.ops.models import cached_model
+
+        deep = None if a.model else str(cached_model("bench-32k"))
+        print(f"beside llama-server: {model_path(a)}, depth on {deep or 'none (--model given)'}", flush=True)
+        peers = scale_peers.run(a, model_path(a), a.threads or os.cpu_count(), deep)
+        for line in scale_peers.verdicts(peers):
+            print(line)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"build": llama_build(), "step_ms": STEP_MS, "runs": runs, "median": med, "kv_types": kv}, f,
-                      indent=1)
+            json.dump({"build": llama_build(), "step_ms": STEP_MS, "runs": runs, "median": med, "kv_types": kv,
+                       "peers": peers}, f, indent=1)
     return 0
