@@ -236,15 +236,41 @@ def scale() -> list[str]:
     d = load("scale-bench.json")
     if not d:
         return []
+    peers = d.get("peers")
+    cmd = "--llama-server PATH " if peers else ""
+    kind = "mean" if "plan_us_mean" in next(iter(d["median"].values())) else "p50"
     md = ["## The node's own cost per tick as sessions grow", "",
-          f"`meshnode bench scale --rounds 3 --json evidence/scale-bench.json`, on {d['build']}: a node over the fake "
-          f"engine sleeping {d['step_ms']:g} ms a step (a fast GPU tick), N sessions decoding; and the scheduler's "
-          "plan() and apply() alone in one process. Medians of rounds.", "",
+          f"`meshnode bench scale --rounds {len(next(iter(d['runs'].values())))} {cmd}--json evidence/scale-bench.json`, "
+          f"on {d['build']}: a node over the fake engine taking {d['step_ms']:g} ms a step (a fast GPU tick), N "
+          "sessions decoding; and the scheduler's plan() and apply() alone in one process (their "
+          f"{kind} time a tick). Medians of rounds.", "",
           "| sessions | ms a tick | the node's own ms | share of the 5 ms | plan() us | apply() us |",
           "|---|---|---|---|---|---|"]
     for n, m in d["median"].items():
         md.append(f"| {n} | {m['ms_per_tick']:.2f} | {m['node_ms_per_tick']:.2f} | {m['node_share_of_5ms']:.0%} | "
-                  f"{m['plan_us_p50']:.0f} | {m['apply_us_p50']:.0f} |")
+                  f"{m[f'plan_us_{kind}']:.0f} | {m[f'apply_us_{kind}']:.0f} |")
+    if peers:
+        md += ["", "Beside llama-server (`-np N`, the same model, threads and 512 cells a session; bench model): N "
+               "sessions submitted together, 32-token prompts, 64 tokens each; medians of rounds, node / llama-server.",
+               "", "| sessions | tok/s | gap p50 ms | gap p99 ms | first token p50 ms | p99 |", "|---|---|---|---|---|---|"]
+        for n, rounds in peers["concurrency"].items():
+            m = {side: {k: float(np.median([r[side][k] for r in rounds])) for k in rounds[0][side]} for side in rounds[0]}
+            a, b = m["node"], m["llama-server"]
+            md.append(f"| {n} | {a['tok_s']:.1f} / {b['tok_s']:.1f} | {a['gap_p50_ms']:.1f} / {b['gap_p50_ms']:.1f} | "
+                      f"{a['gap_p99_ms']:.1f} / {b['gap_p99_ms']:.1f} | {a['ttft_p50_ms']:.0f} / {b['ttft_p50_ms']:.0f} | "
+                      f"{a['ttft_p99_ms']:.0f} / {b['ttft_p99_ms']:.0f} |")
+        if peers["depth"]:
+            md += ["", "One session at depth (bench-32k model), node / llama-server:", "",
+                   "| prompt tokens | prefill tok/s | decode ms a token |", "|---|---|---|"]
+            for dep, rounds in peers["depth"].items():
+                m = {side: {k: float(np.median([r[side][k] for r in rounds])) for k in rounds[0][side]} for side in rounds[0]}
+                a, b = m["node"], m["llama-server"]
+                md.append(f"| {dep} | {a['prefill_tok_s']:.1f} / {b['prefill_tok_s']:.1f} | "
+                          f"{a['decode_ms_per_token']:.1f} / {b['decode_ms_per_token']:.1f} |")
+        if "verdicts" not in peers:  # written by a run before scale.py kept them
+            from meshnode.bench.scale_peers import verdicts
+            peers["verdicts"] = verdicts(peers)
+        md += [""] + [f"- {line}" for line in peers["verdicts"]]
     md += ["", "KV cache types (`-ctk` / `-ctv`, bench model): the budget's bytes beside the KV buffer llama.cpp "
                "allocated (its load log, 0.01 MiB steps).", "",
            "| type | bytes a token | budget / llama.cpp's buffer | sessions of 4,096 tokens in 4 GiB |", "|---|---|---|---|"]

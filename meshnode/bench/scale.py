@@ -111,7 +111,8 @@ def main(a) -> int:
         deep = None if a.model else str(cached_model("bench-32k"))
         print(f"beside llama-server: {model_path(a)}, depth on {deep or 'none (--model given)'}", flush=True)
         peers = scale_peers.run(a, model_path(a), a.threads or os.cpu_count(), deep)
-        for line in scale_peers.verdicts(peers):
+        peers["verdicts"] = scale_peers.verdicts(peers)
+        for line in peers["verdicts"]:
             print(line)
     if a.json:
         with open(a.json, "w") as f:
