@@ -4,7 +4,8 @@ llama-server's own HTTP.
 One node with its gateway child (`serve --http`); rounds whose order rotates:
 - the same sessions (64 greedy tokens, EOS ignored) at concurrency 1 and 8 through the node's ZeroMQ
   client and through the gateway's streamed /v1/completions: aggregate tok/s, first token and the gap
-  between tokens (p50, p99) as the client sees them;
+  between tokens (p50, p99) as the client sees them, and the CPU each process spent per token (this
+  client, the front, the gateway, the engine: on a 2-core host they all share the engine's cores);
 - the 16-job mix (prompts 4-100 tokens, 32 new, concurrency 8) and `bench burst`'s burst (4 decoding, then
   4 prompts of 1,000 tokens) through the gateway and, given `--llama-server`, through llama-server's
   /v1/completions on the same model, threads, 8 slots and context.
@@ -107,8 +108,30 @@ def figures(res: dict) -> dict:
     n = sum(len(ts) for _, ts in res.values())
     ttft = [(ts[0] - t0) * 1e3 for t0, ts in res.values()]
     gaps = [g * 1e3 for _, ts in res.values() for g in np.diff(ts)]
-    return {"tok_s": n / (max(ends) - min(starts)), "ttft_p50_ms": float(np.median(ttft)),
+    return {"tokens": n, "tok_s": n / (max(ends) - min(starts)), "ttft_p50_ms": float(np.median(ttft)),
             "gap_p50_ms": float(np.percentile(gaps, 50)), "gap_p99_ms": float(np.percentile(gaps, 99))}
+
+
+def processes(node_pid: int) -> dict:
+    """The processes whose CPU a side spends: this one (the client), the node's front, its gateway child
+    and its engine."""
+    import psutil
+
+    front = psutil.Process(node_pid)
+    out = {"client": psutil.Process(), "front": front}
+    for child in front.children():
+        out["gateway" if "gateway" in " ".join(child.cmdline()) else "engine"] = child
+    return out
+
+
+def with_cpu(procs: dict, side) -> dict:
+    """Run a side; add each process's CPU time per token it streamed (user + system, ms)."""
+    def cpu():
+        return {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
+    before = cpu()
+    got = side()
+    after = cpu()
+    return {**got, **{f"cpu_ms_per_token_{k}": (after[k] - before[k]) * 1e3 / got["tokens"] for k in procs}}
 
 
 def main(a) -> int:
@@ -136,10 +159,13 @@ def main(a) -> int:
     with NodeProcess(path, "--threads", str(threads), "--log-level", "WARNING", "--max-active", "8", "--ctx", str(CTX),
                      "--http", f"127.0.0.1:{port}") as node, node.client(timeout_s=600) as c:
         _wait_http(port)
+        procs = processes(node.proc.pid)
         for r in range(a.rounds):
-            sides = {f"c{k} zmq": (lambda k=k, r=r: figures(over_zmq(c, salted(same[k], r), k, f"r{r}c{k}")))
+            sides = {f"c{k} zmq": (lambda k=k, r=r: with_cpu(procs, lambda: figures(over_zmq(c, salted(same[k], r), k,
+                                                                                               f"r{r}c{k}"))))
                      for k in (1, 8)}
-            sides.update({f"c{k} http": (lambda k=k, r=r: figures(over_http(port, salted(same[k], r), k)))
+            sides.update({f"c{k} http": (lambda k=k, r=r: with_cpu(procs, lambda: figures(over_http(port, salted(same[k], r),
+                                                                                                    k))))
                           for k in (1, 8)})
             sides["mix gateway"] = lambda r=r: figures(over_http(port, salted(mix, r), 8))
             sides["burst gateway"] = lambda r=r: burst_with(_completer(port), r + 1)
@@ -161,6 +187,9 @@ def main(a) -> int:
         verdict.append(f"concurrency {k}, paired by round: the gateway costs {cost[len(cost) // 2]:+.1%} throughput "
                        f"(rounds {', '.join(f'{x:+.1%}' for x in cost)}), {p99[len(p99) // 2]:+.1f} ms p99 between tokens "
                        f"(rounds {', '.join(f'{x:+.1f}' for x in p99)}), {first[len(first) // 2]:+.1f} ms first token p50")
+        z, h = med[f"c{k} zmq"], med[f"c{k} http"]
+        verdict.append(f"concurrency {k}, CPU ms per token (medians), zmq side / http side: " + ", ".join(
+            f"{p} {z[f'cpu_ms_per_token_{p}']:.3f} / {h[f'cpu_ms_per_token_{p}']:.3f}" for p in procs))
     if a.llama_server:
         g, s = med["mix gateway"], med["mix llama-server"]
         verdict.append(f"16-job mix over HTTP: gateway + node {g['tok_s']:.1f} tok/s vs llama-server {s['tok_s']:.1f} "
