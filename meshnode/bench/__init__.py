@@ -30,7 +30,7 @@ BENCHES = {
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
-    p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench", "bench-32k"])
+    p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench", "bench-32k", "bench-long"])
     p.add_argument("--model", help="a GGUF instead of the preset")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per session")

@@ -108,7 +108,7 @@ def main(a) -> int:
         from meshnode.bench import scale_peers
         from meshnode.ops.models import cached_model
 
-        deep = None if a.model else str(cached_model("bench-32k"))
+        deep = None if a.model else str(cached_model("bench-long"))
         print(f"beside llama-server: {model_path(a)}, depth on {deep or 'none (--model given)'}", flush=True)
         peers = scale_peers.run(a, model_path(a), a.threads or os.cpu_count(), deep)
         peers["verdicts"] = scale_peers.verdicts(peers)

@@ -6,7 +6,7 @@
   last token), the gap between a session's tokens (p50, p99) and the first-token delay (p50, p99);
 - depth: one session whose prompt is 512, 2k, 8k or 16k tokens, then 64 tokens: prefill tok/s (prompt
   over first-token delay) and decode ms a token. Needs a model with that much trained context (the
-  bench-32k preset).
+  bench-long preset).
 Each round runs both servers at every level, their order alternating, on the same model and threads.
 """
 from __future__ import annotations
@@ -46,6 +46,9 @@ def node_side(path: str, threads: int, prompts: list[list[int]], ctx: int) -> di
             starts.append(time.monotonic())
             c.submit(f"s{i}", tokens=p, max_tokens=NEW, ignore_eos=True)
         res = c.collect([f"s{i}" for i in range(n)])
+    for i in range(n):
+        if len(res[f"s{i}"].token_times) < NEW:
+            raise RuntimeError(f"the node ended session s{i} early: {res[f's{i}'].done}")
     return figures(starts, [res[f"s{i}"].token_times for i in range(n)])
 
 
@@ -56,6 +59,8 @@ def server_side(binary: str, path: str, threads: int, prompts: list[list[int]], 
         def one(i: int) -> None:
             starts[i] = time.monotonic()
             server.complete(prompts[i], NEW, on_token=times[i].append)
+            if len(times[i]) < NEW:
+                raise RuntimeError(f"llama-server ended request {i} after {len(times[i])} tokens")
         workers = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         for w in workers:
             w.start()

@@ -46,6 +46,8 @@ PRESETS = {
     # the bench shape with a 32k byte-level BPE vocab (real words, then every 2- and 3-letter piece): where a
     # vocabulary-wide cost shows (structured output's masks, sampling), as with real models' 32k-150k vocabs
     "bench-32k": Preset(12, 1024, 16, 4, 2816, 32768, 4096, np.float16, "bpe"),
+    # the bench shape trained (as its metadata says) to 32k positions: one session deep in a context
+    "bench-long": Preset(12, 1024, 16, 4, 2816, 512, 32768, np.float16),
 }
 
 WORDS = ("the of and to in is it you that he was for on are with as his they be at one have this "
