@@ -288,6 +288,39 @@ def test_one_remote_address_holds_at_most_its_share_of_connections(monkeypatch, 
         router.close()
 
 
+def test_a_connection_just_sent_a_stream_is_not_the_one_given_up(zctx):
+    """At the cap, eviction takes the connection quiet longest in both directions. A client whose session
+    ended may not have read its stream yet: the end (its `done`) can still sit in ZeroMQ's queue on the
+    node's side, and closing the connection would lose it (seen once under load in
+    test_idle_clients_give_way_to_new_ones_and_busy_ones_never_do). So the answers sent count as use,
+    as the requests heard do: the client that was streamed to last is given up last."""
+    import zmq
+
+    from ipc.transport import free_tcp_port
+    from meshnode.front import gate as G
+
+    clock = [0.0]
+    router = zctx.socket(zmq.ROUTER)
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    router.bind(ep)
+    g = G.Gate(router, ep, cap=2, busy=set, evict_after_s=1.0, clock=lambda: clock[0])
+    try:
+        g.heard(101, b"streamed")  # submitted first ...
+        clock[0] = 1.0
+        g.heard(102, b"pinged")  # ... then a ping, answered
+        g.sent(b"pinged")
+        for t in (2.0, 3.0, 4.0):  # the stream's tokens and its done, after that
+            clock[0] = t
+            g.sent(b"streamed")
+        clock[0] = 10.0
+        assert g._idlest() == 102
+        g.sent(b"unknown")  # an answer to an identity with no connection here changes nothing
+        assert g._idlest() == 102
+    finally:
+        g.close()
+        router.close()
+
+
 def test_an_unclosed_client_in_a_reference_cycle_does_not_hang_the_garbage_collector():
     """pyzmq's own finalizer deadlocks on a context collected with its sockets (the clients' finalizer
     closes them first); run where the tests' guard (conftest.py) is not installed."""

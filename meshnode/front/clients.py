@@ -95,6 +95,7 @@ class Clients:
             self.share.spend(time.perf_counter() - start + received * RECEIVE_S_PER_BYTE)
 
     def send(self, ident: bytes, frames: list[bytes], final: bool = True) -> str:
+        self.gates[0].sent(ident)
         return self.outbox.send(ident, frames, final)
 
     def flush(self) -> None:

@@ -60,7 +60,7 @@ def open_descriptors() -> int:
 
 @dataclass
 class Conn:
-    since: float  # accepted, then last heard from
+    since: float  # accepted, then the last request heard or answer sent
     ident: bytes | None = None  # the ROUTER identity its last request came with
     host: str | None = None  # the peer's address on tcp://
 
@@ -69,7 +69,9 @@ class Gate:
     """One listening socket's connections: counted, capped, and the idle ones given up first.
 
     At the cap, a new connection takes the place of the longest-idle one that has no session and no
-    answer waiting (`busy()` names the identities that do) and has been silent for `evict_after_s`;
+    answer waiting (`busy()` names the identities that do) and has been quiet both ways for
+    `evict_after_s`: a connection just sent a stream may still hold its end, unread, in ZeroMQ's queue
+    on our side, which closing it would lose (its `done` with it);
     when there is none, the new one is closed instead, and its client's ZeroMQ socket keeps its
     requests and connects again until there is room. The silence matters: a request already on its
     way on a connection being closed is lost, so only a connection quiet for a while is taken. With
@@ -89,6 +91,7 @@ class Gate:
         self.refused_total = self.evicted_total = 0
         self._local = _local_address(endpoint)
         self._closing: set[int] = set()  # shut down by us: their DISCONNECTED is no news
+        self._fd_of: dict[bytes, int] = {}  # identity -> the connection its last request came on
 
     @property
     def connected(self) -> int:
@@ -105,7 +108,7 @@ class Gate:
                 if fd in self._closing:
                     self._closing.discard(fd)
                 else:
-                    self.conns.pop(fd, None)
+                    self._forget(fd)
 
     def _accept(self, fd: int) -> None:
         if fd in self.conns:  # heard from before this event came: taken in already
@@ -131,6 +134,13 @@ class Gate:
             self.conns[fd] = Conn(self.clock(), ident)
         else:
             conn.since, conn.ident = self.clock(), ident
+        self._fd_of[ident] = fd
+
+    def sent(self, ident: bytes) -> None:
+        """An answer went to `ident`: its connection is in use until the client could have read it."""
+        conn = self.conns.get(self._fd_of.get(ident, -1))
+        if conn is not None and conn.ident == ident:
+            conn.since = self.clock()
 
     def expire(self) -> None:
         """Close the connections idle past `idle_s` (called once a second)."""
@@ -156,8 +166,13 @@ class Gate:
             return False
         self._closing.add(fd)
         if known:
-            self.conns.pop(fd, None)
+            self._forget(fd)
         return True
+
+    def _forget(self, fd: int) -> None:
+        conn = self.conns.pop(fd, None)
+        if conn is not None and self._fd_of.get(conn.ident) == fd:
+            del self._fd_of[conn.ident]
 
     def close(self) -> None:
         self.sock.disable_monitor()
