@@ -260,7 +260,7 @@ def scale() -> list[str]:
                       f"{a['gap_p99_ms']:.1f} / {b['gap_p99_ms']:.1f} | {a['ttft_p50_ms']:.0f} / {b['ttft_p50_ms']:.0f} | "
                       f"{a['ttft_p99_ms']:.0f} / {b['ttft_p99_ms']:.0f} |")
         if peers["depth"]:
-            md += ["", "One session at depth (bench-32k model), node / llama-server:", "",
+            md += ["", "One session at depth (bench-long model: the bench shape, 32k trained context), node / llama-server:", "",
                    "| prompt tokens | prefill tok/s | decode ms a token |", "|---|---|---|"]
             for dep, rounds in peers["depth"].items():
                 m = {side: {k: float(np.median([r[side][k] for r in rounds])) for k in rounds[0][side]} for side in rounds[0]}
