@@ -254,8 +254,7 @@ def scale() -> list[str]:
                "sessions submitted together, 32-token prompts, 64 tokens each; medians of rounds, node / llama-server.",
                "", "| sessions | tok/s | gap p50 ms | gap p99 ms | first token p50 ms | p99 |", "|---|---|---|---|---|---|"]
         for n, rounds in peers["concurrency"].items():
-            m = {side: {k: float(np.median([r[side][k] for r in rounds])) for k in rounds[0][side]} for side in rounds[0]}
-            a, b = m["node"], m["llama-server"]
+            a, b = _side_medians(rounds)
             md.append(f"| {n} | {a['tok_s']:.1f} / {b['tok_s']:.1f} | {a['gap_p50_ms']:.1f} / {b['gap_p50_ms']:.1f} | "
                       f"{a['gap_p99_ms']:.1f} / {b['gap_p99_ms']:.1f} | {a['ttft_p50_ms']:.0f} / {b['ttft_p50_ms']:.0f} | "
                       f"{a['ttft_p99_ms']:.0f} / {b['ttft_p99_ms']:.0f} |")
@@ -263,8 +262,7 @@ def scale() -> list[str]:
             md += ["", "One session at depth (bench-long model: the bench shape, 32k trained context), node / llama-server:", "",
                    "| prompt tokens | prefill tok/s | decode ms a token |", "|---|---|---|"]
             for dep, rounds in peers["depth"].items():
-                m = {side: {k: float(np.median([r[side][k] for r in rounds])) for k in rounds[0][side]} for side in rounds[0]}
-                a, b = m["node"], m["llama-server"]
+                a, b = _side_medians(rounds)
                 md.append(f"| {dep} | {a['prefill_tok_s']:.1f} / {b['prefill_tok_s']:.1f} | "
                           f"{a['decode_ms_per_token']:.1f} / {b['decode_ms_per_token']:.1f} |")
         if "verdicts" not in peers:  # written by a run before scale.py kept them
@@ -277,6 +275,12 @@ def scale() -> list[str]:
     for t, k in d.get("kv_types", {}).items():
         md.append(f"| {t} | {k['kv_bytes_per_token']} | {k['budget_over_llama_cpp']:.3f} | {k['sessions_of_4096_in_4gib']} |")
     return md + [""]
+
+
+def _side_medians(rounds: list[dict]) -> tuple[dict, dict]:
+    """The node's and llama-server's figures, each the median of its rounds."""
+    return tuple({k: float(np.median([r[side][k] for r in rounds])) for k in rounds[0][side]}
+                 for side in ("node", "llama-server"))
 
 
 def deterministic_sweeps() -> list[str]:

@@ -77,16 +77,22 @@ def depth_figures(f: dict, depth: int) -> dict:
     return {"prefill_tok_s": depth / (f["ttft_p50_ms"] / 1e3), "decode_ms_per_token": f["gap_p50_ms"]}
 
 
+def side_by_side(sides: dict, flip: bool) -> dict:
+    """Each side's figures, run in the order given or, when `flip`, the other way round (so the machine's
+    drift favours neither); the result in the order they ran."""
+    names = list(sides)[::-1] if flip else list(sides)
+    return {name: sides[name]() for name in names}
+
+
 def run(a, path: str, threads: int, deep_path: str | None, log=print) -> dict:
     """Every round: each concurrency level, then each depth, node and llama-server side by side."""
     out: dict = {"concurrency": {}, "depth": {}}
     for r in range(a.rounds):
         for k, n in enumerate(LEVELS):
             prompts = [prompt(i, PROMPT, r) for i in range(n)]
-            sides = {"node": lambda: node_side(path, threads, prompts, n * CELLS),
-                     "llama-server": lambda: server_side(a.llama_server, path, threads, prompts, n * CELLS)}
-            names = list(sides)[::-1] if (r + k) % 2 else list(sides)
-            got = {name: sides[name]() for name in names}
+            got = side_by_side({"node": lambda: node_side(path, threads, prompts, n * CELLS),
+                                "llama-server": lambda: server_side(a.llama_server, path, threads, prompts, n * CELLS)},
+                               flip=(r + k) % 2 == 1)
             out["concurrency"].setdefault(str(n), []).append(got)
             log(f"  round {r + 1} concurrency {n:>2}: " + "; ".join(
                 f"{name} {f['tok_s']:6.1f} tok/s gap p50 {f['gap_p50_ms']:6.1f} p99 {f['gap_p99_ms']:6.1f} ms first "
@@ -95,10 +101,10 @@ def run(a, path: str, threads: int, deep_path: str | None, log=print) -> dict:
             continue
         for k, d in enumerate(DEPTHS):
             p = [prompt(0, d, r)]
-            sides = {"node": lambda: node_side(deep_path, threads, p, d + 2 * NEW),
-                     "llama-server": lambda: server_side(a.llama_server, deep_path, threads, p, d + 2 * NEW)}
-            names = list(sides)[::-1] if (r + k) % 2 else list(sides)
-            got = {name: depth_figures(sides[name](), d) for name in names}
+            got = side_by_side({"node": lambda: depth_figures(node_side(deep_path, threads, p, d + 2 * NEW), d),
+                                "llama-server": lambda: depth_figures(
+                                    server_side(a.llama_server, deep_path, threads, p, d + 2 * NEW), d)},
+                               flip=(r + k) % 2 == 1)
             out["depth"].setdefault(str(d), []).append(got)
             log(f"  round {r + 1} depth {d:>5}: " + "; ".join(
                 f"{name} prefill {f['prefill_tok_s']:6.1f} tok/s decode {f['decode_ms_per_token']:6.1f} ms/token"

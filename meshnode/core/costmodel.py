@@ -107,6 +107,7 @@ class TickCost:
         self._shapes: dict[int, deque] = {}  # rows.bit_length() -> (Shape, ms), newest last
         self._ratios: deque = deque(maxlen=RATIOS)  # measured / fitted, for the last sized ticks
         self._decode: dict[int, deque] = {}  # rows.bit_length() -> ms of the last decode-only ticks
+        self._decode_ms: dict[int, float] = {}  # ... and their median, kept as they come (read every plan)
         self.correction = self.correction_bound = 1.0  # median and high quantile, once there are a few
         self.coef: np.ndarray | None = None  # ms per call, per row, per row x cell, extra per cell in small calls
         self._since_fit = 0.0  # engine ms observed since the last fit
@@ -122,7 +123,9 @@ class TickCost:
         if tick.rows <= 0 or ms <= 0:
             return
         if decode_only:
-            self._decode.setdefault(tick.rows.bit_length(), deque(maxlen=DECODE_TICKS)).append(ms)
+            size = tick.rows.bit_length()
+            self._decode.setdefault(size, deque(maxlen=DECODE_TICKS)).append(ms)
+            self._decode_ms[size] = float(np.median(self._decode[size]))
         if self.ready:
             if ms > 2 * self.predict(tick, sized) + 5:
                 self.outliers += 1
@@ -156,10 +159,10 @@ class TickCost:
         """What a decode-only tick like `tick` takes: measured (the median of the last ones of about its
         rows, or of the nearest size that ran), the fit's prediction only where none ran yet. Measured,
         because the fit, which serves prompt-sized ticks, can be far off at a handful of rows."""
-        if not self._decode:
+        if not self._decode_ms:
             return self.predict(tick)
-        size = min(self._decode, key=lambda k: abs(k - tick.rows.bit_length()))
-        return float(np.median(self._decode[size]))
+        size = min(self._decode_ms, key=lambda k: abs(k - tick.rows.bit_length()))
+        return self._decode_ms[size]
 
     def bound(self, tick: Shape) -> float:
         """A sized tick's time, as ticks of its kind have run at worst lately (nine in ten under it)."""

@@ -70,10 +70,9 @@ def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_c
         toks = np.asarray(c.tokens)
         if toks.ndim != 1 or toks.dtype.kind not in "iu":
             raise InvalidPlan(f"sequence {c.seq_id} tokens are not a 1-d integer array")
-        if n == 1:  # a decode row: a scalar check, not two reductions (most of validation's time a tick)
-            if not 0 <= int(toks[0]) < n_vocab:
-                raise InvalidPlan(f"sequence {c.seq_id} has a token id outside [0, {n_vocab})")
-        elif toks.min() < 0 or toks.max() >= n_vocab:
+        # a decode row's one token is read as is, not through two reductions (most of validation's time a tick)
+        lo, hi = (int(toks[0]),) * 2 if n == 1 else (toks.min(), toks.max())
+        if lo < 0 or hi >= n_vocab:
             raise InvalidPlan(f"sequence {c.seq_id} has a token id outside [0, {n_vocab})")
         if (c.draw >= 0 and c.sampling is None and c.pos > 0
                 and (c.seq_id not in samplers or c.seq_id in fresh)):
