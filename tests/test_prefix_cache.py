@@ -224,7 +224,7 @@ def test_in_deterministic_mode_only_a_long_prompts_own_cells_are_reused_and_a_ti
     q = prompt(100)
     cache.store(0, q + prompt(30, salt=5), 130, "a", n_prompt=100)
     hit = cache.find(q + prompt(30, salt=5) + prompt(70, salt=6), "b", [])
-    assert hit.n == 100  # the prompt's cells; the answer's 30 are recomputed
+    assert hit.n == 100 and hit.takeover  # the prompt's cells; the answer's 30 are recomputed, so worth no copy
     assert cache.find(q + prompt(20, salt=6), "b", []).n == 120 - 64  # leaves a tile
     assert cache.find(q[:70], "b", []) is None  # 70 - 64 = 6 tokens: under MIN_SHARE, not worth a copy
     cache.store(1, prompt(40, salt=9) + prompt(30, salt=5), 70, "a", n_prompt=40)
@@ -232,3 +232,18 @@ def test_in_deterministic_mode_only_a_long_prompts_own_cells_are_reused_and_a_ti
     plain = PrefixCache("node")
     plain.store(0, q + prompt(30, salt=5), 130, "a", n_prompt=100)
     assert plain.find(q + prompt(30, salt=5) + prompt(70, salt=6), "b", []).n == 130
+
+
+def test_in_deterministic_mode_as_many_conversations_as_ids_each_reuse_their_own_next_turn():
+    """Every id holds a finished conversation; their next turns, in the order they were stored (the order
+    LRU evicts in): each takes its own sequence over, so none evicts the one next in line."""
+    engine, sched = scheduler(prefix_cache="client", max_active=2)
+    sched.seqs.cache.deterministic = True
+    firsts = [Session(u, prompt(100, salt=u), 8, owner=u, ignore_eos=True) for u in range(8)]
+    finish(sched, engine, *firsts)
+    assert len(sched.seqs.cache.entries) == 8 and not sched.seqs.free
+    seconds = [Session(10 + u, s.tokens + prompt(70, salt=20 + u), 8, owner=u, ignore_eos=True)
+               for u, s in enumerate(firsts)]
+    finish(sched, engine, *seconds)
+    assert [s.n_reused for s in seconds] == [100] * 8
+    assert sched.seqs.cache.counters.evictions == 0

@@ -5,8 +5,9 @@ with the same system text. A session whose tokens start with tokens whose KV the
 engine still holds prefills only the rest. Two sources:
 - a finished session's sequence (an *entry*): the new session takes the sequence
   over and trims it where the tokens part (`Keep`), the way llama-server reuses a
-  slot; when the entry holds more than the new session shares, the shared part is
-  copied instead (`Share`) and the entry stays for whoever continues it;
+  slot; when the entry holds more that another prompt could reuse than the new
+  session shares, the shared part is copied instead (`Share`) and the entry stays
+  for whoever continues it;
 - a live session's computed tokens (`Share`), e.g. a system prompt that another
   session is already decoding after; when that session is still computing them
   (users sending one system prompt at the same moment), the new session waits
@@ -101,6 +102,15 @@ class PrefixCache:
             n = min(n, n_src_prompt if n_src_prompt >= TILE_ROWS else 0, n_prompt - TILE_ROWS)
         return max(n, 0)
 
+    def _worth(self, e: Entry) -> int:
+        """The most any prompt could reuse of an entry. In deterministic mode only a long prompt's own cells
+        are: a conversation's next turn reuses all of them, so it takes the sequence over instead of copying
+        them into another (which took a second id; with as many conversations as ids, each copy evicted the
+        entry of the user next in line, who then reused only the shared system prompt)."""
+        if self.deterministic:
+            return min(len(e.tokens) - 1, e.n_prompt if e.n_prompt >= TILE_ROWS else 0)
+        return len(e.tokens) - 1
+
     def store(self, seq_id: int, tokens: list[int], cells: int, owner: Hashable, n_prompt: int = 0) -> bool:
         """Keep a finished session's sequence; False when the cache is off or there is nothing to keep
         (the caller releases it)."""
@@ -120,7 +130,7 @@ class PrefixCache:
         for e in self.entries.values():
             if self._mine(owner, e.owner):
                 n = self._usable(common_prefix(p, e.tokens), e.n_prompt, len(p))
-                whole = n >= len(e.tokens) - 1  # nothing of value beyond what is reused: take it over
+                whole = n >= self._worth(e)  # nothing of value beyond what is reused: take it over
                 if (n > 0 if whole else n >= MIN_SHARE) and (best is None or n > best.n):
                     best = Hit(e.seq_id, n, entry=True, takeover=whole)
         for seq_id, tokens, other, n_src_prompt in live:
