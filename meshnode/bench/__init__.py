@@ -24,6 +24,8 @@ BENCHES = {
     "rpc": "the model split over 1 and 2 ggml RPC workers vs local, and behind 0.2-5 ms of round trip",
     "scale": "the node's own time per tick over a 5 ms fake engine, and plan()/apply(), at 1-64 sessions",
     "gateway": "the OpenAI HTTP gateway vs the ZeroMQ client at concurrency 1 and 8, and the mix vs llama-server's HTTP",
+    "memory": "RSS per decoding session and per cached conversation, KV types as budgeted vs resident, 100 cached "
+              "conversations' hit rate and lookup time",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }
 

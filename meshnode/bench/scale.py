@@ -10,8 +10,7 @@
   budget counts them, beside the KV buffer llama.cpp itself allocated (its load log), and how many
   sessions of 4,096 tokens fit 4 GiB of KV.
 With `--llama-server PATH`, also concurrency 1-64 and depth 512-16k beside llama-server
-(meshnode/bench/scale_peers.py). Not written yet: RSS per session and the prefix cache with many
-conversations (issue 28, 5c-d).
+(meshnode/bench/scale_peers.py). Memory per session and per cached conversation: `meshnode bench memory`.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import time
 import numpy as np
 
 from meshnode.bench import llama_build, model_path, steady_rate
+from meshnode.bench.memory import kv_types
 from meshnode.dev.nodeproc import NodeProcess
 
 STEP_MS = 5.0
@@ -65,19 +65,6 @@ def policy(n: int, ticks: int = 300) -> dict:
         apply_us.append((t3 - t2) * 1e6)
     # means, not medians: apply()'s cost model refit runs one tick in several, and its CPU counts all the same
     return {"plan_us_mean": float(np.mean(plan_us[20:])), "apply_us_mean": float(np.mean(apply_us[20:]))}
-
-
-def kv_types(path: str) -> dict:
-    out = {}
-    for t in ("f16", "q8_0", "q4_0"):
-        with NodeProcess(path, "-ctk", t, "-ctv", t, "--log-level", "WARNING") as node, node.client() as c:
-            info = c.status()["node"]
-        llama = sum(d["kv_bytes"] for d in info["devices"])
-        per_token = info["kv_bytes_per_token"]
-        out[t] = {"kv_bytes_per_token": per_token, "budget_bytes": info["budgets"]["kv_budget_bytes"],
-                  "llama_cpp_kv_bytes": llama, "budget_over_llama_cpp": info["budgets"]["kv_budget_bytes"] / llama,
-                  "sessions_of_4096_in_4gib": (4 << 30) // (per_token * 4096)}
-    return out
 
 
 def main(a) -> int:
