@@ -135,6 +135,7 @@ def main() -> int:
     md += sections.structured()
     md += sections.gateway()
     md += sections.scale()
+    md += sections.memory()
     md += sections.deterministic_sweeps()
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:

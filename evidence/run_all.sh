@@ -24,6 +24,7 @@ if [ -n "$PEER" ]; then  # the peer is the point of this one
 fi
 python -m meshnode bench gateway --preset bench --rounds 3 $PEER --json evidence/gateway-bench.json > evidence/gateway-bench.txt 2>&1
 python -m meshnode bench scale --rounds 3 --json evidence/scale-bench.json > evidence/scale-bench.txt 2>&1
+python -m meshnode bench memory --preset bench --json evidence/memory-bench.json > evidence/memory-bench.txt 2>&1
 python -m meshnode bench chat --preset bench --rounds 3 $PEER --json evidence/chat-bench.json > evidence/chat-bench.txt 2>&1
 python -m meshnode bench ticks --preset bench --rounds 5 --json evidence/tick-shapes.json > evidence/tick-shapes.txt 2>&1
 python -m meshnode bench sampling --preset bench --rounds 3 --json evidence/sampling-bench.json > evidence/sampling-bench.txt 2>&1

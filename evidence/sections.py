@@ -277,6 +277,45 @@ def scale() -> list[str]:
     return md + [""]
 
 
+def memory() -> list[str]:
+    d = load("memory-bench.json")
+    if not d:
+        return []
+    a, mib = d["active"], 1 << 20
+    kv_seq = a["llama_cpp_kv_per_sequence"]
+    md = ["## Memory per session and per cached conversation", "",
+          f"`meshnode bench memory --json evidence/memory-bench.json`, {d['model'].rsplit('/', 1)[-1]}, on {d['build']}: "
+          "RSS (psutil) of the front and the engine process. Idle after load: front "
+          f"{a['idle']['front'] / mib:.1f} MiB, engine {a['idle']['engine'] / mib:.1f} MiB, beside llama.cpp's buffers: "
+          f"weights {a['llama_cpp']['weights'] / mib:.1f} MiB, KV {a['llama_cpp']['kv'] / mib:.1f} MiB for "
+          f"{a['n_seq_max']} sequences ({kv_seq / mib:.2f} MiB each). llama.cpp allocates and clears the whole KV "
+          "buffer when the context is made (`ggml_backend_buffer_clear` in llama-kv-cache.cpp), so it is resident "
+          "from the start (the KV types below: the engine's RSS follows the buffer's size): what a session adds beyond its "
+          "share of that buffer is the front's and the engine's bookkeeping.", "",
+          "| sessions decoding | front per session | engine per session | both, share of one sequence's KV |",
+          "|---|---|---|---|"]
+    for k, lv in a["levels"].items():
+        both = lv["front_per_session"] + lv["engine_per_session"]
+        md.append(f"| {k} | {lv['front_per_session'] / 1024:+.0f} KiB | {lv['engine_per_session'] / 1024:+.0f} KiB | "
+                  f"{both / kv_seq:+.2%} |")
+    md += ["", "KV types: the budget's bytes, llama.cpp's buffer and the engine's resident memory (idle, same context).",
+           "", "| type | bytes a token | budget / llama.cpp's buffer | engine RSS MiB | RSS under f16 / buffer under f16 MiB "
+           "| sessions of 4,096 tokens in 4 GiB |", "|---|---|---|---|---|---|"]
+    for t, k in d["kv_types"].items():
+        md.append(f"| {t} | {k['kv_bytes_per_token']} | {k['budget_over_llama_cpp']:.3f} | {k['engine_rss'] / mib:.1f} | "
+                  f"{k['rss_saved_vs_f16'] / mib:.1f} / {k['kv_saved_vs_f16'] / mib:.1f} | {k['sessions_of_4096_in_4gib']} |")
+    c = d["conversations"]
+    md += ["", f"{c['users']} conversations through one node (a shared {c['system']}-token system prompt, {c['new']} user "
+           f"tokens and {c['answer']} answered a turn, {c['wave']} at a time), then their second turns re-sending the history: "
+           f"{c['entries_after_turn_1']} cache entries kept, each adding {c['front_per_conversation'] / 1024:+.1f} KiB "
+           f"to the front and {c['engine_per_conversation'] / 1024:+.1f} KiB to the engine; {c['turn_2_hits']} of "
+           f"{c['users']} second turns hit, reusing a median {c['turn_2_reused_median']:.0f} of "
+           f"{c['turn_2_prompt_median']:.0f} prompt tokens (deterministic mode reuses the prompt's cells, not the "
+           f"answer's), {c['evictions_total']} evictions. Lookup (PrefixCache.find, median, in process): "
+           + ", ".join(f"{n} entries {us:.0f} us" for n, us in d["lookup_us"].items()) + ".", ""]
+    return md
+
+
 def _side_medians(rounds: list[dict]) -> tuple[dict, dict]:
     """The node's and llama-server's figures, each the median of its rounds."""
     return tuple({k: float(np.median([r[side][k] for r in rounds])) for k in rounds[0][side]}
