@@ -85,6 +85,21 @@ def steady_rate(times: list[list[float]]) -> tuple[float, float]:
     return sum(after) / (end - start), (end - start) * 1e3 / max(1, max(after))
 
 
+def streams(starts: list[float], times: list[list[float]], tokens: int | None = None) -> dict:
+    """Sessions' streams from their submit times and each token's arrival: tokens, aggregate tok/s, the gaps
+    between a session's tokens and its first-token delay (p50 and p99, ms). `tokens`: how many were
+    generated, where a stream shows fewer than it made (llama-server holds back a token that ends inside a
+    UTF-8 character)."""
+    import numpy as np
+
+    gaps = [g * 1e3 for ts in times for g in np.diff(ts)]
+    ttft = [(ts[0] - t0) * 1e3 for t0, ts in zip(starts, times)]
+    n = sum(map(len, times)) if tokens is None else tokens
+    return {"tokens": n, "tok_s": n / (max(ts[-1] for ts in times) - min(starts)),
+            "gap_p50_ms": float(np.percentile(gaps, 50)), "gap_p99_ms": float(np.percentile(gaps, 99)),
+            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99))}
+
+
 def llama_build() -> str:
     """Which llama.cpp build ran and on which CPU features (llama_print_system_info): figures from an AVX2-only
     machine and an AVX-512 one differ, and OpenMP or not changes how much CPU its idle threads take."""

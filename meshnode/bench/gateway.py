@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from meshnode.bench import llama_build, model_path
+from meshnode.bench import llama_build, model_path, streams
 from meshnode.bench.burst import CTX, burst_with
 from meshnode.bench.llama_server import Stop
 from meshnode.bench.sweep import make_jobs
@@ -103,13 +103,8 @@ def over_zmq(c, jobs: list[dict], at_once: int, tag: str) -> dict:
 
 
 def figures(res: dict) -> dict:
-    starts = [t0 for t0, _ in res.values()]
-    ends = [ts[-1] for _, ts in res.values()]
-    n = sum(len(ts) for _, ts in res.values())
-    ttft = [(ts[0] - t0) * 1e3 for t0, ts in res.values()]
-    gaps = [g * 1e3 for _, ts in res.values() for g in np.diff(ts)]
-    return {"tokens": n, "tok_s": n / (max(ends) - min(starts)), "ttft_p50_ms": float(np.median(ttft)),
-            "gap_p50_ms": float(np.percentile(gaps, 50)), "gap_p99_ms": float(np.percentile(gaps, 99))}
+    """`res`: each session's (submit time, token arrival times)."""
+    return streams([t0 for t0, _ in res.values()], [ts for _, ts in res.values()])
 
 
 def processes(node_pid: int) -> dict:

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from meshnode.bench import streams
 from meshnode.bench.llama_server import LlamaServer
 from meshnode.dev.nodeproc import NodeProcess
 
@@ -26,16 +27,6 @@ PROMPT, NEW, CELLS = 32, 64, 512
 
 def prompt(i: int, n: int, salt: int) -> list[int]:
     return [3 + (i * 31 + k * 7 + salt * 101) % 500 for k in range(n)]
-
-
-def figures(starts: list[float], times: list[list[float]], tokens: int | None = None) -> dict:
-    """`tokens`: how many were generated, where the stream shows fewer than it made (llama-server)."""
-    gaps = [g * 1e3 for ts in times for g in np.diff(ts)]
-    ttft = [(ts[0] - t0) * 1e3 for t0, ts in zip(starts, times)]
-    n = sum(map(len, times)) if tokens is None else tokens
-    return {"tok_s": n / (max(ts[-1] for ts in times) - min(starts)),
-            "gap_p50_ms": float(np.percentile(gaps, 50)), "gap_p99_ms": float(np.percentile(gaps, 99)),
-            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99))}
 
 
 def node_side(path: str, threads: int, prompts: list[list[int]], ctx: int) -> dict:
@@ -51,7 +42,7 @@ def node_side(path: str, threads: int, prompts: list[list[int]], ctx: int) -> di
     for i in range(n):
         if len(res[f"s{i}"].token_times) < NEW:
             raise RuntimeError(f"the node ended session s{i} early: {res[f's{i}'].done}")
-    return figures(starts, [res[f"s{i}"].token_times for i in range(n)])
+    return streams(starts, [res[f"s{i}"].token_times for i in range(n)])
 
 
 def server_side(binary: str, path: str, threads: int, prompts: list[list[int]], ctx: int) -> dict:
@@ -69,11 +60,11 @@ def server_side(binary: str, path: str, threads: int, prompts: list[list[int]], 
     made = [f.get("tokens_predicted", 0) for f in finals]
     if min(made) < NEW:
         raise RuntimeError(f"llama-server generated {min(made)} tokens for a request, not {NEW}")
-    return figures(starts, times, sum(made))
+    return streams(starts, times, sum(made))
 
 
 def depth_figures(f: dict, depth: int) -> dict:
-    """One session: its prefill rate and decode time a token, from figures() of it alone."""
+    """One session: its prefill rate and decode time a token, from streams() of it alone."""
     return {"prefill_tok_s": depth / (f["ttft_p50_ms"] / 1e3), "decode_ms_per_token": f["gap_p50_ms"]}
 
 
