@@ -221,6 +221,13 @@ def gateway() -> list[str]:
             if "tok_s" in m:  # the burst's figures are in the verdict
                 md.append(f"| {name} | {m['tok_s']:.1f} | {m['ttft_p50_ms']:.1f} | {m['gap_p50_ms']:.1f} | {m['gap_p99_ms']:.1f} |")
         md += [""] + [f"- {line}" for line in d["verdict"]] + [""]
+    pairs = load("gateway-pairs.json")
+    if pairs:
+        n = len(next(iter(pairs["runs"].values())))
+        md += [f"The gateway's own cost, longer streams and more rounds: `meshnode bench gateway --preset bench --rounds {n} "
+               f"--sides 'c1 zmq,c1 http,c8 zmq,c8 http' --tokens {pairs['tokens_per_session']} --json "
+               "evidence/gateway-pairs.json` (the same node, the ZeroMQ client and the gateway on alternating turns):", ""]
+        md += [f"- {line}" for line in pairs["verdict"]] + [""]
     if stacks:
         m = stacks["median"]
         md += ["Why aiohttp (`tools/http_stacks.py --rounds 3 --json evidence/http-stacks.json`, "

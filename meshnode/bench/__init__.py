@@ -35,7 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench", "bench-32k", "bench-long"])
     p.add_argument("--model", help="a GGUF instead of the preset")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens generated per session")
+    p.add_argument("--tokens", type=int, default=32, help="tokens generated per session (gateway: its c1 and c8 "
+                   "pairs' sessions, when above 64)")
     p.add_argument("--minutes", type=float, default=1.0, help="soak: how long")
     p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
@@ -44,6 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
     p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
                    "also unified)")
+    p.add_argument("--sides", help="gateway: only these sides (comma-separated, e.g. 'c8 zmq,c8 http'; default all)")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
     p.add_argument("--llama-server", help="chat, burst, structured, gateway, scale: a llama-server binary to run side by side (README, "
                    "Benchmarks)")
