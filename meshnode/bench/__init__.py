@@ -45,6 +45,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
     p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
                    "also unified)")
+    p.add_argument("--levels", help="scale: only these concurrency levels beside llama-server (comma-separated), "
+                   "nothing else")
+    p.add_argument("--node-args", default="", help="scale --levels: more `meshnode serve` arguments for the node, "
+                   "e.g. --node-args=--no-deterministic")
     p.add_argument("--sides", help="gateway: only these sides (comma-separated, e.g. 'c8 zmq,c8 http'; default all)")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
     p.add_argument("--llama-server", help="chat, burst, structured, gateway, scale: a llama-server binary to run side by side (README, "

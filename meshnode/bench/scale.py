@@ -68,6 +68,8 @@ def policy(n: int, ticks: int = 300) -> dict:
 
 
 def main(a) -> int:
+    if a.levels:
+        return peers_only(a)
     print(f"bench scale: the node's own cost per tick over a fake engine of {STEP_MS:g} ms, {a.rounds} rounds; "
           f"{llama_build()}", flush=True)
     runs: dict[str, list[dict]] = {}
@@ -103,4 +105,25 @@ def main(a) -> int:
         with open(a.json, "w") as f:
             json.dump({"build": llama_build(), "step_ms": STEP_MS, "runs": runs, "median": med, "kv_types": kv,
                        "peers": peers}, f, indent=1)
+    return 0
+
+
+def peers_only(a) -> int:
+    """`--levels`: only these concurrency levels beside llama-server (no depth), the node with `--node-args`:
+    a quick look at one level under another setting."""
+    from meshnode.bench import scale_peers
+
+    if not a.llama_server:
+        raise SystemExit("bench scale --levels: needs --llama-server PATH")
+    extra = tuple(a.node_args.split())
+    print(f"bench scale: levels {a.levels} beside llama-server, node args {list(extra)}, {a.rounds} rounds; "
+          f"{llama_build()}", flush=True)
+    peers = scale_peers.run(a, model_path(a), a.threads or os.cpu_count(), None,
+                            levels=[int(x) for x in a.levels.split(",")], extra=extra)
+    peers["verdicts"] = scale_peers.verdicts(peers)
+    for line in peers["verdicts"]:
+        print(line)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"build": llama_build(), "peers": peers}, f, indent=1)
     return 0

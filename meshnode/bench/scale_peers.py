@@ -29,10 +29,10 @@ def prompt(i: int, n: int, salt: int) -> list[int]:
     return [3 + (i * 31 + k * 7 + salt * 101) % 500 for k in range(n)]
 
 
-def node_side(path: str, threads: int, prompts: list[list[int]], ctx: int) -> dict:
+def node_side(path: str, threads: int, prompts: list[list[int]], ctx: int, extra: tuple[str, ...] = ()) -> dict:
     n = len(prompts)
     with NodeProcess(path, "--max-active", str(n), "--n-seq-max", str(n), "--ctx", str(ctx), "--threads", str(threads),
-                     "--log-level", "WARNING") as node, node.client(timeout_s=1200) as c:
+                     "--log-level", "WARNING", *extra) as node, node.client(timeout_s=1200) as c:
         c.generate("warm", tokens=[3, 4, 5], max_tokens=2)
         starts = []
         for i, p in enumerate(prompts):
@@ -75,13 +75,14 @@ def side_by_side(sides: dict, flip: bool) -> dict:
     return {name: sides[name]() for name in names}
 
 
-def run(a, path: str, threads: int, deep_path: str | None, log=print) -> dict:
-    """Every round: each concurrency level, then each depth, node and llama-server side by side."""
-    out: dict = {"concurrency": {}, "depth": {}}
+def run(a, path: str, threads: int, deep_path: str | None, log=print, levels=LEVELS, extra: tuple[str, ...] = ()) -> dict:
+    """Every round: each concurrency level, then each depth, node and llama-server side by side. `extra`: more
+    `meshnode serve` arguments for the node (e.g. --no-deterministic)."""
+    out: dict = {"concurrency": {}, "depth": {}, "node_args": list(extra)}
     for r in range(a.rounds):
-        for k, n in enumerate(LEVELS):
+        for k, n in enumerate(levels):
             prompts = [prompt(i, PROMPT, r) for i in range(n)]
-            got = side_by_side({"node": lambda: node_side(path, threads, prompts, n * CELLS),
+            got = side_by_side({"node": lambda: node_side(path, threads, prompts, n * CELLS, extra),
                                 "llama-server": lambda: server_side(a.llama_server, path, threads, prompts, n * CELLS)},
                                flip=(r + k) % 2 == 1)
             out["concurrency"].setdefault(str(n), []).append(got)
@@ -92,7 +93,7 @@ def run(a, path: str, threads: int, deep_path: str | None, log=print) -> dict:
             continue
         for k, d in enumerate(DEPTHS):
             p = [prompt(0, d, r)]
-            got = side_by_side({"node": lambda: depth_figures(node_side(deep_path, threads, p, d + 2 * NEW), d),
+            got = side_by_side({"node": lambda: depth_figures(node_side(deep_path, threads, p, d + 2 * NEW, extra), d),
                                 "llama-server": lambda: depth_figures(
                                     server_side(a.llama_server, deep_path, threads, p, d + 2 * NEW), d)},
                                flip=(r + k) % 2 == 1)
