@@ -232,12 +232,14 @@ def test_the_first_token_estimate_lands_within_2x_of_the_measured_delay_on_llama
             c.submit(f"d{i}", tokens=[3 + i, 4, 5], max_tokens=3000, ignore_eos=True)
         c.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "d3", keep=True)
         pairs = []  # (estimated, measured) ms
-        for k in range(12):
+        # settled: three ratios in a row within 1.25x of each other (1.5 let a window in where a busier start
+        # was still leaving the fit: 0.43, 0.63, 0.62, the machine quieting mid-test)
+        for k in range(16):
             est = c.status(prompt_tokens=2000)["capacity"]["ttft_ms_estimate"]
             got = c.generate(f"p{k}", tokens=prompt_of(k), max_tokens=1)
             pairs.append((est, got.done["usage"]["ttft_ms"]))
             ratios = [m / e for e, m in pairs[-3:] if e]
-            if k >= 3 and len(ratios) == 3 and max(ratios) / min(ratios) < 1.5:
+            if k >= 3 and len(ratios) == 3 and max(ratios) / min(ratios) < 1.25:
                 break
         for i in range(4):
             c.cancel(f"d{i}")
