@@ -38,7 +38,8 @@ def rss(node: NodeProcess) -> dict:
 
 
 def llama_buffers(info: dict) -> dict:
-    return {"weights": sum(d["weight_bytes"] for d in info["devices"]), "kv": sum(d["kv_bytes"] for d in info["devices"])}
+    devices = info["devices"]
+    return {"weights": sum(d["weight_bytes"] for d in devices), "kv": sum(d["kv_bytes"] for d in devices)}
 
 
 def prompt(rng: np.random.Generator, n: int) -> list[int]:
@@ -110,7 +111,8 @@ def conversations(path: str) -> dict:
         second = turn(c, history, "t2")
         cache = c.status()["telemetry"]["prefix_cache"]
     reused = [second[u]["cached_tokens"] for u in second]
-    return {"users": USERS, "system": SYSTEM, "new": NEW, "answer": ANSWER, "wave": WAVE, "entries_after_turn_1": kept["entries"], "rss_before": before, "rss_after_turn_1": after,
+    return {"users": USERS, "system": SYSTEM, "new": NEW, "answer": ANSWER, "wave": WAVE,
+            "entries_after_turn_1": kept["entries"], "rss_before": before, "rss_after_turn_1": after,
             "front_per_conversation": (after["front"] - before["front"]) / max(1, kept["entries"]),
             "engine_per_conversation": (after["engine"] - before["engine"]) / max(1, kept["entries"]),
             "turn_2_hits": sum(1 for n in reused if n > 0), "turn_2_reused_median": float(np.median(reused)),

@@ -75,7 +75,8 @@ def side_by_side(sides: dict, flip: bool) -> dict:
     return {name: sides[name]() for name in names}
 
 
-def run(a, path: str, threads: int, deep_path: str | None, log=print, levels=LEVELS, extra: tuple[str, ...] = ()) -> dict:
+def run(a, path: str, threads: int, deep_path: str | None, log=print, levels=LEVELS,
+        extra: tuple[str, ...] = ()) -> dict:
     """Every round: each concurrency level, then each depth, node and llama-server side by side. `extra`: more
     `meshnode serve` arguments for the node (e.g. --no-deterministic)."""
     out: dict = {"concurrency": {}, "depth": {}, "node_args": list(extra)}
