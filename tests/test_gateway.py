@@ -329,3 +329,53 @@ def test_a_stream_of_events_becomes_openais_chunks():
         "prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}
     assert all(c["id"] == "chatcmpl-s1" and c["object"] == "chat.completion.chunk" for c in chunks)
     assert api.finish_error({"reason": R.ENGINE_ERROR, "detail": "engine died"}).status == 503
+
+
+def test_a_client_that_is_behind_gets_what_waited_in_one_write_and_nothing_is_lost(monkeypatch):
+    """Events already queued when the handler looks (a slow client, a busy gateway) leave in one write, in
+    order, ending with the finish, usage and [DONE]."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from meshnode.gateway.server import Gateway
+
+    class Queued:  # the node answered everything before the handler first looked
+        def open(self, submit):
+            q = asyncio.Queue()
+            for ev in [{"event": "admitted", "id": submit.id},
+                       *({"event": "tokens", "id": submit.id, "tokens": [t], "text": w} for t, w in
+                         [(5, "a"), (6, "b"), (7, ""), (8, "c")]),
+                       {"event": "done", "id": submit.id, "reason": R.LENGTH, "tokens": [5, 6, 7, 8], "text": "abc",
+                        "usage": {"prompt_tokens": 2, "completion_tokens": 4}}]:
+                q.put_nowait(ev)
+            return q
+
+        def finished(self, sid):
+            self.ended = sid
+
+    writes = []
+    real_write = web.StreamResponse.write
+
+    async def counted(self, data):
+        writes.append(data)
+        return await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", counted)
+
+    async def go():
+        up = Queued()
+        async with TestClient(TestServer(Gateway(up, "m").app())) as client:
+            resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True,
+                                                               "stream_options": {"include_usage": True}})
+            assert resp.status == 200
+            return await resp.text(), up
+
+    body, up = asyncio.run(go())
+    events = [line[6:] for line in body.split("\n") if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and up.ended
+    assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["a", "b", "c", ""]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert len(writes) == 2  # the three texts together; then the finish, the usage and [DONE]
