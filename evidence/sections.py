@@ -221,12 +221,17 @@ def gateway() -> list[str]:
             if "tok_s" in m:  # the burst's figures are in the verdict
                 md.append(f"| {name} | {m['tok_s']:.1f} | {m['ttft_p50_ms']:.1f} | {m['gap_p50_ms']:.1f} | {m['gap_p99_ms']:.1f} |")
         md += [""] + [f"- {line}" for line in d["verdict"]] + [""]
-    pairs = load("gateway-pairs.json")
-    if pairs:
+    for file, threads, why in (("gateway-pairs.json", "", ""),
+                               ("gateway-pairs-threads1.json", " --threads 1",
+                                " The same with the engine on one thread, so that a core is left to the front, the "
+                                "gateway and the client: what the gateway costs when it does not take the engine's CPU.")):
+        pairs = load(file)
+        if not pairs:
+            continue
         n = len(next(iter(pairs["runs"].values())))
-        md += [f"The gateway's own cost, longer streams and more rounds: `meshnode bench gateway --preset bench --rounds {n} "
-               f"--sides 'c1 zmq,c1 http,c8 zmq,c8 http' --tokens {pairs['tokens_per_session']} --json "
-               "evidence/gateway-pairs.json` (the same node, the ZeroMQ client and the gateway on alternating turns):", ""]
+        md += [f"The gateway's own cost, longer streams and more rounds: `meshnode bench gateway --preset bench{threads} "
+               f"--rounds {n} --sides 'c1 zmq,c1 http,c8 zmq,c8 http' --tokens {pairs['tokens_per_session']} --json "
+               f"evidence/{file}` (the same node, the ZeroMQ client and the gateway on alternating turns).{why}", ""]
         md += [f"- {line}" for line in pairs["verdict"]] + [""]
     if stacks:
         m = stacks["median"]
