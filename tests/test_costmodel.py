@@ -58,6 +58,24 @@ class Node:
         raise AssertionError("did not get there")
 
 
+def test_the_fit_is_made_when_a_prediction_is_asked_for_and_follows_every_tick_observed(monkeypatch):
+    """A node that only decodes asks for no prediction: the fit (0.2-0.6 ms of the front's CPU) waits until one
+    is asked for, and is then made from every tick seen meanwhile."""
+    cost, fits = TickCost(), []
+    real_fit = TickCost._fit
+    monkeypatch.setattr(TickCost, "_fit", lambda self: fits.append(1) or real_fit(self))
+    tick = lambda rows: Shape(1, rows, 0.0, 0.0)  # noqa: E731
+    for i in range(12):
+        cost.observe(tick(1 + i % 4), BASE + PER_ROW * (1 + i % 4))
+    assert cost.ready and len(fits) == 1  # the first fit, once there are enough ticks
+    for i in range(500):  # the engine got twice as slow per row, and nobody asked
+        cost.observe(tick(1 + i % 4), BASE + 2 * PER_ROW * (1 + i % 4))
+    assert len(fits) == 1
+    assert cost.predict(tick(100)) == pytest.approx(BASE + 2 * PER_ROW * 100, rel=0.02) and len(fits) == 2
+    cost.predict(tick(50))
+    assert len(fits) == 2  # nothing new since: no refit
+
+
 def test_the_fit_recovers_a_known_cost_and_ignores_stalls():
     cost, rng = TickCost(), np.random.default_rng(0)
     for i in range(300):

@@ -35,8 +35,8 @@ COLD_PREFILL = 64  # prompt tokens per tick beside decoders until the model has 
 MIN_PREFILL = 8  # however tight the target, prompts advance
 PER_SHAPE = 32  # newest ticks kept per shape (rows 1, 2-3, 4-7, ... 512-1023, ...)
 MIN_SAMPLES = 10  # below this the model does not guess
-REFIT_MS = 50.0  # engine time between fits: a fit costs 0.2-0.6 ms of the front's CPU, so about 1 % of the
-# engine's time whatever a tick takes (every 2 ticks on a 30 ms CPU tick, every 10 on a 5 ms GPU tick)
+REFIT_MS = 50.0  # engine time a fit may lag behind: a fit costs 0.2-0.6 ms of the front's CPU, so at most
+# about 1 % of the engine's time, and only while predictions are asked for (prompts beside decoders)
 RATIOS = 16  # the last this many sized ticks (prompt rows beside decode rows) correct the model: ...
 MISS_QUANTILE = 0.9  # ... sizing by this quantile of their misses (the target bounds ticks), estimates by the median
 CORRECTION = (0.8, 1.5)  # how far that correction may go
@@ -109,13 +109,27 @@ class TickCost:
         self._decode: dict[int, deque] = {}  # rows.bit_length() -> ms of the last decode-only ticks
         self._decode_ms: dict[int, float] = {}  # ... and their median, kept as they come (read every plan)
         self.correction = self.correction_bound = 1.0  # median and high quantile, once there are a few
-        self.coef: np.ndarray | None = None  # ms per call, per row, per row x cell, extra per cell in small calls
+        self._coef_now: np.ndarray | None = None  # ms per call, per row, per row x cell, extra per cell in small calls
         self._since_fit = 0.0  # engine ms observed since the last fit
         self.outliers = 0  # ticks that took more than twice the prediction, once the model is ready
 
     @property
     def ready(self) -> bool:
-        return self.coef is not None
+        return self._coef_now is not None
+
+    @property
+    def coef(self) -> np.ndarray | None:
+        """ms per call, per row, per row x cell, extra per cell in small calls: the fit, fresh."""
+        self._refresh()
+        return self._coef_now
+
+    def _refresh(self) -> None:
+        """Refit when REFIT_MS of engine time came since the last fit. Lazily, when a prediction is
+        asked for: a fit is 0.2-0.6 ms of the front's CPU, a node that only decodes asks for none, and
+        fitting as ticks came took a third of the front's CPU at one session (cProfile, CPU time): CPU
+        the engine's threads need on a small host."""
+        if self._since_fit >= REFIT_MS and self.samples >= MIN_SAMPLES:
+            self._fit()
 
     def observe(self, tick: Shape, ms: float, sized: bool = False, decode_only: bool = False) -> None:
         """A tick that ran: `sized` when it carried prompt rows beside decode rows, sized to the target;
@@ -125,9 +139,9 @@ class TickCost:
         if decode_only:
             size = tick.rows.bit_length()
             self._decode.setdefault(size, deque(maxlen=DECODE_TICKS)).append(ms)
-            self._decode_ms[size] = float(np.median(self._decode[size]))
-        if self.ready:
-            if ms > 2 * self.predict(tick, sized) + 5:
+            self._decode_ms[size] = _median(self._decode[size])
+        if self.ready:  # judged by the fit as it stands (refitting per tick is what the laziness saves)
+            if ms > 2 * self._fitted(tick) * (self.correction if sized else 1.0) + 5:
                 self.outliers += 1
             elif sized:
                 self._ratios.append(ms / self._fitted(tick))
@@ -136,7 +150,7 @@ class TickCost:
                     self.correction, self.correction_bound = (float(np.clip(v, *CORRECTION)) for v in (median, high))
         self._shapes.setdefault(tick.rows.bit_length(), deque(maxlen=self._per_shape)).append((tick, ms))
         self._since_fit += ms
-        if self.samples >= MIN_SAMPLES and (self._since_fit >= REFIT_MS or not self.ready):
+        if not self.ready and self.samples >= MIN_SAMPLES:
             self._fit()
 
     def describe(self) -> dict:
@@ -153,6 +167,7 @@ class TickCost:
 
     def predict(self, tick: Shape, sized: bool = False) -> float:
         """The time a tick is expected to take."""
+        self._refresh()
         return self._fitted(tick) * (self.correction if sized else 1.0)
 
     def decode_tick_ms(self, tick: Shape) -> float:
@@ -166,6 +181,7 @@ class TickCost:
 
     def bound(self, tick: Shape) -> float:
         """A sized tick's time, as ticks of its kind have run at worst lately (nine in ten under it)."""
+        self._refresh()
         return self._fitted(tick) * self.correction_bound
 
     def _fitted(self, tick: Shape) -> float:
@@ -189,15 +205,23 @@ class TickCost:
             coef = _nonneg_lstsq(x[keep], y[keep])
         if coef[1] <= 0:  # every tick had the same rows: no slope to learn yet
             return
-        self.coef, self._coef = coef, tuple(float(v) for v in coef)
+        self._coef_now, self._coef = coef, tuple(float(v) for v in coef)
 
 
 def rows_per_call(cost: TickCost) -> int:
     """What one more llama_decode call costs, in prompt rows: a prompt chunk that starts beside
     another on streams pays it."""
-    if not cost.ready or cost.coef[1] <= 0:
+    coef = cost.coef
+    if coef is None or coef[1] <= 0:
         return 0
-    return int(np.ceil(cost.coef[0] / cost.coef[1]))
+    return int(np.ceil(coef[0] / coef[1]))
+
+
+def _median(xs) -> float:
+    """The median of a few floats (a deque of 16): np.median costs ~0.1 ms of overhead here, this ~2 us."""
+    v = sorted(xs)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -174,8 +174,10 @@ class Scheduler:
         """The prompt tokens each prompt in line ((position, tokens left, prompt length)) computes in a
         tick with `room` (costmodel.fill: the tile rules hold on streams, where each chunk is a call of
         its own; in deterministic mode costmodel.fill_deterministic)."""
+        if not prompts:
+            return []
         streams = not self.pool_cells
-        per_call = rows_per_call(self.cost) if streams else 0
+        per_call = rows_per_call(self.cost) if streams else 0  # a prediction: the cost model refits if stale
         if self.deterministic:
             return fill_deterministic(room, prompts, decoding, per_call)
         return fill(room, [left for _, left, _ in prompts], decoding, streams, per_call)
