@@ -107,6 +107,22 @@ def test_every_weight_format_the_tests_prove_is_accepted_and_others_refused_in_o
         engine(q4_0)
 
 
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_extra_weight_buffers_only_where_numbers_hold_and_never_quantized_ones_on_amx(models, monkeypatch, amx):
+    """Repacked quantized weights change a row's kernel with its crowd, and AMX buffers crash on quantized
+    weights; AMX's f16 path keeps a row's bits (the bitwise cases above run it on an AMX CPU) and f32 weights
+    stay put. Where the weights sit in AMX buffers the recipe says so: other kernels, other numbers."""
+    monkeypatch.setattr(llamacpp, "amx_crashes", lambda: amx)
+
+    def cfg(name, det):
+        return EngineConfig(models[name], n_seq_max=8, kv_layout="streams", deterministic=det)
+    got = {(n, det): cfg(n, det).extra_buffers for n, _, _ in CASES for det in (True, False)}
+    assert got == {(n, det): (n in ("f32", "f16")) if amx else not det for n, _, _ in CASES for det in (True, False)}
+    recipe = cfg("f16", True).recipe()
+    monkeypatch.setattr(llamacpp, "amx_crashes", lambda: not amx)
+    assert cfg("f16", True).recipe() != recipe and cfg("q8_0", True).recipe() == cfg("q8_0", True).recipe()
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_a_sequence_is_bitwise_the_same_alone_and_in_any_crowd(models, problems, name):
@@ -130,10 +146,11 @@ def test_without_deterministic_mode_the_same_harness_sees_the_difference(models)
 
 @pytest.mark.slow
 def test_the_start_up_check_refuses_a_build_whose_lone_rows_round_differently(models, monkeypatch):
-    """Without the padding a lone decode row leaves tinyBLAS: the self-check sees it and the engine refuses."""
+    """Without the padding a lone decode row leaves tinyBLAS: the self-check sees it and the engine refuses
+    (f32 weights: f16 ones on an AMX CPU take AMX's kernel, the same for one row as for several)."""
     monkeypatch.setattr(invariant, "pads", lambda streams, n: [])
     with pytest.raises(FatalEngineError, match="deterministic: not on this CPU and model: .* differed") as e:
-        engine(models["f16"])
+        engine(models["f32"])
     assert "\n" not in str(e.value) and "--no-deterministic" in str(e.value)
 
 
@@ -148,7 +165,7 @@ def test_left_to_the_engine_the_mode_is_on_where_it_holds_and_off_with_the_reaso
     with engine(q4_0, deterministic=None) as e:
         assert not e.deterministic and e.deterministic_problem.startswith("deterministic: not for Q4_0")
     monkeypatch.setattr(invariant, "pads", lambda streams, n: [])
-    with engine(models["f16"], deterministic=None) as e:
+    with engine(models["f32"], deterministic=None) as e:
         assert not e.deterministic and "differed alone and beside" in e.deterministic_problem
 
 

@@ -72,6 +72,19 @@ class EngineConfig:
         return self.deterministic is True or (self.deterministic is None and not self.deterministic_problem)
 
     @property
+    def extra_buffers(self) -> bool:
+        """Whether llama.cpp may move the weights into its extra buffer types (repacked layouts, AMX), whose
+        kernels run several rows faster: on an AMX Xeon, f16 weights, 2 and 4 rows a tick took 17.0-17.5 and
+        21.2 ms there against 19.4 and 24.4 ms without (llama-server uses them; docs/determinism.md). Off:
+        - in deterministic mode, where repacked quantized weights run one kernel for a single row and another
+          for several; AMX's f16 path is the exception: it gives a row the same bits in any crowd (the
+          engine's self-check and tests/test_determinism.py hold it), and f32 weights stay where they are;
+        - on AMX CPUs for quantized weights, which crash this llama.cpp (llamacpp.amx_crashes)."""
+        if llamacpp.amx_crashes():
+            return bool(self.weight_types) and self.weight_types <= llamacpp.FLOAT_WEIGHTS
+        return not self.wants_deterministic
+
+    @property
     def flash(self) -> str:
         """What llama.cpp is asked for: deterministic mode needs flash attention on (without it a decode
         row's attention and a prompt chunk's take different kernels, so re-prefilled KV differs)."""
@@ -114,7 +127,7 @@ class EngineConfig:
         on which offload device, once loaded)."""
         det = self.wants_deterministic if deterministic is None else deterministic
         return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash, self.n_batch, self.kv_layout, det,
-                               placement)
+                               placement, amx=self.extra_buffers and llamacpp.amx_crashes())
 
 
 class LlamaEngine(Engine):
@@ -131,9 +144,7 @@ class LlamaEngine(Engine):
             os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
         mp = lc.llama_model_default_params()
         self._placement = devices.offload(mp, cfg.rpc, cfg.gpu_layers, cfg.tensor_split, cfg.devices)
-        # repacked weights run one kernel for a single row and another for several: off when the rows
-        # a sequence shares a step with must not change its numbers, and where they would go to AMX
-        mp.use_extra_bufts = not self.deterministic and not llamacpp.amx_crashes()
+        mp.use_extra_bufts = cfg.extra_buffers
         self._model = lc.llama_model_load_from_file(cfg.model_path.encode(), mp)
         if not self._model:
             raise FatalEngineError(f"llama.cpp could not load {cfg.model_path}: {llamacpp.last_errors()}")

@@ -157,10 +157,14 @@ def system_info() -> str:
     return llama_cpp.llama_print_system_info().decode(errors="replace")
 
 
+FLOAT_WEIGHTS = frozenset({"F16", "F32"})  # what AMX buffers hold without crashing (amx_crashes)
+
+
 def amx_crashes() -> bool:
     """This llama.cpp's AMX kernels (CPUs with AMX_INT8) crash the process on the first matmul of 2 rows of
-    quantized weights (SIGSEGV in ggml_backend_amx_mul_mat; llama.cpp issue #20824, open, no fix): weights
-    must not be moved into AMX buffers there, which llama.cpp does only with its extra buffer types on."""
+    quantized weights (SIGSEGV in ggml_backend_amx_mul_mat; llama.cpp issue #20824, open, no fix): quantized
+    weights must not be moved into AMX buffers there, which llama.cpp does only with its extra buffer types
+    on. Its f16 path (AVX-512 kernels) runs."""
     return "AMX_INT8 = 1" in system_info()
 
 
@@ -197,12 +201,15 @@ def weights_problem(weight_types: set[str]) -> str:
 
 
 def recipe(model_path: str, type_k: str, type_v: str, flash_attn: str, n_batch: int, layout: str = "unified",
-           deterministic: bool = False, placement: str = "") -> str:
+           deterministic: bool = False, placement: str = "", amx: bool = False) -> str:
     """Model identity plus every setting that changes numerics, never batch shape or threads. `placement`:
-    the layers on offload devices (other kernels, other hosts), "" when all run on this CPU."""
+    the layers on offload devices (other kernels, other hosts), "" when all run on this CPU; `amx`: the
+    weights in AMX buffers (other kernels than the same CPU's without them)."""
     parts = [file_digest(model_path), version(), type_k, type_v, flash_attn, str(n_batch), layout]
     if deterministic:  # the old fingerprints stay what they were
         parts.append("deterministic")
     if placement:
         parts.append(placement)
+    if amx:
+        parts.append("amx")
     return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
