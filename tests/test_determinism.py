@@ -128,6 +128,8 @@ def test_extra_weight_buffers_only_where_numbers_hold_and_never_quantized_ones_o
 def test_a_sequence_is_bitwise_the_same_alone_and_in_any_crowd(models, problems, name):
     holding(problems, name)
     with engine(models[name]) as e:
+        # f16 on an AMX CPU: in AMX buffers, whose kernel keeps a lone row's bits without a dummy row
+        assert e.pad_lone_rows == (name != "f16" or not llamacpp.amx_crashes())
         alone = logits_of_seq0(e)
         crowds = [logits_of_seq0(e, seed) for seed in range(3)]
     assert len(alone) == 41
