@@ -22,7 +22,7 @@ from meshnode.core.types import GREEDY, FatalEngineError, Plan, Sampling, SeqChu
 from meshnode.dev.drive import run_tick, run_to_completion
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine import invariant, llamacpp
-from meshnode.engine.llama import EngineConfig, LlamaEngine
+from meshnode.engine.llama import AMX_MAX_ROWS, EngineConfig, LlamaEngine
 from meshnode.ops.models import make_model
 
 CASES = [("f32", "tiny", None), ("f16", "tiny-f16", None), ("q8_0", "tiny-f16", "q8_0"),
@@ -52,23 +52,24 @@ def holding(problems, name):
         pytest.skip(f"{name}: deterministic mode does not hold here (the node runs without it): {problems[name]}")
 
 
-def engine(path, deterministic=True):
-    return LlamaEngine(EngineConfig(path, n_seq_max=8, n_ctx=4096, n_batch=512, n_threads=1,
+def engine(path, deterministic=True, n_seq_max=8):
+    return LlamaEngine(EngineConfig(path, n_seq_max=n_seq_max, n_ctx=4096, n_batch=512, n_threads=1,
                                     kv_layout="unified" if deterministic is False else "streams",
                                     deterministic=deterministic))
 
 
 def logits_of_seq0(e, crowd_seed=None, ticks=41):
     """Sequence 0's logits at each of its first `ticks` generated tokens (greedy), with seven neighbours
-    that start, prefill, decode, finish and start again at random when `crowd_seed` is given."""
+    that start, prefill, decode, finish and start again at random when `crowd_seed` is given (as many as
+    the engine has sequences)."""
     rng = random.Random(crowd_seed)
-    e.step(Plan([], list(range(8))))
+    e.step(Plan([], list(range(e.n_seq_max))))
     seqs = {0: {"toks": [3 + (k * 37) % 500 for k in range(37)], "cached": 0, "gen": 0, "left": 10 ** 9}}
     out = []
     while len(out) < ticks:
         release = []
         if crowd_seed is not None:
-            for s in range(1, 8):
+            for s in range(1, e.n_seq_max):
                 if s not in seqs and rng.random() < 0.3:
                     seqs[s] = {"toks": [3 + rng.randrange(500) for _ in range(rng.choice([1, 5, 20, 40]))],
                                "cached": 0, "gen": 0, "left": rng.randrange(1, 15)}
@@ -111,31 +112,43 @@ def test_every_weight_format_the_tests_prove_is_accepted_and_others_refused_in_o
 @pytest.mark.parametrize("amx", [False, True])
 def test_extra_weight_buffers_only_where_numbers_hold_and_never_quantized_ones_on_amx(models, monkeypatch, amx):
     """Repacked quantized weights change a row's kernel with its crowd, and AMX buffers crash on quantized
-    weights; AMX's f16 path keeps a row's bits (the bitwise cases above run it on an AMX CPU) and f32 weights
-    stay put. Where the weights sit in AMX buffers the recipe says so: other kernels, other numbers."""
+    weights; AMX's f16 path keeps a row's bits (tested below), is faster than tinyBLAS for a few rows and slower
+    for more, and f32 weights stay put. Where the weights sit in AMX buffers the recipe says so."""
     monkeypatch.setattr(llamacpp, "amx_crashes", lambda: amx)
 
-    def cfg(name, det):
-        return EngineConfig(models[name], n_seq_max=8, kv_layout="streams", deterministic=det)
+    def cfg(name, det, n=AMX_MAX_ROWS):
+        return EngineConfig(models[name], n_seq_max=n, kv_layout="streams", deterministic=det)
     got = {(n, det): cfg(n, det).extra_buffers for n, _, _ in CASES for det in (True, False)}
     assert got == {(n, det): (n in ("f32", "f16")) if amx else not det for n, _, _ in CASES for det in (True, False)}
+    assert cfg("f16", False, AMX_MAX_ROWS + 1).extra_buffers is not amx
     recipe = cfg("f16", True).recipe()
     monkeypatch.setattr(llamacpp, "amx_crashes", lambda: not amx)
     assert cfg("f16", True).recipe() != recipe and cfg("q8_0", True).recipe() == cfg("q8_0", True).recipe()
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_a_sequence_is_bitwise_the_same_alone_and_in_any_crowd(models, problems, name):
     holding(problems, name)
     with engine(models[name]) as e:
-        # f16 on an AMX CPU: in AMX buffers, whose kernel keeps a lone row's bits without a dummy row
-        assert e.pad_lone_rows == (name != "f16" or not llamacpp.amx_crashes())
         alone = logits_of_seq0(e)
         crowds = [logits_of_seq0(e, seed) for seed in range(3)]
     assert len(alone) == 41
     for crowd in crowds:
         assert all(np.array_equal(a, b) for a, b in zip(alone, crowd))
 
+
+@pytest.mark.slow
+def test_f16_weights_in_amx_buffers_keep_a_rows_bits_alone_and_in_crowds_without_the_dummy_row(models, problems):
+    """With at most AMX_MAX_ROWS sequences on an AMX CPU, f16 weights go to AMX buffers, whose kernel gives a
+    lone row the bits it has in a crowd: no dummy row. Elsewhere the same harness runs the usual path."""
+    holding(problems, "f16")
+    with engine(models["f16"], n_seq_max=AMX_MAX_ROWS) as e:
+        assert e.pad_lone_rows == (not llamacpp.amx_crashes())
+        alone = logits_of_seq0(e)
+        crowds = [logits_of_seq0(e, seed) for seed in range(3)]
+    for crowd in crowds:
+        assert all(np.array_equal(a, b) for a, b in zip(alone, crowd))
 
 @pytest.mark.slow
 def test_without_deterministic_mode_the_same_harness_sees_the_difference(models):

@@ -27,6 +27,9 @@ from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ, 
 from meshnode.engine.seqmap import SeqMap
 
 
+AMX_MAX_ROWS = 4  # the most sequences (rows a tick) for which f16 weights go to AMX buffers: see extra_buffers
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -73,15 +76,16 @@ class EngineConfig:
 
     @property
     def extra_buffers(self) -> bool:
-        """Whether llama.cpp may move the weights into its extra buffer types (repacked layouts, AMX), whose
-        kernels run several rows faster: on an AMX Xeon, f16 weights, 2 and 4 rows a tick took 17.0-17.5 and
-        21.2 ms there against 19.4 and 24.4 ms without (llama-server uses them; docs/determinism.md). Off:
+        """Whether llama.cpp may move the weights into its extra buffer types (repacked layouts, AMX). Off:
         - in deterministic mode, where repacked quantized weights run one kernel for a single row and another
-          for several; AMX's f16 path is the exception: it gives a row the same bits in any crowd (the
-          engine's self-check and tests/test_determinism.py hold it), and f32 weights stay where they are;
-        - on AMX CPUs for quantized weights, which crash this llama.cpp (llamacpp.amx_crashes)."""
+          for several; AMX's f16 path is the exception: it gives a row the same bits in any crowd, even alone
+          (the engine's self-check and tests/test_determinism.py hold it);
+        - on AMX CPUs for quantized weights, which crash this llama.cpp (llamacpp.amx_crashes), and for f16
+          weights where a tick may carry more than AMX_MAX_ROWS rows: AMX's f16 kernel is faster for a few
+          rows and slower for more than tinyBLAS is (docs/determinism.md, item 6)."""
         if llamacpp.amx_crashes():
-            return bool(self.weight_types) and self.weight_types <= llamacpp.FLOAT_WEIGHTS
+            return (self.n_seq_max <= AMX_MAX_ROWS and bool(self.weight_types)
+                    and self.weight_types <= llamacpp.FLOAT_WEIGHTS)
         return not self.wants_deterministic
 
     @property
