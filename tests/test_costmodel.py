@@ -5,7 +5,8 @@ import pytest
 
 from helpers import Clock, scheduler
 from meshnode.core.capacity import capacity
-from meshnode.core.costmodel import Shape, TickCost, TickTarget, attention, prefill_room, shape, sized, within_target
+from meshnode.core.costmodel import (Shape, TickCost, TickTarget, attention, fill, fill_deterministic, prefill_room, shape,
+                                     sized, within_target)
 from meshnode.core.session import Session
 from meshnode.engine.fake import FakeEngine
 
@@ -170,6 +171,17 @@ def test_a_tick_shape_counts_llama_decode_calls_and_attention_by_layout():
     assert (u.calls, u.rows, u.attn, u.attn_small) == (1, 132, 192 * 500, 0.0)
     assert sized([*decode, prompt]) and not sized(decode) and not sized([prompt])
 
+
+def test_chunks_of_one_length_share_a_call_and_cost_no_call_of_their_own_when_filled():
+    """On streams llama.cpp puts equal chunks of consecutive streams in one ubatch: the prompts that arrive
+    together go in one call, and filling a tick charges a call only for a new length."""
+    decode, equal = [(10, 1)] * 4, [(0, 32)] * 3
+    s = shape([*decode, *equal, (0, 20)], unified_cells=0)
+    assert (s.calls, s.rows) == (3, 4 + 96 + 20)
+    assert s.attn == s.attn_small == 4 * 11 + 3 * 32 * 32 + 20 * 20  # every stream under a tile: its own row-by-row kernel
+    assert fill(200, [32] * 8, True, True, 14) == [32] * 6  # no call charged after the first: 6 fit, the 7th has 8 rows
+    assert fill(120, [32, 40, 32, 40], True, True, 14) == [32, 40, 32]  # one charge, for the 40s' call
+    assert fill_deterministic(200, [(0, 32, 32)] * 8, True, 14) == [32] * 6
 
 def test_streams_chunks_are_whole_tiles_leave_no_sliver_and_a_second_prompt_needs_a_tile():
     _, streams = scheduler(pool_cells=0)

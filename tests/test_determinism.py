@@ -151,6 +151,26 @@ def test_f16_weights_in_amx_buffers_keep_a_rows_bits_alone_and_in_crowds_without
         assert all(np.array_equal(a, b) for a, b in zip(alone, crowd))
 
 @pytest.mark.slow
+def test_equal_prompt_chunks_share_one_llama_decode_and_each_keeps_the_bits_it_has_alone(models, problems, monkeypatch):
+    """llama.cpp puts chunks of one length on consecutive streams in one ubatch (split_equal): one pass over the
+    weights for all of them, and each sequence's logits what it gets alone."""
+    holding(problems, "f16")
+    prompt = lambda s, n: np.array([3 + (s * 37 + k * 11) % 500 for k in range(n)], np.int32)  # noqa: E731
+    lengths = [20, 20, 20, 9, 20]
+    with engine(models["f16"]) as e:
+        alone = {}
+        for s, n in enumerate(lengths):
+            e.step(Plan([], list(range(8))))
+            alone[s] = e.logits_for(Plan([SeqChunk(s, 0, prompt(s, n), draw=0, sampling=GREEDY)]))[s]
+        e.step(Plan([], list(range(8))))
+        calls, decode = [], e._lc.llama_decode
+        monkeypatch.setattr(e._lc, "llama_decode", lambda ctx, batch: calls.append(batch.n_tokens) or decode(ctx, batch))
+        together = e.logits_for(Plan([SeqChunk(s, 0, prompt(s, n), draw=0, sampling=GREEDY)
+                                      for s, n in enumerate(lengths)]))
+    assert sorted(calls) == [9, 80]  # the four 20-token chunks in one call, the 9-token one in another
+    assert all(np.array_equal(alone[s], together[s]) for s in alone)
+
+@pytest.mark.slow
 def test_without_deterministic_mode_the_same_harness_sees_the_difference(models):
     """The control: one unified pool and the default kernels, where llama.cpp is not batch-invariant."""
     with engine(models["f32"], deterministic=False) as e:

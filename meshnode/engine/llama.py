@@ -3,10 +3,10 @@
 Every decoding sequence's next token goes into ONE llama_decode, so the weights
 are read once for all of them; that is where continuous batching gets its
 throughput. On a unified KV the tick's prompt chunks ride in the same call; on
-per-sequence streams (the default) llama.cpp cuts a batch into one ubatch per
-run of consecutive streams, so each prompt chunk is a call of its own
-(`_groups`, from core/costmodel.py's `llama_calls`, which the cost model counts
-too). The batch's arrays are numpy buffers we own (filled with vectorised
+per-sequence streams (the default) llama.cpp cuts a batch into ubatches of
+consecutive streams with equal token counts, so the prompt chunks of each length
+are a call of their own (`_groups`, from core/costmodel.py's `llama_calls`,
+which the cost model counts too). The batch's arrays are numpy buffers we own (filled with vectorised
 copies, no per-row ctypes calls).
 """
 from __future__ import annotations
@@ -231,10 +231,11 @@ class LlamaEngine(Engine):
 
     def _groups(self, plan: Plan) -> list[list]:
         """The llama_decode calls a tick takes (core/costmodel.py, llama_calls, which the tick cost model
-        counts too); on streams the single-token rows ordered by stream, so they are one ubatch."""
+        counts too); on streams each call's chunks ordered by stream, so that consecutive ones are one ubatch."""
         calls = llama_calls(plan.chunks, lambda c: len(c.tokens), self.cfg.kv_layout == "unified")
-        if self._ids is not None and calls and len(calls[0][0].tokens) == 1:
-            calls[0].sort(key=lambda c: self._ids[c.seq_id])
+        if self._ids is not None:
+            for call in calls:
+                call.sort(key=lambda c: self._ids[c.seq_id])
         return calls
 
     def _run(self, plan: Plan) -> StepResult:
@@ -302,9 +303,10 @@ class LlamaEngine(Engine):
         """Deterministic mode: no ubatch of one row, none with one output row (engine/invariant.py). Rows
         move to their streams' order and `rows` follows them; returns the dummy rows' (stream, pos) to remove."""
         n = self._batch.n_tokens
-        if len(chunks[0].tokens) > 1:  # a prompt chunk, alone in its call on streams: 0 or 2 outputs
-            if chunks[0].draw >= 0:
-                self._want[rows[0] - 1] = 1
+        if len(chunks[0].tokens) > 1:  # prompt chunks of one length, in their own call on streams: 0 or 2 outputs each
+            for c, r in zip(chunks, rows):
+                if c.draw >= 0:
+                    self._want[r - 1] = 1
             return []
         self._want[:n] = 1
         dummies = []
