@@ -2,7 +2,7 @@
 
 A tick's engine time is close to linear in three things: a fixed part per llama_decode
 call (the weights are streamed once per pass, whatever the rows; on streams the decode
-rows and each prompt chunk are separate calls), a part per row (token), and attention,
+rows and the prompt chunks of each length are separate calls), a part per row (token), and attention,
 which grows with each row times the KV cells it attends to (on a unified KV every cell
 in use, on streams its own sequence's). The coefficients depend on the model, the
 build and the machine, so they are fitted online, by least squares, refitted every
