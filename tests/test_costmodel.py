@@ -77,6 +77,19 @@ def test_the_fit_is_made_when_a_prediction_is_asked_for_and_follows_every_tick_o
     assert len(fits) == 2  # nothing new since: no refit
 
 
+def test_a_decode_tick_is_what_ticks_of_about_its_rows_took_else_what_the_fit_says():
+    """While prompts keep coming every tick carries some, so no decode-only tick of 30 rows runs: the target
+    must then come from the fit, not from the one-row ticks that ran before (64 sessions arriving at once
+    got one or two prompts a tick that way)."""
+    cost = TickCost()
+    for rows in [1, 2, 5, 9, 17, 33, 65, 129] * 3:
+        cost.observe(Shape(1, rows, 0.0, 0.0), BASE + PER_ROW * rows)
+    for _ in range(5):
+        cost.observe(Shape(1, 1, 0.0, 0.0), 15.0, decode_only=True)  # the warm-up's lone rows, faster than the fit says
+    assert cost.decode_tick_ms(Shape(1, 1, 0.0, 0.0)) == 15.0
+    assert cost.decode_tick_ms(Shape(1, 3, 0.0, 0.0)) == 15.0  # the next power of two: about its rows
+    assert cost.decode_tick_ms(Shape(1, 30, 0.0, 0.0)) == pytest.approx(BASE + PER_ROW * 30, rel=0.02)
+
 def test_the_fit_recovers_a_known_cost_and_ignores_stalls():
     cost, rng = TickCost(), np.random.default_rng(0)
     for i in range(300):

@@ -178,12 +178,16 @@ class TickCost:
 
     def decode_tick_ms(self, tick: Shape) -> float:
         """What a decode-only tick like `tick` takes: measured (the median of the last ones of about its
-        rows, or of the nearest size that ran), the fit's prediction only where none ran yet. Measured,
-        because the fit, which serves prompt-sized ticks, can be far off at a handful of rows."""
-        if not self._decode_ms:
+        rows: the same power of two, or the next one either side), the fit's prediction where none like it
+        ran. Measured, because the fit, which serves prompt-sized ticks, can be far off at a handful of rows;
+        but not from ticks of other sizes: while 64 prompts came in, every tick carried some, and the
+        one-row warm-up ticks stood for 14-38 decoding rows, so the target (a few times a 15 ms tick, where
+        the decode rows alone took 40-75 ms) left room for one or two 32-token prompts a tick."""
+        size = tick.rows.bit_length()
+        near = [k for k in self._decode_ms if abs(k - size) <= 1]
+        if not near:
             return self.predict(tick)
-        size = min(self._decode_ms, key=lambda k: abs(k - tick.rows.bit_length()))
-        return self._decode_ms[size]
+        return self._decode_ms[min(near, key=lambda k: abs(k - size))]
 
     def bound(self, tick: Shape) -> float:
         """A sized tick's time, as ticks of its kind have run at worst lately (nine in ten under it)."""
