@@ -25,11 +25,7 @@ fi
 python -m meshnode bench gateway --preset bench --rounds 3 $PEER --json evidence/gateway-bench.json > evidence/gateway-bench.txt 2>&1
 python -m meshnode bench gateway --preset bench --rounds 7 --sides "c1 zmq,c1 http,c8 zmq,c8 http" --tokens 256 --json evidence/gateway-pairs.json > evidence/gateway-pairs.txt 2>&1
 python -m meshnode bench gateway --preset bench --threads 1 --rounds 5 --sides "c1 zmq,c1 http,c8 zmq,c8 http" --tokens 256 --json evidence/gateway-pairs-threads1.json > evidence/gateway-pairs-threads1.txt 2>&1
-python -m meshnode bench scale --rounds 3 $PEER --json evidence/scale-bench.json > evidence/scale-bench.txt 2>&1
-if [ -n "$PEER" ]; then  # few sessions, deterministic mode (the default) and not, beside llama-server
-    python -m meshnode bench scale --preset bench --levels 1,2,4 --rounds 3 $PEER --json evidence/scale-levels-deterministic.json > evidence/scale-levels-deterministic.txt 2>&1
-    python -m meshnode bench scale --preset bench --levels 1,2,4 --rounds 3 $PEER --node-args=--no-deterministic --json evidence/scale-levels-nondeterministic.json > evidence/scale-levels-nondeterministic.txt 2>&1
-fi
+python -m meshnode bench scale --preset bench --rounds 2 $PEER --json evidence/scale-bench.json > evidence/scale-bench.txt 2>&1
 python -m meshnode bench memory --preset bench --json evidence/memory-bench.json > evidence/memory-bench.txt 2>&1
 python -m meshnode bench chat --preset bench --rounds 3 $PEER --json evidence/chat-bench.json > evidence/chat-bench.txt 2>&1
 python -m meshnode bench ticks --preset bench --rounds 5 --json evidence/tick-shapes.json > evidence/tick-shapes.txt 2>&1

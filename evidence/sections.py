@@ -281,15 +281,6 @@ def scale() -> list[str]:
             from meshnode.bench.scale_peers import verdicts
             peers["verdicts"] = verdicts(peers)
         md += [""] + [f"- {line}" for line in peers["verdicts"]]
-    for name in ("scale-levels-deterministic.json", "scale-levels-nondeterministic.json"):
-        lv = load(name)
-        if lv:
-            p = lv["peers"]
-            n = len(next(iter(p["concurrency"].values())))
-            md += ["", f"Few sessions, the node {' '.join(p['node_args']) or 'as by default (deterministic mode)'}: "
-                   f"`meshnode bench scale --preset bench --levels {','.join(p['concurrency'])} --rounds {n} "
-                   f"--llama-server PATH {' '.join('--node-args=' + x for x in p['node_args'])}` ({name}):", ""]
-            md += [f"- {line}" for line in p["verdicts"]]
     md += ["", "KV cache types (`-ctk` / `-ctv`, bench model): the budget's bytes beside the KV buffer llama.cpp "
                "allocated (its load log, 0.01 MiB steps).", "",
            "| type | bytes a token | budget / llama.cpp's buffer | sessions of 4,096 tokens in 4 GiB |", "|---|---|---|---|"]
