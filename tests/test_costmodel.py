@@ -161,6 +161,26 @@ def test_capacity_estimate_is_close_to_the_first_token_delay_idle_and_busy():
         node.run_until(lambda: label not in node.sched.live)
 
 
+def test_the_estimate_counts_only_the_cached_cells_that_stay_once_the_prompt_reserves_its_own():
+    """On a unified pool every row attends to every cell, cached ones too; but a new session's reservation
+    evicts cached entries that no longer fit, so those must not slow the replay (in a node they made the
+    estimate 1.5x the measured delay)."""
+    node = Node()
+    node.sched.seqs.cache.scope, node.sched.seqs.pool_cells = "node", 16384
+    for i in range(4):
+        node.submit(f"d{i}", 8, 3100)  # 4 x 3,108 cells reserved of 16,384
+    node.run_until(lambda: all(f"d{i}" in node.first for i in range(4)))
+    node.submit("p0", 2000, 1)  # finished, its 2,000 cells stay cached beside the reservations...
+    node.run_until(lambda: "p0" not in node.sched.live)
+    reserved = node.sched.admission.kv_reserved_bytes // node.sched.budget.kv_bytes_per_token
+    assert node.sched.seqs.cells == 2000 and node.sched.seqs.cached_beside(reserved + 2001) == 0  # ... until a new one
+    est = capacity(node.sched, prompt_tokens=2000)["ttft_ms_estimate"]
+    t0 = node.clock.t
+    node.submit("new", 2000, 1)
+    node.run_until(lambda: "new" in node.first)
+    measured = (node.first["new"] - t0) * 1e3
+    assert abs(est - measured) <= 0.1 * measured, (est, measured)
+
 def test_capacity_reports_room_and_no_estimate_before_the_model_has_learned():
     node = Node()
     c = capacity(node.sched, prompt_tokens=100)

@@ -70,6 +70,16 @@ class Sequences:
         while self.pool_cells and reserved_cells + self.cache.cells > self.pool_cells and self.cache.entries:
             self.release(self.cache.evict())
 
+    def cached_beside(self, reserved_cells: int) -> int:
+        """The cached cells `fit(reserved_cells)` would leave (least recently used evicted first), evicting
+        nothing: what a unified pool holds besides the live sequences once a session about to start reserves."""
+        left = self.cache.cells
+        for e in sorted(self.cache.entries.values(), key=lambda e: e.used):
+            if not self.pool_cells or reserved_cells + left <= self.pool_cells:
+                break
+            left -= e.cells
+        return left
+
     def follow(self, s: Session) -> None:
         """A session waiting for its leader: copy the leader's prefix once the ticks before this one
         compute it (the copy runs before this tick's chunks), or compute its own if the leader is gone."""
