@@ -318,6 +318,10 @@ def test_deterministic_chunks_keep_every_cell_on_the_kernel_a_cold_run_gives_it(
     assert chunk(128, 0, 300, 300) == 128 and chunk(128, 128, 300, 300) == 172 - 64 and chunk(128, 236, 300, 300) == 64
     assert chunk(10, 0, 300, 300) == 64  # a small room still moves a whole tile
     assert chunk(64, 0, 100, 100) == 100  # 64 + 36 would leave a 36-row tail: up to 127 rows instead
+    # no tail of 65-127 rows (it would go whole next tick, over a room that shrinks deep in the prompt) where
+    # two tiles can be left: 224 left in a room of 112 go 96, then 64 and 64, not 112 and a forced 112
+    assert chunk(112, 776, 1000, 1000) == 96 and chunk(80, 872, 1000, 1000) == 64
+    assert chunk(64, 0, 185, 185) == 93  # not 64 and a forced 121: too short for two tiles, so halves
     # a shorter prompt: any cut; generated tokens a restart recomputes: under 64 rows, after the prompt
     assert chunk(10, 0, 40, 40) == 10
     assert chunk(504, 0, 300, 330) == 300 and chunk(504, 300, 300, 330) == 30 and chunk(504, 300, 300, 500) == 63
