@@ -224,12 +224,14 @@ def gateway() -> list[str]:
     for file, threads, why in (("gateway-pairs.json", "", ""),
                                ("gateway-pairs-threads1.json", " --threads 1",
                                 " The same with the engine on one thread, so that a core is left to the front, the "
-                                "gateway and the client: what the gateway costs when it does not take the engine's CPU.")):
+                                "gateway and the client: what the gateway costs when it does not take the engine's "
+                                "CPU.")):
         pairs = load(file)
         if not pairs:
             continue
         n = len(next(iter(pairs["runs"].values())))
-        md += [f"The gateway's own cost, longer streams and more rounds: `meshnode bench gateway --preset bench{threads} "
+        md += ["The gateway's own cost, longer streams and more rounds: "
+               f"`meshnode bench gateway --preset bench{threads} "
                f"--rounds {n} --sides 'c1 zmq,c1 http,c8 zmq,c8 http' --tokens {pairs['tokens_per_session']} --json "
                f"evidence/{file}` (the same node, the ZeroMQ client and the gateway on alternating turns).{why}", ""]
         md += [f"- {line}" for line in pairs["verdict"]] + [""]

@@ -5,8 +5,8 @@ import pytest
 
 from helpers import Clock, scheduler
 from meshnode.core.capacity import capacity
-from meshnode.core.costmodel import (Shape, TickCost, TickTarget, attention, fill, fill_deterministic, prefill_room, shape,
-                                     sized, within_target)
+from meshnode.core.costmodel import (Shape, TickCost, TickTarget, attention, fill, fill_deterministic, prefill_room,
+                                     shape, sized, within_target)
 from meshnode.core.session import Session
 from meshnode.engine.fake import FakeEngine
 
@@ -211,7 +211,8 @@ def test_chunks_of_one_length_share_a_call_and_cost_no_call_of_their_own_when_fi
     decode, equal = [(10, 1)] * 4, [(0, 32)] * 3
     s = shape([*decode, *equal, (0, 20)], unified_cells=0)
     assert (s.calls, s.rows) == (3, 4 + 96 + 20)
-    assert s.attn == s.attn_small == 4 * 11 + 3 * 32 * 32 + 20 * 20  # every stream under a tile: its own row-by-row kernel
+    # every stream under a tile: its own row-by-row kernel
+    assert s.attn == s.attn_small == 4 * 11 + 3 * 32 * 32 + 20 * 20
     assert fill(200, [32] * 8, True, True, 14) == [32] * 6  # no call charged after the first: 6 fit, the 7th has 8 rows
     assert fill(120, [32, 40, 32, 40], True, True, 14) == [32, 40, 32]  # one charge, for the 40s' call
     assert fill_deterministic(200, [(0, 32, 32)] * 8, True, 14) == [32] * 6

@@ -164,7 +164,8 @@ def test_equal_prompt_chunks_share_one_llama_decode_and_each_keeps_the_bits_it_h
             alone[s] = e.logits_for(Plan([SeqChunk(s, 0, prompt(s, n), draw=0, sampling=GREEDY)]))[s]
         e.step(Plan([], list(range(8))))
         calls, decode = [], e._lc.llama_decode
-        monkeypatch.setattr(e._lc, "llama_decode", lambda ctx, batch: calls.append(batch.n_tokens) or decode(ctx, batch))
+        monkeypatch.setattr(e._lc, "llama_decode",
+                            lambda ctx, batch: calls.append(batch.n_tokens) or decode(ctx, batch))
         together = e.logits_for(Plan([SeqChunk(s, 0, prompt(s, n), draw=0, sampling=GREEDY)
                                       for s, n in enumerate(lengths)]))
     assert sorted(calls) == [9, 80]  # the four 20-token chunks in one call, the 9-token one in another

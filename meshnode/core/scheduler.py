@@ -172,8 +172,8 @@ class Scheduler:
 
     def fill(self, room: int, prompts: list[tuple[int, int, int]], decoding: bool) -> list[int]:
         """The prompt tokens each prompt in line ((position, tokens left, prompt length)) computes in a
-        tick with `room` (costmodel.fill: the tile rules hold on streams, where each chunk is a call of
-        its own; in deterministic mode costmodel.fill_deterministic)."""
+        tick with `room` (costmodel.fill: the tile rules hold on streams, where the chunks of each length
+        are a call of their own; in deterministic mode costmodel.fill_deterministic)."""
         if not prompts:
             return []
         streams = not self.pool_cells
