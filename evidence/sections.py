@@ -298,7 +298,8 @@ def memory() -> list[str]:
     a, mib = d["active"], 1 << 20
     kv_seq = a["llama_cpp_kv_per_sequence"]
     md = ["## Memory per session and per cached conversation", "",
-          f"`meshnode bench memory --preset bench --json evidence/memory-bench.json`, {d['model'].rsplit('/', 1)[-1]}, on {d['build']}: "
+          "`meshnode bench memory --preset bench --json evidence/memory-bench.json`, "
+          f"{d['model'].rsplit('/', 1)[-1]}, on {d['build']}: "
           "RSS (psutil) of the front and the engine process. Idle after load: front "
           f"{a['idle']['front'] / mib:.1f} MiB, engine {a['idle']['engine'] / mib:.1f} MiB, beside llama.cpp's buffers: "
           f"weights {a['llama_cpp']['weights'] / mib:.1f} MiB, KV {a['llama_cpp']['kv'] / mib:.1f} MiB for "

@@ -131,9 +131,9 @@ class TickCost:
 
     def _refresh(self) -> None:
         """Refit when REFIT_MS of engine time came since the last fit. Lazily, when a prediction is
-        asked for: a fit is 0.2-0.6 ms of the front's CPU, a node that only decodes asks for none, and
-        fitting as ticks came took a third of the front's CPU at one session (cProfile, CPU time): CPU
-        the engine's threads need on a small host."""
+        asked for: a fit is 0.2-0.6 ms of the front's CPU, a node that only decodes asks only for its
+        telemetry's once a second, and fitting as ticks came took a third of the front's CPU at one
+        session (cProfile, CPU time): CPU the engine's threads need on a small host."""
         if self._since_fit >= REFIT_MS and self.samples >= MIN_SAMPLES:
             self._fit()
 
@@ -147,7 +147,7 @@ class TickCost:
             self._decode.setdefault(size, deque(maxlen=DECODE_TICKS)).append(ms)
             self._decode_ms[size] = _median(self._decode[size])
         if self.ready:  # judged by the fit as it stands (refitting per tick is what the laziness saves)
-            if ms > 2 * self._fitted(tick) * (self.correction if sized else 1.0) + 5:
+            if ms > 2 * self._expected(tick, sized) + 5:
                 self.outliers += 1
             elif sized:
                 self._ratios.append(ms / self._fitted(tick))
@@ -174,6 +174,9 @@ class TickCost:
     def predict(self, tick: Shape, sized: bool = False) -> float:
         """The time a tick is expected to take."""
         self._refresh()
+        return self._expected(tick, sized)
+
+    def _expected(self, tick: Shape, sized: bool) -> float:
         return self._fitted(tick) * (self.correction if sized else 1.0)
 
     def decode_tick_ms(self, tick: Shape) -> float:

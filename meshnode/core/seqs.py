@@ -67,7 +67,8 @@ class Sequences:
 
     def fit(self, reserved_cells: int) -> None:
         """On a unified pool, evict cached entries until they fit beside the cells reserved."""
-        while self.pool_cells and reserved_cells + self.cache.cells > self.pool_cells and self.cache.entries:
+        keep = self.cached_beside(reserved_cells)
+        while self.cache.cells > keep:
             self.release(self.cache.evict())
 
     def cached_beside(self, reserved_cells: int) -> int:

@@ -89,6 +89,11 @@ class EngineConfig:
         return not self.wants_deterministic
 
     @property
+    def amx_weights(self) -> bool:
+        """The weights go to AMX buffers: other kernels (the recipe says so), and for f16 ones a lone row's bits."""
+        return self.extra_buffers and llamacpp.amx_crashes()
+
+    @property
     def flash(self) -> str:
         """What llama.cpp is asked for: deterministic mode needs flash attention on (without it a decode
         row's attention and a prompt chunk's take different kernels, so re-prefilled KV differs)."""
@@ -131,7 +136,7 @@ class EngineConfig:
         on which offload device, once loaded)."""
         det = self.wants_deterministic if deterministic is None else deterministic
         return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash, self.n_batch, self.kv_layout, det,
-                               placement, amx=self.extra_buffers and llamacpp.amx_crashes())
+                               placement, amx=self.amx_weights)
 
 
 class LlamaEngine(Engine):
@@ -187,8 +192,7 @@ class LlamaEngine(Engine):
         self._alloc_batch(self.n_batch)
         # a lone decode row gets a dummy neighbour (engine/invariant.py), but AMX's f16 kernel gives a lone row
         # the bits it has in a crowd: where all the weights are f16 in AMX buffers, try without, as checked
-        self.pad_lone_rows = not (self.deterministic and cfg.extra_buffers and llamacpp.amx_crashes()
-                                  and cfg.weight_types == {"F16"})
+        self.pad_lone_rows = not (self.deterministic and cfg.amx_weights and cfg.weight_types == {"F16"})
         if self.deterministic:
             problem = invariant.self_check(self)
             if problem and not self.pad_lone_rows:
