@@ -91,10 +91,11 @@ class TickDone:
     logprobs: tuple = ()  # (seq, sampled token's logprob, ((token, logprob), ...)) for sessions that asked
 
     @classmethod
-    def of(cls, tick: int, res: StepResult, gap_ms: float) -> TickDone:
-        """An engine step's wire form; its tokens go to the arena, the memory figures are the writer's."""
-        lps = tuple((s, lp, tuple(top)) for s, (lp, top) in res.logprobs.items())
-        return cls(tick, tuple(res.cache_miss), res.step_ms, res.kv_cells, gap_ms, logprobs=lps)
+    def of(cls, tick: int, res: StepResult, gap_ms: float, rss: int = 0, mem_available: int = 0,
+           mem_total: int = 0) -> TickDone:
+        """An engine step's wire form, with the engine process's memory figures; its tokens go to the arena."""
+        lps = tuple((s, lp, tuple(top)) for s, (lp, top) in res.logprobs.items()) if res.logprobs else ()
+        return cls(tick, tuple(res.cache_miss), res.step_ms, res.kv_cells, gap_ms, rss, mem_available, mem_total, lps)
 
     def result(self, tokens: dict[int, int]) -> StepResult:
         """The step as the engine returned it, with its tokens read back from the arena."""

@@ -13,7 +13,7 @@ from ipc.link import EngineProcessConfig
 from ipc.protocol import pack
 from ipc.seqpacket import LinkSocket
 from ipc.shm import TokenArena
-from meshnode.core.types import Plan, SeqChunk
+from meshnode.core.types import Plan, SeqChunk, StepResult
 from meshnode.worker.link_io import CLOSED, LinkIO
 from meshnode.worker.main import EngineProcess
 
@@ -42,10 +42,10 @@ def test_ticks_arrive_decoded_in_order_and_answers_leave_in_order(pair):
         req = io.next(5)
         assert (req.tick, req.fresh) == (t, t == 1)
         assert [c.tokens.tolist() for c in req.plan.chunks] == [[t + 3], [4, 5]]
-        io.reply(link.TickDone(t, (), 1.0, 3, 0.5), req.plan, {0: 100 + t, 1: 200 + t})
+        io.done(t, StepResult({0: 100 + t, 1: 200 + t}, [], 1.0, 3), 0.5, req.plan)
     for t in (1, 2):
         msg = link.decode(front.recv())
-        assert msg.tick == t and msg.gap_ms == 0.5
+        assert (msg.tick, msg.step_ms, msg.kv_cells, msg.gap_ms) == (t, 1.0, 3, 0.5)
         assert msg.rss > 0 and msg.mem_total > 0  # the writer adds the memory figures
         assert link.read_samples(arena, t, plan(t), n_vocab=512) == {0: 100 + t, 1: 200 + t}
 
@@ -90,15 +90,15 @@ def test_a_message_that_is_not_msgpack_raises_in_the_main_thread():
 
 def test_a_failing_link_thread_is_raised_in_the_main_thread(pair):
     _, io, _ = pair
-    io.reply(link.TickRefused(1, False, object()))  # msgpack cannot pack it: the writer fails
+    io.refuse(link.TickRefused(1, False, object()))  # msgpack cannot pack it: the writer fails
     with pytest.raises(TypeError):
         io.next(5)
 
 
 def test_the_engine_refuses_a_tick_that_did_not_decode_like_any_bad_plan():
     proc = EngineProcess(EngineProcessConfig("x", 0, "a", 1, 1, "fake", {}))
-    answer, tokens = proc.run(link.MalformedTick(7, "chunk of sequence 0 points outside the arena"))
-    assert answer == link.TickRefused(7, False, "chunk of sequence 0 points outside the arena") and tokens is None
+    answer = proc.run(link.MalformedTick(7, "chunk of sequence 0 points outside the arena"))
+    assert answer == link.TickRefused(7, False, "chunk of sequence 0 points outside the arena")
     assert proc.followups.refusing  # the ticks queued behind it are refused until the front resyncs
 
 
@@ -122,7 +122,7 @@ def test_the_heartbeat_says_finished_only_once_the_answer_is_sent():
     io._threads[1].start()  # the writer alone: nothing to read
     try:
         arena.beat(7, finished=False)
-        io.reply(link.TickRefused(7, False, "x"))
+        io.refuse(link.TickRefused(7, False, "x"))
         assert sock.entered.wait(30)  # the writer is inside its send
         assert arena.heartbeat()[:2] == (7, 0) and not sock.sent  # stepped, not sent: not finished
         sock.go.set()

@@ -16,7 +16,6 @@ in hand-over order, so the front sees exactly the lockstep conversation.
 """
 from __future__ import annotations
 
-import dataclasses
 import queue
 import socket
 import threading
@@ -24,6 +23,7 @@ import time
 
 from ipc import link
 from ipc.seqpacket import LinkSocket
+from meshnode.core.types import Plan, StepResult
 from meshnode.ops.memory import host_memory, rss
 
 MEMORY_EVERY_S = 0.25
@@ -61,10 +61,15 @@ class LinkIO:
             raise item
         return item
 
-    def reply(self, answer: link.TickDone | link.TickRefused, plan=None, tokens: dict | None = None) -> None:
-        """Hand an answer over; it is sent in order, with the latest memory figures added, after
-        `tokens` (the plan's samples) are written to the arena."""
-        self._outbox.put((answer, plan, tokens))
+    def done(self, tick: int, res: StepResult, gap_ms: float, plan: Plan) -> None:
+        """Hand a step over: its TickDone, with the latest memory figures, is built and sent in order
+        once its samples are written to the arena. Built here, on the writer, not by the main thread:
+        that runs while the next decode does, where the main thread's every microsecond delays it."""
+        self._outbox.put((tick, res, gap_ms, plan))
+
+    def refuse(self, answer: link.TickRefused) -> None:
+        """Hand a refusal over; it is sent in order."""
+        self._outbox.put(answer)
 
     def close(self) -> None:
         """Send what was handed over, then end both threads (shutting the socket wakes the reader)."""
@@ -104,11 +109,11 @@ class LinkIO:
             self._inbox.put(e)
 
     def _write(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            answer, plan, tokens = item
-            if isinstance(answer, link.TickDone):
-                link.write_samples(self.arena, answer.tick, plan, tokens)
-                answer = dataclasses.replace(answer, **self._mem)
+        while (answer := self._outbox.get()) is not None:
+            if not isinstance(answer, link.TickRefused):
+                tick, res, gap_ms, plan = answer
+                link.write_samples(self.arena, tick, plan, res.tokens)
+                answer = link.TickDone.of(tick, res, gap_ms, **self._mem)
             try:
                 self.sock.send(link.encode(answer))
             except OSError:  # the front is gone

@@ -22,7 +22,7 @@ import time
 from ipc import link, seqpacket
 from ipc.link import EngineProcessConfig
 from ipc.shm import TokenArena
-from meshnode.core.types import EngineError, EngineInfo, InvalidPlan
+from meshnode.core.types import EngineError, EngineInfo, InvalidPlan, StepResult
 from meshnode.engine.followups import Followups
 from meshnode.worker.link_io import CLOSED, LinkIO
 
@@ -109,11 +109,15 @@ class EngineProcess:
             if msg is CLOSED or isinstance(msg, link.Stop):
                 return
             self.arena.beat(msg.tick, finished=False)  # the front judges a hang by this, not by its clock
-            answer, tokens = self.run(msg)
-            self.io.reply(answer, getattr(msg, "plan", None), tokens)  # beats "finished" once it is sent
+            out = self.run(msg)  # the answer is sent, and "finished" beaten, by the link's writer
+            if isinstance(out, link.TickRefused):
+                self.io.refuse(out)
+            else:
+                self.io.done(msg.tick, *out, msg.plan)
 
-    def run(self, req) -> tuple[link.TickDone | link.TickRefused, dict | None]:
-        """Run one tick request: its answer, and the sampled tokens the link writes to the arena."""
+    def run(self, req) -> link.TickRefused | tuple[StepResult, float]:
+        """Run one tick request: its refusal, or its result and the gap before it (ms; -1 after an idle
+        spell), which the link's writer turns into a TickDone."""
         try:
             if isinstance(req, link.MalformedTick):  # refused like any bad plan, in its place
                 raise InvalidPlan(str(req))
@@ -123,16 +127,16 @@ class EngineProcess:
             if not fatal:
                 self.followups.refused()
             log.error("tick %s failed: %s", req.tick, e)
-            return link.TickRefused(req.tick, fatal, str(e)), None
+            return link.TickRefused(req.tick, fatal, str(e))
         except Exception as e:  # an unexpected bug: the context can't be trusted any more
             log.exception("tick %s raised", req.tick)
-            return link.TickRefused(req.tick, True, f"{type(e).__name__}: {e}"), None
+            return link.TickRefused(req.tick, True, f"{type(e).__name__}: {e}")
         ready = time.perf_counter()
         # the time between two engine steps: from the last result being ready to this step starting
         # (the main thread's hand-over, the wait for this tick, resolving its follows); -1 after an idle spell
         gap_ms = (ready - self._ready_at) * 1e3 - res.step_ms if self._ready_at and not req.fresh else -1.0
         self._ready_at = ready
-        return link.TickDone.of(req.tick, res, gap_ms), res.tokens
+        return res, gap_ms
 
     def shutdown(self) -> None:
         if hasattr(self, "io"):
