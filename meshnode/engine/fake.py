@@ -21,12 +21,12 @@ def extend(h: int, token: int) -> int:
     return (h * 1_000_003 + int(token) + 1) % (1 << 61)
 
 
-def _pause(s: float) -> None:
-    """Take `s` seconds, to the microsecond: time.sleep alone oversleeps by 50-100 us here, which a
-    benchmark of the node's own cost per tick would count as the node's. Sleep most of it, spin the end."""
-    end = time.perf_counter() + s
-    if s > 1e-3:
-        time.sleep(s - 1e-3)
+def _pause_until(end: float) -> None:
+    """Return at `end` (time.perf_counter), to the microsecond: time.sleep alone oversleeps by 50-100 us
+    here, which a benchmark of the node's own cost per tick would count as the node's. Sleep most of it,
+    spin the end."""
+    if end - time.perf_counter() > 1e-3:
+        time.sleep(end - time.perf_counter() - 1e-3)
     while time.perf_counter() < end:
         pass
 
@@ -35,6 +35,7 @@ class FakeEngine(Engine):
     def __init__(self, n_vocab: int = 512, n_seq_max: int = 8, n_ctx: int = 4096, n_batch: int = 512,
                  n_ctx_seq: int | None = None, eos: int = 2, kv_bytes_per_token: int = 1024,
                  weight_bytes: int = 1 << 20, step_s: float = 0.0, corrupt=(), cost_ms=None):
+        """`step_s`: what computing a plan takes (as llama_decode and sampling would), 0 for nothing."""
         self.n_vocab, self.n_seq_max, self.n_ctx, self.n_batch = n_vocab, n_seq_max, n_ctx, n_batch
         self.n_ctx_seq = n_ctx_seq or n_ctx
         self.eos, self.kv_bytes_per_token, self.weight_bytes = eos, kv_bytes_per_token, weight_bytes
@@ -53,6 +54,7 @@ class FakeEngine(Engine):
             self.fail_next = False
             raise FatalEngineError("injected fatal engine error")
         self.plans.append(plan)
+        start = time.perf_counter()
         res = StepResult()
         for c in plan.chunks:
             hs = self._hashes[c.seq_id]
@@ -65,8 +67,8 @@ class FakeEngine(Engine):
                 if c.seq_id in self.corrupt:
                     tok = 3 + (tok - 3 + 1) % (self.n_vocab - 3)
                 res.tokens[c.seq_id] = tok
-        if self.step_s:
-            _pause(self.step_s)
+        if self.step_s:  # the step_s include the stand-in model's hashing: it is no part of the node
+            _pause_until(start + self.step_s)
         return res
 
     def step(self, plan: Plan) -> StepResult:
