@@ -1,8 +1,8 @@
 """`meshnode bench scale`: what the node itself costs per tick as sessions grow, apart from llama.cpp.
 
 - the node's own time per tick: a node whose engine is the fake one sleeping a fixed 5 ms a step (what
-  a fast GPU tick takes), N sessions decoding together (N = 1, 8, 32, 64): every ms a tick takes beyond
-  the 5 is the front, the link, the engine process's Python and the sampling stand-in;
+  a fast GPU tick takes, its own stand-in model inside the 5), N sessions decoding together (N = 1, 8, 32,
+  64): every ms a tick takes beyond the 5 is the front, the link and the engine process's Python;
 - the policy alone: the scheduler's plan() and apply() in this process, with an engine that costs
   nothing but reports 5 ms ticks (so the cost model refits as often as on such ticks), as the decoding
   sessions grow.
