@@ -26,6 +26,7 @@ python -m meshnode bench gateway --preset bench --rounds 3 $PEER --json evidence
 python -m meshnode bench gateway --preset bench --rounds 7 --sides "c1 zmq,c1 http,c8 zmq,c8 http" --tokens 256 --json evidence/gateway-pairs.json > evidence/gateway-pairs.txt 2>&1
 python -m meshnode bench gateway --preset bench --threads 1 --rounds 5 --sides "c1 zmq,c1 http,c8 zmq,c8 http" --tokens 256 --json evidence/gateway-pairs-threads1.json > evidence/gateway-pairs-threads1.txt 2>&1
 python -m meshnode bench scale --preset bench --rounds 2 $PEER --json evidence/scale-bench.json > evidence/scale-bench.txt 2>&1
+python -m meshnode bench scale --preset bench --rounds 3 --json evidence/scale-overhead.json > evidence/scale-overhead.txt 2>&1
 python -m meshnode bench memory --preset bench --json evidence/memory-bench.json > evidence/memory-bench.txt 2>&1
 python -m meshnode bench chat --preset bench --rounds 3 $PEER --json evidence/chat-bench.json > evidence/chat-bench.txt 2>&1
 python -m meshnode bench ticks --preset bench --rounds 5 --json evidence/tick-shapes.json > evidence/tick-shapes.txt 2>&1

@@ -251,20 +251,25 @@ def scale() -> list[str]:
     if not d:
         return []
     peers = d.get("peers")
-    cmd = "--llama-server PATH " if peers else ""
-    kind = "mean" if "plan_us_mean" in next(iter(d["median"].values())) else "p50"
+    # the fake-engine figures from the newer run without peers, when there is one (it takes minutes, the peers hours)
+    own, own_file = (load("scale-overhead.json"), "scale-overhead.json") if load("scale-overhead.json") else (d, "scale-bench.json")
+    cmd = "--llama-server PATH " if own.get("peers") else ""
+    kind = "mean" if "plan_us_mean" in next(iter(own["median"].values())) else "p50"
     md = ["## The node's own cost per tick as sessions grow", "",
-          f"`meshnode bench scale --rounds {len(next(iter(d['runs'].values())))} {cmd}--json evidence/scale-bench.json`, "
-          f"on {d['build']}: a node over the fake engine taking {d['step_ms']:g} ms a step (a fast GPU tick), N "
+          f"`meshnode bench scale --rounds {len(next(iter(own['runs'].values())))} {cmd}--json evidence/{own_file}`, "
+          f"on {own['build']}: a node over the fake engine taking {own['step_ms']:g} ms a step (a fast GPU tick), N "
           "sessions decoding; and the scheduler's plan() and apply() alone in one process (their "
           f"{kind} time a tick). Medians of rounds.", "",
           "| sessions | ms a tick | the node's own ms | share of the 5 ms | plan() us | apply() us |",
           "|---|---|---|---|---|---|"]
-    for n, m in d["median"].items():
+    for n, m in own["median"].items():
         md.append(f"| {n} | {m['ms_per_tick']:.2f} | {m['node_ms_per_tick']:.2f} | {m['node_share_of_5ms']:.0%} | "
                   f"{m[f'plan_us_{kind}']:.0f} | {m[f'apply_us_{kind}']:.0f} |")
     if peers:
-        md += ["", "Beside llama-server (`-np N`, the same model, threads and 512 cells a session; bench model): N "
+        md += ["", f"Beside llama-server (`meshnode bench scale --rounds {len(next(iter(d['runs'].values())))} "
+               f"--llama-server PATH --json evidence/scale-bench.json`, on "
+               f"{'the same build' if d['build'] == own['build'] else d['build']}; `-np N`, the same "
+               "model, threads and 512 cells a session; bench model): N "
                "sessions submitted together, 32-token prompts, 64 tokens each; medians of rounds, node / llama-server.",
                "", "| sessions | tok/s | gap p50 ms | gap p99 ms | first token p50 ms | p99 |", "|---|---|---|---|---|---|"]
         for n, rounds in peers["concurrency"].items():
