@@ -82,6 +82,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     (Plan([SeqChunk(0, 0, np.zeros(600, np.int32))]), "n_batch"),
     (Plan([SeqChunk(0, 0, np.array([], np.int32))]), "empty"),
     (Plan([], [9]), "release"),
+    (Plan([SeqChunk(0, 0, np.array([[4, 5]], np.int32))]), "1-d integer"),
+    (Plan([SeqChunk(0, 0, np.array([4.0, 5.0]))]), "1-d integer"),
+    (Plan([SeqChunk(0, 0, np.array(4, np.int32))]), "1-d integer"),
 ])
 def test_bad_plans_are_refused_and_the_engine_keeps_working(engine, bad, why):
     engine.step(Plan([], list(range(8))))

@@ -21,8 +21,12 @@ from meshnode.engine.sampling import logprobs, sample
 def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_ctx_seq: int,
                   next_pos: list[int], samplers: dict) -> None:
     """Raise InvalidPlan unless `plan` can run; `next_pos` and `samplers` are before the plan."""
-    if plan.n_tokens > n_batch:
-        raise InvalidPlan(f"plan has {plan.n_tokens} tokens, more than n_batch={n_batch}")
+    try:
+        n_tokens = plan.n_tokens
+    except TypeError:  # len() of a scalar
+        raise InvalidPlan("a chunk's tokens are not a 1-d integer array") from None
+    if n_tokens > n_batch:
+        raise InvalidPlan(f"plan has {n_tokens} tokens, more than n_batch={n_batch}")
     after: dict[int, int] = {}  # where the release and kv ops leave a sequence
 
     def seq(s, what: str) -> int:
