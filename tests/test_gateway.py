@@ -379,3 +379,38 @@ def test_a_client_that_is_behind_gets_what_waited_in_one_write_and_nothing_is_lo
     assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == ["a", "b", "c", ""]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 4
     assert len(writes) == 2  # the three texts together; then the finish, the usage and [DONE]
+
+
+def test_a_stream_whose_node_dies_ends_with_an_error_chunk_and_done(tiny_model):
+    """The gateway's connection drops when the node dies: each open stream gets one error chunk naming
+    NODE_UNREACHABLE and its `[DONE]`, never a hang. The engine is stopped first, so the stream is open
+    (admitted, no tokens) when the front is killed: no race with the stream's own end."""
+    import os
+    import signal
+
+    import psutil
+
+    port = free_tcp_port()
+    with NodeProcess(tiny_model, "--max-active", "1") as n:
+        gw = subprocess.Popen([sys.executable, "-m", "meshnode", "gateway", "--listen", f"127.0.0.1:{port}",
+                               "--node", n.listen], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        engine = [p for p in psutil.Process(n.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
+        try:
+            base = f"http://127.0.0.1:{port}"
+            gateway_up(base)
+            os.kill(engine.pid, signal.SIGSTOP)
+            body = {"prompt": "hello", "max_tokens": 50, "stream": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200  # admitted: the stream is open, its tick stuck in the engine
+                n.proc.kill()
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            err = json.loads(lines[-2][6:])["error"]
+            assert err["code"] == "NODE_UNREACHABLE" and "connection to the node was lost" in err["message"], err
+        finally:
+            try:
+                engine.kill()  # stopped, it cannot act on the SIGTERM its dead front's death sent it
+            except psutil.NoSuchProcess:
+                pass
+            gw.terminate()
+            gw.wait(30)
