@@ -26,6 +26,8 @@ log = logging.getLogger("meshnode.gateway")
 PING_EVERY_S, NODE_SILENT_S = 2.0, 10.0
 NODE_GONE = "NODE_UNREACHABLE"  # the synthetic error code (docs/gateway.md)
 FINAL = ("rejected", "done", "error")
+# plain ints: an int & a zmq Flag member builds a new enum member each time, per event
+EVENTS, POLLIN, POLLOUT, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
 
 
 class Upstream:
@@ -80,11 +82,11 @@ class Upstream:
     def _ready(self) -> None:
         """Everything the socket allows now: waiting requests out, then every event in."""
         while True:
-            events = self.sock.getsockopt(zmq.EVENTS)
-            if self._outgoing and events & zmq.POLLOUT:
-                self.sock.send_multipart(self._outgoing.popleft(), zmq.NOBLOCK)
-            elif events & zmq.POLLIN:
-                self._on_event(self.sock.recv_multipart(zmq.NOBLOCK))
+            events = self.sock.getsockopt(EVENTS)
+            if self._outgoing and events & POLLOUT:
+                self.sock.send_multipart(self._outgoing.popleft(), NOBLOCK)
+            elif events & POLLIN:
+                self._on_event(self.sock.recv_multipart(NOBLOCK))
             else:
                 return
 
@@ -122,8 +124,8 @@ class Upstream:
 
     def _connection(self) -> None:
         """The monitor's events, all that have come (its FD is edge-triggered too)."""
-        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            ev = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+        while self.monitor.getsockopt(EVENTS) & POLLIN:
+            ev = parse_monitor_message(self.monitor.recv_multipart(NOBLOCK))
             if ev["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             while self._replies:  # asked on the old connection: their answers will not come
