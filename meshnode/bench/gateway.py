@@ -81,7 +81,10 @@ def over_http(port: int, jobs: list[dict], at_once: int) -> dict:
 
     async def run():
         todo = list(enumerate(jobs))
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        # a connection a request, on both sides: llama-server closed a pooled connection between two of the mix's
+        # requests and the next one's write failed ("Cannot write to closing transport"), ending the run
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                         connector=aiohttp.TCPConnector(force_close=True)) as session:
             async def worker():
                 while todo:
                     i, job = todo.pop(0)
