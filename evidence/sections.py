@@ -213,9 +213,11 @@ def gateway() -> list[str]:
               f"on {d['build']}: one node with its gateway child; the same greedy sessions through the ZeroMQ client "
               "and the gateway's streamed /v1/completions, and the 16-job mix and `bench burst`'s burst through the gateway "
               "and llama-server's /v1/completions (llama-server running only for its sides, fresh prompts each round), "
-              "the order rotating per round. The table's medians mix rounds, and this machine's decode tick slowed "
-              "after the first burst (c1 gap p50 20 -> 32 ms, both paths): read the gateway's cost from the lines "
-              "paired by round below. Client, gateway, front and engine share the 2 cores.", "",
+              "the order rotating per round. The table's medians mix rounds, and this machine's one-session tick "
+              "moves between rounds on both paths (c1 gap p50 by round, ZeroMQ / HTTP: "
+              + ", ".join(f"{z['gap_p50_ms']:.1f} / {h['gap_p50_ms']:.1f}" for z, h in zip(d["runs"]["c1 zmq"], d["runs"]["c1 http"]))
+              + " ms): read the gateway's cost from the lines paired by round below. Client, gateway, front and "
+              "engine share the 2 cores.", "",
               "| path | tok/s | first token p50 ms | gap p50 ms | gap p99 ms |", "|---|---|---|---|---|"]
         for name, m in d["median"].items():
             if "tok_s" in m:  # the burst's figures are in the verdict
