@@ -55,8 +55,7 @@ def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_c
             after[dst] = op.n
         else:
             raise InvalidPlan(f"unknown KV operation {op!r}")
-    # per chunk, the same checks in the fewest steps: with 64 decode rows a tick this loop was most of
-    # the engine's own time between two decodes (scale bench, docs/architecture.md)
+    # per chunk, the same checks in the fewest steps: this runs for every row, between two decodes
     fresh = after  # sequences the ops above restarted: their sampling parameters went with their old KV
     seen = set()
     for c in plan.chunks:

@@ -81,7 +81,7 @@ class Upstream:
 
     def _ready(self) -> None:
         """Everything the socket allows now: waiting requests out, then every event in."""
-        while True:
+        while not self.sock.closed:  # a turn scheduled before close() may come after it
             events = self.sock.getsockopt(EVENTS)
             if self._outgoing and events & POLLOUT:
                 self.sock.send_multipart(self._outgoing.popleft(), NOBLOCK)

@@ -7,8 +7,8 @@ answer back; the rest runs on two threads while the next decode runs
 
 - the reader receives and decodes each tick request (its tokens copied out of
   the shared arena) as soon as it arrives;
-- the writer writes each tick's sampled tokens to the arena, adds the latest
-  memory figures to its answer, sends it, beats the heartbeat's "finished", and
+- the writer writes each tick's sampled tokens to the arena, builds its answer
+  with the latest memory figures, sends it, beats the heartbeat's "finished", and
   only then re-reads psutil when the figures are older than MEMORY_EVERY_S.
 
 Order is kept: ticks reach the main thread in arrival order and answers leave
