@@ -208,3 +208,45 @@ def test_run_reports_dropped_sequences_as_misses():
 
     res = c.run(Engine(), Plan([chunk(0, 3, [-1], 1, True), chunk(1, 0, [7], 0)]))
     assert res.cache_miss == [0] and res.tokens == {1: 9} and c.lost == {0}
+
+
+def test_the_next_tick_is_planned_late_in_the_running_one_and_earlier_once_the_engine_waited():
+    """A request that arrives while tick N runs joins N+1 if N+1 is planned late in N (not as soon as N is
+    sent); planned too late, the engine waits, and the lead grows until it does not."""
+    from meshnode.core.pipeline import PLAN_LEAD_MS, TickPipeline
+
+    p = TickPipeline(depth=2)
+    assert p.plan_ahead_at() == 0.0  # nothing runs: plan now
+    a = p.push(Plan(), [])
+    a.started_at = 100.0
+    assert p.plan_ahead_at() == 0.0  # its time unknown (the cost model not ready): plan now, as before
+    a.predicted_ms = 40.0
+    assert p.plan_ahead_at() == pytest.approx(100.0 + (40.0 - 0.2 * 40.0) / 1e3)  # a fifth of it ahead
+    a.predicted_ms = 5.0
+    assert p.plan_ahead_at() == pytest.approx(100.0 + (5.0 - PLAN_LEAD_MS) / 1e3)  # at least the floor
+    p.engine_waited(0.1)  # the hand-over every tick has: no change
+    assert p.lead_ms == PLAN_LEAD_MS
+    p.engine_waited(1.0)  # it waited a millisecond for its tick: plan earlier
+    assert p.lead_ms == PLAN_LEAD_MS + 2.0 and p.plan_ahead_at() == pytest.approx(100.0 + 1.0 / 1e3)
+    for _ in range(500):  # ticks on time: back to the floor
+        p.engine_waited(0.05)
+    assert p.lead_ms == PLAN_LEAD_MS
+    b = p.push(Plan(), [])
+    b.predicted_ms = 5.0
+    assert p.answer(a.t, now=100.006) is a and b.started_at == 100.006  # queued, it runs from a's answer
+
+
+def test_each_tick_carries_the_cost_models_prediction_once_it_has_one():
+    """The scheduler's prediction, which TickPipeline.plan_ahead_at reads: decode ticks by what ticks
+    of their rows took (no refit), prompt ticks by the fit."""
+    engine = FakeEngine(n_seq_max=8, cost_ms=lambda plan: 4.0 + plan.n_tokens * 0.5)
+    sched = scheduler(engine, depth=1)
+    for i in range(3):
+        assert sched.submit(Session(i, [3 + i, 4, 5, 6], 30, ignore_eos=True)).accepted
+    ticks = []
+    while (tick := sched.plan()) is not None:
+        ticks.append(tick)
+        sched.apply(sched.pipeline.answer(tick.t), engine.step(tick.plan))
+    assert ticks[0].predicted_ms == 0.0  # nothing measured yet
+    decoding = [tk for tk in ticks[5:-1] if len(tk.plan.chunks) == 3]
+    assert len(decoding) > 20 and all(tk.predicted_ms == 5.5 for tk in decoding)  # three rows: 4 + 3 x 0.5 ms

@@ -186,11 +186,14 @@ class TickCost:
         but not from ticks of other sizes: while 64 prompts came in, every tick carried some, and the
         one-row warm-up ticks stood for 14-38 decoding rows, so the target (a few times a 15 ms tick, where
         the decode rows alone took 40-75 ms) left room for one or two 32-token prompts a tick."""
+        ms = self.measured_decode_ms(tick)
+        return self.predict(tick) if ms is None else ms
+
+    def measured_decode_ms(self, tick: Shape) -> float | None:
+        """What decode-only ticks of about `tick`'s rows took lately (their median), None where none ran."""
         size = tick.rows.bit_length()
         near = [k for k in self._decode_ms if abs(k - size) <= 1]
-        if not near:
-            return self.predict(tick)
-        return self._decode_ms[min(near, key=lambda k: abs(k - size))]
+        return self._decode_ms[min(near, key=lambda k: abs(k - size))] if near else None
 
     def bound(self, tick: Shape) -> float:
         """A sized tick's time, as ticks of its kind have run at worst lately (nine in ten under it)."""

@@ -2,7 +2,10 @@
 
 The front plans tick N+1 while the engine runs tick N (vLLM's async
 scheduling, SGLang's overlap scheduler), so up to `depth` ticks are in flight
-and answers come back in order. The scheduler pushes each tick it plans; the
+and answers come back in order. It plans it late in tick N, though, not as
+soon as N is sent (`plan_ahead_at`): a request that arrives during N then
+joins N+1 instead of waiting behind it for N+2, and N+1 is still queued at
+the engine when N ends. The scheduler pushes each tick it plans; the
 engine link sends it and hands each answer back through `answer`. When the
 engine refuses a tick, every tick already sent behind it was planned on top of
 it: the engine refuses those too, so they are marked `discard` (their answers
@@ -16,6 +19,12 @@ from dataclasses import dataclass, field
 
 from meshnode.core.types import Plan, SeqChunk
 
+# the next tick is planned at least this long before the ticks in flight are predicted to end (the front's
+# planning and the link take ~1 ms here; a tick ends up to ~10 % before its prediction), and longer where
+# the engine still waited for one (the front busy with many sessions' events): WAITED_MS is a wait that
+# says so, against the ~0.1 ms hand-over every tick has
+PLAN_LEAD_MS, PLAN_LEAD_SHARE, MAX_LEAD_MS, WAITED_MS = 2.0, 0.2, 50.0, 0.3
+
 
 @dataclass
 class Tick:
@@ -26,6 +35,8 @@ class Tick:
     sessions: list = field(default_factory=list)  # one per plan.chunks entry, in order
     reused: list = field(default_factory=list)  # sessions that start on cached KV in this tick
     sent_at: float = 0.0
+    started_at: float = 0.0  # when the engine began it, as the front can tell: sent to it idle, or the answer before
+    predicted_ms: float = 0.0  # what the cost model expects it to take; 0 before it can say
     resync: bool = False  # the first tick after a refusal: the engine starts over from it
     discard: bool = False  # planned on top of a refused tick: refused too, its answer dropped
 
@@ -41,6 +52,7 @@ class TickPipeline:
         self.ticks: deque[Tick] = deque()
         self._last_t = 0
         self._resync = False
+        self.lead_ms = PLAN_LEAD_MS
 
     def __len__(self) -> int:
         return len(self.ticks)
@@ -48,6 +60,23 @@ class TickPipeline:
     @property
     def full(self) -> bool:
         return len(self.ticks) >= self.depth
+
+    def plan_ahead_at(self) -> float:
+        """When (monotonic s) to plan the next tick: so late that what arrives while the ticks in flight
+        run joins it, so early that it is queued before they end. 0 (now) while none is in flight, or
+        while one's time is unknown."""
+        if not self.ticks or not all(tk.predicted_ms for tk in self.ticks):
+            return 0.0
+        ms = sum(tk.predicted_ms for tk in self.ticks)
+        return self.ticks[0].started_at + max(0.0, ms - max(self.lead_ms, PLAN_LEAD_SHARE * ms)) / 1e3
+
+    def engine_waited(self, gap_ms: float) -> None:
+        """The engine's wait before a tick it answered (TickDone.gap_ms; < 0 after an idle spell): one
+        that came late moves the next plans earlier; while none does, they creep back later."""
+        if gap_ms > WAITED_MS:
+            self.lead_ms = min(MAX_LEAD_MS, self.lead_ms + 2 * gap_ms)
+        elif gap_ms >= 0:
+            self.lead_ms = max(PLAN_LEAD_MS, self.lead_ms * 0.99)
 
     def push(self, plan: Plan, sessions: list, reused: list | None = None) -> Tick:
         """`sessions`: whose each of `plan.chunks` is, in order."""
@@ -57,12 +86,15 @@ class TickPipeline:
         self.ticks.append(tick)
         return tick
 
-    def answer(self, t: int) -> Tick | None:
+    def answer(self, t: int, now: float = 0.0) -> Tick | None:
         """The tick an answer for `t` belongs to, taken off the pipeline; None for an answer to
-        nothing in flight (a dead incarnation's) or to a discarded tick."""
+        nothing in flight (a dead incarnation's) or to a discarded tick. The next tick in flight runs
+        from `now` (the engine had it queued)."""
         if not self.ticks or self.ticks[0].t != t:
             return None
         tick = self.ticks.popleft()
+        if self.ticks:
+            self.ticks[0].started_at = now
         return None if tick.discard else tick
 
     def refused(self) -> list[Tick]:

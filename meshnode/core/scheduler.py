@@ -160,7 +160,22 @@ class Scheduler:
             c.occupancy_last = len(chunks)
             c.occupancy_max = max(c.occupancy_max, len(chunks))
             c.occupancy_sum += len(chunks)
-        return self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused)
+        tick = self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused)
+        tick.predicted_ms = self._predicted_ms(tick.plan.chunks)
+        return tick
+
+    def _predicted_ms(self, chunks: list[SeqChunk]) -> float:
+        """What the tick will take, by the cost model (0 before it can say): the front plans the next tick
+        late in this one (TickPipeline.plan_ahead_at). A decode-only tick takes what ticks of its rows took,
+        which needs no fit; others, the fit's prediction."""
+        if not chunks:
+            return 0.0
+        spans = [(c.pos, len(c.tokens)) for c in chunks]
+        tick = shape(spans, self.cells_planned if self.pool_cells else 0)
+        ms = self.cost.measured_decode_ms(tick) if all(n == 1 for _, n in spans) else None
+        if ms is None and self.cost.coef is not None:
+            ms = self.cost.predict(tick, sized(spans))
+        return ms or 0.0
 
     def _prefill_room(self, decode: list[SeqChunk], prompts: list[Session]) -> int:
         """The room for `prompts` (in line) beside `decode`, sized at the first one's position."""

@@ -158,7 +158,7 @@ class EngineLink:
             return self._break(self.words, going_down=True)
         if not isinstance(msg, (link.TickDone, link.TickRefused)):
             return self._break(f"engine sent {type(msg).__name__}, which only the front sends")
-        tick = self.pipeline.answer(msg.tick)
+        tick = self.pipeline.answer(msg.tick, time.monotonic())
         if tick is None:
             return None  # from before a restart, or behind a refused tick
         if isinstance(msg, link.TickRefused):
@@ -192,6 +192,8 @@ class EngineLink:
             self._break(f"engine link send failed: {e}", going_down=True)
         finally:  # after the send: a front paused before it must not count the pause against the engine
             tick.sent_at = time.monotonic()
+            if self.pipeline.ticks and self.pipeline.ticks[0] is tick:  # to an idle engine: it starts now
+                tick.started_at = tick.sent_at
 
     def why_dead(self, now: float) -> str:
         """Why the engine is dead now, or "": exited, broken, silent at start, or hung in a tick."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections import deque
 
@@ -186,7 +187,7 @@ class Front:
             if signals.received > 1 or (drain_deadline and (now >= drain_deadline or not self.sched.live)):
                 self._send(self.sched.end_all(R.DRAINED))
                 break
-            self._poll(timeout_ms=max(0, min(100, int(self.report.due(now) * 1e3))))
+            self._poll(timeout_ms=max(0, min(100, int(self.report.due(now) * 1e3), self._plan_in_ms(now))))
             now = time.monotonic()
             why = self.link.why_dead(now)
             if why:
@@ -287,16 +288,26 @@ class Front:
         """
         while self.link.can_send:
             idle = not self.sched.pipeline
+            if not idle and time.monotonic() < self.sched.pipeline.plan_ahead_at():
+                return  # late in the running tick: the poll wakes for it (_plan_in_ms)
             tick = self.sched.plan()
             if tick is None:
                 return
             self.link.send(tick, fresh=not after_reply and idle)
+
+    def _plan_in_ms(self, now: float) -> int:
+        """How long the poll may wait before the next tick is due to be planned (TickPipeline.plan_ahead_at)."""
+        pipe = self.sched.pipeline
+        if not pipe or pipe.full or not self.link.can_send:
+            return 100
+        return max(0, math.ceil((pipe.plan_ahead_at() - now) * 1e3))
 
     def _on_engine(self, outcome: Reply | Refusal | None) -> list[Event]:
         """A tick's outcome -> the sessions' events (sent by the caller, after the next dispatch)."""
         if isinstance(outcome, Reply):
             done = outcome.done
             self.telemetry.record_tick(done.rss, done.step_ms, done.kv_cells, done.gap_ms)
+            self.sched.pipeline.engine_waited(done.gap_ms)
             self.telemetry.set_memory(done.mem_available, done.mem_total)
             self.sched.mem_available = done.mem_available
             return self.sched.apply(outcome.tick, outcome.result)
