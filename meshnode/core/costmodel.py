@@ -186,12 +186,12 @@ class TickCost:
         but not from ticks of other sizes: while 64 prompts came in, every tick carried some, and the
         one-row warm-up ticks stood for 14-38 decoding rows, so the target (a few times a 15 ms tick, where
         the decode rows alone took 40-75 ms) left room for one or two 32-token prompts a tick."""
-        ms = self.measured_decode_ms(tick)
+        ms = self.measured_decode_ms(tick.rows)
         return self.predict(tick) if ms is None else ms
 
-    def measured_decode_ms(self, tick: Shape) -> float | None:
-        """What decode-only ticks of about `tick`'s rows took lately (their median), None where none ran."""
-        size = tick.rows.bit_length()
+    def measured_decode_ms(self, rows: int) -> float | None:
+        """What decode-only ticks of about `rows` rows took lately (their median), None where none ran."""
+        size = rows.bit_length()
         near = [k for k in self._decode_ms if abs(k - size) <= 1]
         return self._decode_ms[min(near, key=lambda k: abs(k - size))] if near else None
 

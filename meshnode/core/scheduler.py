@@ -170,11 +170,10 @@ class Scheduler:
         which needs no fit; others, the fit's prediction."""
         if not chunks:
             return 0.0
-        spans = [(c.pos, len(c.tokens)) for c in chunks]
-        tick = shape(spans, self.cells_planned if self.pool_cells else 0)
-        ms = self.cost.measured_decode_ms(tick) if all(n == 1 for _, n in spans) else None
+        ms = self.cost.measured_decode_ms(len(chunks)) if all(len(c.tokens) == 1 for c in chunks) else None
         if ms is None and self.cost.coef is not None:
-            ms = self.cost.predict(tick, sized(spans))
+            spans = [(c.pos, len(c.tokens)) for c in chunks]
+            ms = self.cost.predict(shape(spans, self.cells_planned if self.pool_cells else 0), sized(spans))
         return ms or 0.0
 
     def _prefill_room(self, decode: list[SeqChunk], prompts: list[Session]) -> int:

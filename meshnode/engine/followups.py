@@ -47,7 +47,7 @@ class Followups:
             if gone:
                 kv = [op for op in plan.kv if not (isinstance(op, (Keep, Share)) and _target(op) in gone)]
                 plan, lost = Plan(plan.chunks, plan.release, kv), lost | gone
-        restarted = plan.restarted
+        restarted = plan.restarted if plan.release or plan.kv else ()  # most ticks restart nothing
         dropped = [c.seq_id for c in plan.chunks if c.seq_id in lost and c.seq_id not in restarted] if lost else []
         dropped += sorted(gone - set(dropped))  # reported even without a chunk here: their session must end
         for c in plan.chunks:
