@@ -152,21 +152,38 @@ def test_logits_are_spread_enough(engine):
     assert median > 0.05
 
 
-def test_seqmap_packs_streams_down_when_sequences_end():
+def test_seqmap_keeps_the_live_sequences_on_consecutive_streams():
     from meshnode.engine.seqmap import SeqMap
 
     m = SeqMap(8)
     assert [m[s] for s in (5, 1, 7, 0)] == [0, 1, 2, 3]  # first use: lowest free stream
     assert m.drop(1) == 1 and m.drop(1) is None
-    assert m.compaction() == [(3, 1)] and m.phys == {5: 0, 0: 1, 7: 2}
-    m.drop(5)
-    m.drop(0)
-    assert m.compaction() == [(2, 0)] and m.phys == {7: 0} and m.free == list(range(1, 8))
-    assert m.compaction() == []
+    assert m.arrange([5, 7, 0]) == [(3, 1)] and m.phys == {5: 0, 0: 1, 7: 2}  # a gap: the highest moves in
+    assert m.arrange([5, 0, 7]) == [] and m.arrange([5, 0]) == []  # together already: nothing moves
+
+    # what the prefix cache leaves: four cached conversations on 0, 2, 3, 4, four new sessions; the
+    # lowest free streams (1, 5, 6, 7) would split their decode rows in two ubatches and a lone row
+    m = SeqMap(8)
+    for s, p in zip((10, 11, 12, 13), (0, 2, 3, 4)):
+        m.phys[s] = p
+        m.free.remove(p)
+    assert m.arrange([20, 21, 22, 23]) == [(4, 1)]  # one cached stream out of the way
+    assert sorted(m.phys[s] for s in (20, 21, 22, 23)) == [4, 5, 6, 7] and m.phys[13] == 1 and m.free == []
+
+    # a session ended and its stream is cached in the middle: it moves out, the live one beyond moves in
+    m = SeqMap(8)
+    for s in range(4):
+        m[s]
+    assert m.arrange([0, 1, 3]) == [(2, 4), (3, 2)] and m.phys == {0: 0, 1: 1, 2: 4, 3: 2}
+
+    m = SeqMap(4)  # every stream in use: no cached one can move out, nothing moves
+    for s in range(4):
+        m[s]
+    assert m.arrange([0, 1, 3]) == [] and m.phys == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
 def test_streams_packed_after_sessions_end_keep_their_kv(tiny_model):
-    """Four of eight sequences end; the others move down to streams 0-3 (stream copies) and go on
+    """Four of eight sequences end; the others move onto consecutive streams (stream copies) and go on
     decoding as if nothing moved: compared with the same run where nothing is moved."""
     prompts = {s: np.array(prompt(40 + 7 * s, s), np.int32) for s in range(8)}
 
@@ -174,7 +191,7 @@ def test_streams_packed_after_sessions_end_keep_their_kv(tiny_model):
         cfg = EngineConfig(tiny_model, n_seq_max=8, n_ctx=8 * 256, n_threads=1, kv_layout="streams")
         with LlamaEngine(cfg) as e:
             if not pack:
-                e._ids.compaction = list
+                e._ids.arrange = lambda live: []
             for s, p in prompts.items():
                 e.step(Plan([SeqChunk(s, 0, p, draw=0)]))
             out, release = [], [0, 2, 3, 5]
@@ -186,7 +203,7 @@ def test_streams_packed_after_sessions_end_keep_their_kv(tiny_model):
             return out, dict(e._ids.phys), {s: e.seq_pos_max(s) for s in (1, 4, 6, 7)}
 
     (packed, phys, pos), (control, phys0, pos0) = run(True), run(False)
-    assert sorted(phys.values()) == [0, 1, 2, 3] and sorted(phys0.values()) == [1, 4, 6, 7]
+    assert sorted(phys.values()) == [4, 5, 6, 7] and sorted(phys0.values()) == [1, 4, 6, 7]  # one move: 1 -> 5
     assert pos == pos0 == {s: len(prompts[s]) + 5 for s in (1, 4, 6, 7)}
     for a, b in zip(packed, control):
         for s in a:

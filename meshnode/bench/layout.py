@@ -48,7 +48,7 @@ def id_gaps(path: str, threads: int, ticks: int = 30) -> dict:
         cfg = EngineConfig(path, n_seq_max=8, n_ctx=8 * 512, n_threads=threads, kv_layout="streams")
         with LlamaEngine(cfg) as e:
             if not pack:
-                e._ids.compaction = list  # the measurement's control: streams stay where they were
+                e._ids.arrange = lambda live: []  # the measurement's control: streams stay where they were
             for s in range(8):
                 e.step(Plan([SeqChunk(s, 0, np.arange(3, 303, dtype=np.int32), draw=0, sampling=GREEDY)]))
             left, pos = [0, 2, 4, 6], 300

@@ -27,6 +27,10 @@ from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ, 
 from meshnode.engine.seqmap import SeqMap
 
 
+# a sequence with a chunk in this tick or one of the LIVE_STEPS - 1 before it is live (kept on the streams beside
+# the others): a session the front skips for a tick or two (more decoding than max_batch) stays, and a finished
+# one whose stream the prefix cache keeps leaves the block a few ticks on
+LIVE_STEPS = 4
 AMX_MAX_ROWS = 4  # the most sequences (rows a tick) for which f16 weights go to AMX buffers: see extra_buffers
 
 
@@ -189,6 +193,8 @@ class LlamaEngine(Engine):
         self.kv_bytes_per_token = n_layer * (llamacpp.row_bytes(row, cp.type_k) + llamacpp.row_bytes(row, cp.type_v))
         self._init_sequences()
         self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
+        self._ran: dict[int, int] = {}  # sequence -> the step of its last chunk (streams: who is live)
+        self._step_no = 0
         self._alloc_batch(self.n_batch)
         # a lone decode row gets a dummy neighbour (engine/invariant.py), but AMX's f16 kernel gives a lone row
         # the bits it has in a crowd: where all the weights are f16 in AMX buffers, try without, as checked
@@ -351,14 +357,22 @@ class LlamaEngine(Engine):
         return seq_id if self._ids is None else self._ids[seq_id]
 
     def begin(self, plan: Plan) -> None:
-        """Releases first, then the streams left in use are packed down (meshnode/engine/seqmap.py)."""
+        """Releases first, then the live sequences' streams are brought together (meshnode/engine/seqmap.py):
+        those with a chunk in this tick or one of the LIVE_STEPS before it."""
         super().begin(plan)
         if self._ids is not None:
-            for src, dst in self._ids.compaction():
+            self._step_no += 1
+            for c in plan.chunks:
+                self._ran[c.seq_id] = self._step_no
+            live = [s for s, t in self._ran.items() if self._step_no - t < LIVE_STEPS]
+            if len(live) < len(self._ran):
+                self._ran = {s: self._ran[s] for s in live}
+            for src, dst in self._ids.arrange(live):
                 self._lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # copied at the next decode
                 self._lc.llama_memory_seq_rm(self._mem, src, -1, -1)
 
     def release_kv(self, seq_id: int) -> None:
+        self._ran.pop(seq_id, None)
         p = seq_id if self._ids is None else self._ids.drop(seq_id)
         if p is not None:
             self._lc.llama_memory_seq_rm(self._mem, p, -1, -1)
