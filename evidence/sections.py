@@ -215,7 +215,8 @@ def gateway() -> list[str]:
               "and llama-server's /v1/completions (llama-server running only for its sides, fresh prompts each round), "
               "the order rotating per round. The table's medians mix rounds, and this machine's one-session tick "
               "moves between rounds on both paths (c1 gap p50 by round, ZeroMQ / HTTP: "
-              + ", ".join(f"{z['gap_p50_ms']:.1f} / {h['gap_p50_ms']:.1f}" for z, h in zip(d["runs"]["c1 zmq"], d["runs"]["c1 http"]))
+              + ", ".join(f"{z['gap_p50_ms']:.1f} / {h['gap_p50_ms']:.1f}"
+                          for z, h in zip(d["runs"]["c1 zmq"], d["runs"]["c1 http"]))
               + " ms): read the gateway's cost from the lines paired by round below. Client, gateway, front and "
               "engine share the 2 cores.", "",
               "| path | tok/s | first token p50 ms | gap p50 ms | gap p99 ms |", "|---|---|---|---|---|"]
@@ -254,7 +255,8 @@ def scale() -> list[str]:
         return []
     peers = d.get("peers")
     # the fake-engine figures from the newer run without peers, when there is one (it takes minutes, the peers hours)
-    own, own_file = (load("scale-overhead.json"), "scale-overhead.json") if load("scale-overhead.json") else (d, "scale-bench.json")
+    own_file = "scale-overhead.json" if load("scale-overhead.json") else "scale-bench.json"
+    own = load(own_file)
     cmd = "--llama-server PATH " if own.get("peers") else ""
     kind = "mean" if "plan_us_mean" in next(iter(own["median"].values())) else "p50"
     md = ["## The node's own cost per tick as sessions grow", "",

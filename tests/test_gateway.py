@@ -394,7 +394,7 @@ def test_a_stream_whose_node_dies_ends_with_an_error_chunk_and_done(tiny_model):
     with NodeProcess(tiny_model, "--max-active", "1") as n:
         gw = subprocess.Popen([sys.executable, "-m", "meshnode", "gateway", "--listen", f"127.0.0.1:{port}",
                                "--node", n.listen], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        engine = [p for p in psutil.Process(n.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())][0]
+        engine = next(p for p in psutil.Process(n.proc.pid).children() if "spawn_main" in " ".join(p.cmdline()))
         try:
             base = f"http://127.0.0.1:{port}"
             gateway_up(base)
