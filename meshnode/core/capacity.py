@@ -36,7 +36,7 @@ def capacity(sched, prompt_tokens: int = 0) -> dict:
     unified = 0
     if sched.pool_cells:  # the cells every row attends to: the cache gives way to what the prompt and the queue reserve
         reserved = (a.kv_reserved_bytes + sum(a.kv_need(s.ask) for s in sched.waiting)) // b.kv_bytes_per_token
-        unified = sum(s.n_planned for s in sched.running) + sched.seqs.cached_beside(reserved + prompt_tokens + 1)
+        unified = sched.live_cells + sched.seqs.cached_beside(reserved + prompt_tokens + 1)
     decode_only = shape([(s.n_planned, 1) for s in decoding], unified)
     decode_ms = cost.decode_tick_ms(decode_only) if decoding else 0.0
     out["decode_tokens_per_s"] = round(len(decoding) * 1e3 / decode_ms, 1) if decoding else 0.0

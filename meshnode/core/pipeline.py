@@ -86,6 +86,12 @@ class TickPipeline:
         self.ticks.append(tick)
         return tick
 
+    def sent(self, tick: Tick, now: float) -> None:
+        """`tick` went to the engine at `now`; sent to an idle one (nothing before it in flight), it starts then."""
+        tick.sent_at = now
+        if self.ticks and self.ticks[0] is tick:
+            tick.started_at = now
+
     def answer(self, t: int, now: float = 0.0) -> Tick | None:
         """The tick an answer for `t` belongs to, taken off the pipeline; None for an answer to
         nothing in flight (a dead incarnation's) or to a discarded tick. The next tick in flight runs

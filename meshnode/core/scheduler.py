@@ -311,7 +311,12 @@ class Scheduler:
     def cells_planned(self) -> int:
         """KV cells held once every tick planned so far has run (live sequences and cached entries): what
         each row of a unified pool attends to, known here before the engine, a tick or two behind, says."""
-        return sum(s.n_planned for s in self.running) + self.seqs.cells
+        return self.live_cells + self.seqs.cells
+
+    @property
+    def live_cells(self) -> int:
+        """KV cells the running sessions hold once every tick planned so far has run."""
+        return sum(s.n_planned for s in self.running)
 
     @property
     def idle(self) -> bool:

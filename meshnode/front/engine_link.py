@@ -191,9 +191,7 @@ class EngineLink:
         except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
             self._break(f"engine link send failed: {e}", going_down=True)
         finally:  # after the send: a front paused before it must not count the pause against the engine
-            tick.sent_at = time.monotonic()
-            if self.pipeline.ticks and self.pipeline.ticks[0] is tick:  # to an idle engine: it starts now
-                tick.started_at = tick.sent_at
+            self.pipeline.sent(tick, time.monotonic())
 
     def why_dead(self, now: float) -> str:
         """Why the engine is dead now, or "": exited, broken, silent at start, or hung in a tick."""
