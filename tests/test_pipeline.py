@@ -250,3 +250,37 @@ def test_each_tick_carries_the_cost_models_prediction_once_it_has_one():
     assert ticks[0].predicted_ms == 0.0  # nothing measured yet
     decoding = [tk for tk in ticks[5:-1] if len(tk.plan.chunks) == 3]
     assert len(decoding) > 20 and all(tk.predicted_ms == 5.5 for tk in decoding)  # three rows: 4 + 3 x 0.5 ms
+
+
+def test_an_idle_engine_gathers_requests_sent_together_into_its_first_tick():
+    """Requests sent together reach the node spread over a few ms (a gateway parses each): an idle
+    engine's first tick waits until they stop coming, a quiet gap, at most GATHER_SPAN gaps, so they start
+    together instead of the first alone with the rest behind it. Work in flight is planned as before."""
+    from meshnode.core.scheduler import GATHER_SPAN
+
+    now = [100.0]
+    engine, sched = build(FakeEngine(n_seq_max=8), clock=lambda: now[0], depth=2, max_batch_size=8)
+    sched.gather_ms = 1.0
+    assert sched.plan_at() == 0.0  # nothing came
+    sched.submit(Session(0, [3, 4, 5], 4))
+    assert sched.plan_at() == pytest.approx(100.001)  # one came: plan once none has for 1 ms
+    now[0] = 100.0008
+    sched.submit(Session(1, [6, 7], 4))
+    assert sched.plan_at() == pytest.approx(100.0018)  # another: the quiet gap starts again
+    for k in range(2, 8):  # a steady trickle ends the wait at GATHER_SPAN gaps after the first
+        now[0] += 0.0008
+        sched.submit(Session(k, [6, 7], 4))
+    assert sched.plan_at() == pytest.approx(100.0 + GATHER_SPAN / 1e3)
+    first = sched.plan()
+    assert len(first.plan.chunks) == 8  # every one of them in the first tick
+    assert sched.plan_at() == first.predicted_ms == 0.0  # in flight with no prediction yet: plan now
+    sched.submit(Session(8, [6, 7], 4))  # one that comes while a tick runs waits for no gap
+    assert sched.plan_at() == sched.pipeline.plan_ahead_at() == 0.0
+    sched.apply(sched.pipeline.answer(first.t), engine.step(first.plan))
+    second = sched.plan()
+    assert second is not None and sched.pipeline.answer(second.t) is second
+    sched.submit(Session(9, [6, 7], 4))  # engine idle between ticks, sessions decoding: no gathering
+    assert sched.plan_at() == 0.0
+    _, idle = build(FakeEngine(n_seq_max=8), clock=lambda: now[0])
+    idle.submit(Session(0, [3, 4, 5], 4))
+    assert idle.plan_at() == 0.0  # off by default in the pure scheduler (`serve` sets gather_ms)

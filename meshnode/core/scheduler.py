@@ -45,6 +45,9 @@ from meshnode.core.seqs import Sequences
 from meshnode.core.types import Constrained, Plan, Release, SeqChunk, StepResult
 
 
+GATHER_SPAN = 4  # an idle engine's first tick waits at most this many quiet gaps (gather_ms) for more requests
+
+
 @dataclass
 class Event:
     kind: str  # "tokens" or "done"
@@ -68,7 +71,7 @@ class Counters:
 class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
                  pipeline: TickPipeline | None = None, prefix_cache: str = "off", pool_cells: int = 0,
-                 tick_target: TickTarget = TickTarget(), deterministic: bool = False):
+                 tick_target: TickTarget = TickTarget(), deterministic: bool = False, gather_ms: float = 0.0):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
         tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `pipeline`: the ticks
         in flight, shared with whatever sends them (default: one at a time). `prefix_cache`: its
@@ -77,7 +80,8 @@ class Scheduler:
         sessions decode, give each tick the prompt tokens the cost model says fit it (none: always
         the budget's fixed `max_prefill_tokens_per_tick`, which stays the upper bound). `deterministic`:
         chunks cut so that every cell gets the kernel a cold run gives it (costmodel.deterministic_chunk),
-        and reuse only of such cells (meshnode/core/prefix.py)."""
+        and reuse only of such cells (meshnode/core/prefix.py). `gather_ms`: on an idle engine, the first
+        tick waits until no request has come for this long (at most GATHER_SPAN times it), `plan_at`."""
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe)
@@ -95,13 +99,17 @@ class Scheduler:
         self.draining = False
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
+        self.gather_ms = gather_ms
+        self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
 
     # -- requests --------------------------------------------------------------------
     def submit(self, s: Session) -> AdmissionDecision:
         d = self.precheck(s.ask)
         if not d.accepted:
             return d
-        s.t_submit = s.t_submit or self.clock()  # the front stamps arrival, before any tokenizer wait
+        now = self.clock()
+        s.t_submit = s.t_submit or now  # the front stamps arrival, before any tokenizer wait
+        self._arrived = (self._arrived[0] if self._arrived else now, now)
         self.live[s.key] = s
         if d.reason == R.ADMITTED:
             self._start(s)
@@ -131,6 +139,18 @@ class Scheduler:
         return [self._end(s, reason) for s in list(self.live.values())]
 
     # -- one tick -----------------------------------------------------------------------
+    def plan_at(self) -> float:
+        """When (monotonic s) to plan the next tick; 0 = now. With ticks in flight, late in them
+        (TickPipeline.plan_ahead_at). On an idle engine with only new sessions, once they stop coming:
+        requests sent together reach the node spread over a few ms (a gateway parses each; a router's
+        burst), and a tick started on the first would make every other one wait for it."""
+        if self.pipeline:
+            return self.pipeline.plan_ahead_at()
+        if not self.gather_ms or not self._arrived or any(s.last_tick >= 0 for s in self.running):
+            return 0.0
+        first, last = self._arrived
+        return min(first + GATHER_SPAN * self.gather_ms / 1e3, last + self.gather_ms / 1e3)
+
     def plan(self) -> Tick | None:
         """The next tick, pushed on the pipeline; None when it is full or there is nothing to do."""
         if self.pipeline.full:
@@ -161,6 +181,7 @@ class Scheduler:
             c.occupancy_max = max(c.occupancy_max, len(chunks))
             c.occupancy_sum += len(chunks)
         tick = self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused)
+        self._arrived = None
         tick.predicted_ms = self._predicted_ms(tick.plan.chunks)
         return tick
 

@@ -116,6 +116,7 @@ class Front:
         self.clients.register(self.poller)
         self.poller.register(self.texts.fileno(), zmq.POLLIN)
         self._link_fd = None
+        self._planned_out = False  # the last dispatch found nothing to plan
         b = self.budget
         log.info("meshnode ready: listen=%s telemetry=%s model=%s recipe=%s engine_pid=%d "
                  "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token, K %s, V %s) "
@@ -170,7 +171,7 @@ class Front:
             weight_budget_bytes=mb(cfg.weight_budget_mb), memory_floor_bytes=mb(cfg.memory_floor_mb))
         sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
                           prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
-                          tick_target=target, deterministic=info.deterministic)
+                          tick_target=target, deterministic=info.deterministic, gather_ms=cfg.gather_ms)
         if info.deterministic_problem:
             log.warning("deterministic mode off: %s", info.deterministic_problem)
         for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
@@ -286,21 +287,22 @@ class Front:
         A tick sent to an idle engine that did not just answer is `fresh`: the engine was waiting for
         clients, not for us, so its wait is not counted as front + IPC cost.
         """
+        self._planned_out = False
         while self.link.can_send:
             idle = not self.sched.pipeline
-            if not idle and time.monotonic() < self.sched.pipeline.plan_ahead_at():
-                return  # late in the running tick: the poll wakes for it (_plan_in_ms)
+            if time.monotonic() < self.sched.plan_at():
+                return  # late in the running tick, or gathering requests: the poll wakes for it (_plan_in_ms)
             tick = self.sched.plan()
             if tick is None:
+                self._planned_out = True  # only an event (a request, an answer) can make more
                 return
             self.link.send(tick, fresh=not after_reply and idle)
 
     def _plan_in_ms(self, now: float) -> int:
-        """How long the poll may wait before the next tick is due to be planned (TickPipeline.plan_ahead_at)."""
-        pipe = self.sched.pipeline
-        if not pipe or pipe.full or not self.link.can_send:
-            return 100
-        return max(0, math.ceil((pipe.plan_ahead_at() - now) * 1e3))
+        """How long the poll may wait before the next tick is due to be planned (Scheduler.plan_at)."""
+        may_plan = self.link.can_send and not self.sched.pipeline.full and not self._planned_out
+        at = self.sched.plan_at() if may_plan else 0.0
+        return max(0, math.ceil((at - now) * 1e3)) if at else 100
 
     def _on_engine(self, outcome: Reply | Refusal | None) -> list[Event]:
         """A tick's outcome -> the sessions' events (sent by the caller, after the next dispatch)."""

@@ -113,6 +113,9 @@ class NodeConfig:
                                            "start)", range=(0.5, DAY))
     pipeline_depth: int = setting(2, "ticks in flight: 2 plans the next tick while the engine runs one; 1 = lockstep",
                                   range=(1, 2))
+    gather_ms: float = setting(1.0, "on an idle engine, the first tick waits until no request has come for this "
+                               "long (at most 4x): requests sent together start together; 0 = at once",
+                               range=(0, 100))
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long running and queued sessions get to finish",
                                      range=(0, DAY))
     max_clients: int = setting(1024, "client connections at once; at the cap a new one takes the place of the "
