@@ -20,6 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from meshnode.core.budget import ConfigError
 from meshnode.core.prefix import SCOPES
+from meshnode.core.scheduler import GATHER_SPAN
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ  # llama.cpp's own limits, defined once
 
 
@@ -114,7 +115,7 @@ class NodeConfig:
     pipeline_depth: int = setting(2, "ticks in flight: 2 plans the next tick while the engine runs one; 1 = lockstep",
                                   range=(1, 2))
     gather_ms: float = setting(1.0, "on an idle engine, the first tick waits until no request has come for this "
-                               "long (at most 4x): requests sent together start together; 0 = at once",
+                               f"long (at most {GATHER_SPAN}x): requests sent together start together; 0 = at once",
                                range=(0, 100))
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long running and queued sessions get to finish",
                                      range=(0, DAY))
