@@ -288,13 +288,14 @@ def history(e):
     return q, scenario(e, q, GREEDY, n_new=30)["tokens"]
 
 
-def scenario(e, p, sampling, n_new=40, crowd=None, restart_after=None, warm=None, grammar=None):
+def scenario(e, p, sampling, n_new=40, crowd=None, restart_after=None, warm=None, grammar=None, room=None):
     """Session x's tokens, logprobs and cached prompt tokens, and its neighbours' tokens, run by a
     deterministic scheduler: alone, or with `crowd` (a seed) others arriving at random ticks before and
     after it; with the engine's KV lost (a restart) after x generated `restart_after` tokens; after `warm`
-    (a prompt) finished first. x ignores EOS unless it has a `grammar` (it ends when that is complete)."""
+    (a prompt) finished first; with at most `room` prompt tokens a tick (None: the default, 64). x ignores
+    EOS unless it has a `grammar` (it ends when that is complete)."""
     e.step(Plan([], list(range(e.n_seq_max))))
-    sched = Scheduler(NodeBudget.from_engine(e), e.eog, recipe=e.recipe_fingerprint, prefix_cache="client",
+    sched = Scheduler(NodeBudget.from_engine(e, max_prefill_tokens_per_tick=room), e.eog, recipe=e.recipe_fingerprint, prefix_cache="client",
                       deterministic=True)
     if warm:
         sched.submit(Session("warm", warm[0], len(warm[1]), ignore_eos=True, owner="c"))

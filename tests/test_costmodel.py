@@ -317,12 +317,27 @@ def test_deterministic_chunks_keep_every_cell_on_the_kernel_a_cold_run_gives_it(
     # a prompt of >= 64 tokens: chunks of >= 64 rows, leaving 0 or >= 64 behind
     assert chunk(504, 0, 300, 300) == 300
     assert chunk(128, 0, 300, 300) == 128 and chunk(128, 128, 300, 300) == 172 - 64 and chunk(128, 236, 300, 300) == 64
-    assert chunk(10, 0, 300, 300) == 64  # a small room still moves a whole tile
     assert chunk(64, 0, 100, 100) == 100  # 64 + 36 would leave a 36-row tail: up to 127 rows instead
-    # no tail of 65-127 rows (it would go whole next tick, over a room that shrinks deep in the prompt) where
-    # two tiles can be left: 224 left in a room of 112 go 96, then 64 and 64, not 112 and a forced 112
-    assert chunk(112, 776, 1000, 1000) == 96 and chunk(80, 872, 1000, 1000) == 64
-    assert chunk(64, 0, 185, 185) == 93  # not 64 and a forced 121: too short for two tiles, so halves
+
+    def cuts(rooms, n_prompt):
+        out = []
+        while sum(out) < n_prompt:
+            out.append(chunk(rooms[min(len(out), len(rooms) - 1)], sum(out), n_prompt, n_prompt))
+        return out
+
+    # where the room holds one tile, the rows past the whole tiles go first, at the cheapest positions, beside
+    # the next tile (or, too many for the room, half now and half next), and the prompt ends on whole tiles:
+    # cut greedily, 1,000 tokens in a room of 64 ended 84 + 84 at 832 and 916, the burst's worst ticks
+    assert cuts([64], 1000) == [84, 84] + [64] * 13 and cuts([10], 1000) == cuts([64], 1000)
+    assert cuts([112], 1000) == [104] + [64] * 14 and cuts([64], 1020) == [94, 94] + [64] * 13
+    assert chunk(112, 776, 1000, 1000) == 96 and chunk(80, 872, 1000, 1000) == 64  # a prompt met mid-way
+    # a wider room takes what it holds, and leaves two tiles rather than a tail of 65-127 rows
+    assert cuts([300, 250, 200, 150, 128, 100, 64], 1000) == [300, 250, 200, 122, 128]
+    assert cuts([64], 185) == [93, 92]  # not 64 and a forced 121: too short for two tiles, so halves
+    for n_prompt in range(64, 1500):  # every cut keeps the kernel: >= a tile, leaving 0 or >= a tile
+        for room in (1, 64, 100, 127, 128, 200, 504):
+            c = cuts([room], n_prompt)
+            assert min(c) >= 64 and (room >= 128 or max(c) <= 127), (room, n_prompt, c)
     # a shorter prompt: any cut; generated tokens a restart recomputes: under 64 rows, after the prompt
     assert chunk(10, 0, 40, 40) == 10
     assert chunk(504, 0, 300, 330) == 300 and chunk(504, 300, 300, 330) == 30 and chunk(504, 300, 300, 500) == 63

@@ -227,6 +227,7 @@ def test_through_the_scheduler_a_session_is_bitwise_the_same_in_crowds_after_a_r
             "restart": scenario(e, p, SAMPLINGS[how], restart_after=17),
             "crowd and restart": scenario(e, p, SAMPLINGS[how], crowd=2, restart_after=5),
             "cache hit": scenario(e, p, SAMPLINGS[how], warm=warm),
+            "prompt whole": scenario(e, p, SAMPLINGS[how], room=256),  # alone its 200 tokens go 72, 64, 64
             "cache hit, crowd, restart": scenario(e, p, SAMPLINGS[how], warm=warm, crowd=3, restart_after=30)}
     assert len(alone["tokens"]) == 40 and alone["cached"] == 0
     assert runs["cache hit"]["cached"] == len(warm[0])  # the prompt's cells; the answer's are recomputed

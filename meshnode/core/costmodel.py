@@ -295,14 +295,24 @@ def deterministic_chunk(room: int, start: int, n_prompt: int, end: int) -> int:
     tokens goes in chunks of >= TILE_ROWS rows (the tiled kernel), leaving 0 or >= TILE_ROWS behind,
     even if that means up to 2 * TILE_ROWS - 1 rows where `room` is smaller; everything else (a shorter
     prompt, the generated tokens a restart recomputes) in chunks under TILE_ROWS (the per-row kernel a
-    decode row takes). Nor does a chunk leave a tail of TILE_ROWS+1 .. 2 * TILE_ROWS - 1 rows where it can
-    leave two tiles (or, with less than three left, take half): such a tail goes whole in the next tick,
-    whatever that tick's room, and deep in a prompt, where each row costs more, the room shrinks (the
-    burst's worst ticks: a forced 112-row tail at position 888, 295 ms against a 219 ms target)."""
+    decode row takes).
+
+    Where the room holds one tile, the prompt's rows past its whole tiles go beside the next tile at once
+    (or, more than the room and half a tile, half now and half next), and every later chunk is one tile:
+    a room that small only shrinks deeper in the prompt, where each row costs more, and cut greedily the
+    prompt ended on a forced tail of 65-127 rows there, a partial tile computed whole at the deepest
+    positions: the burst's worst ticks (evidence/tick-pacing.md). A wider room takes what it holds, and
+    leaves two tiles rather than a tail of 65-127 rows (or, with less than three tiles left, the two
+    chunks take half each)."""
     if n_prompt >= TILE_ROWS and start < n_prompt:
         left, room = n_prompt - start, max(room, TILE_ROWS)
         if left <= room or left < 2 * TILE_ROWS:
             return left
+        if room < 2 * TILE_ROWS:
+            if left < 3 * TILE_ROWS:
+                return -(-left // 2)
+            rest = left % TILE_ROWS  # beside the next tile, or, where the room holds neither, half of it
+            return TILE_ROWS + (rest if TILE_ROWS + rest <= room or 2 * rest <= TILE_ROWS else -(-rest // 2))
         n = min(room, left - TILE_ROWS)
         if TILE_ROWS < left - n < 2 * TILE_ROWS:  # leave two tiles, or where there is not that much, halves
             n = left - 2 * TILE_ROWS if left - 2 * TILE_ROWS >= TILE_ROWS else -(-left // 2)
