@@ -89,18 +89,21 @@ class TickDone:
     mem_available: int = 0
     mem_total: int = 0
     logprobs: tuple = ()  # (seq, sampled token's logprob, ((token, logprob), ...)) for sessions that asked
+    drafted: int = 0  # StepResult's
+    served: int = 0
 
     @classmethod
     def of(cls, tick: int, res: StepResult, gap_ms: float, rss: int = 0, mem_available: int = 0,
            mem_total: int = 0) -> TickDone:
         """An engine step's wire form, with the engine process's memory figures; its tokens go to the arena."""
         lps = tuple((s, lp, tuple(top)) for s, (lp, top) in res.logprobs.items()) if res.logprobs else ()
-        return cls(tick, tuple(res.cache_miss), res.step_ms, res.kv_cells, gap_ms, rss, mem_available, mem_total, lps)
+        return cls(tick, tuple(res.cache_miss), res.step_ms, res.kv_cells, gap_ms, rss, mem_available, mem_total, lps,
+                   res.drafted, res.served)
 
     def result(self, tokens: dict[int, int]) -> StepResult:
         """The step as the engine returned it, with its tokens read back from the arena."""
         return StepResult(tokens, list(self.cache_miss), self.step_ms, self.kv_cells,
-                          {s: (lp, list(top)) for s, lp, top in self.logprobs})
+                          {s: (lp, list(top)) for s, lp, top in self.logprobs}, self.drafted, self.served)
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
         if kind == "done":
             return TickDone(int(m["tick"]), tuple(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
                             int(m["kv_cells"]), float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
-                            int(m["mem_total"]), _logprobs(m.get("logprobs", [])))
+                            int(m["mem_total"]), _logprobs(m.get("logprobs", [])), int(m.get("drafted", 0)),
+                            int(m.get("served", 0)))
         if kind == "refused":
             return TickRefused(m["tick"], bool(m["fatal"]), str(m["detail"]))
         if kind == "hello":

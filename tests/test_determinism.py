@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -238,6 +239,40 @@ def test_through_the_scheduler_a_session_is_bitwise_the_same_in_crowds_after_a_r
         assert alone["tokens"] != scenario(e, p, SAMPLINGS["greedy"])["tokens"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["greedy", "seeded"])
+def test_a_lone_rows_drafts_right_or_wrong_leave_the_session_bitwise_the_same(chat, how, monkeypatch):
+    """The row deterministic mode adds beside a lone decode row carries a draft of the sequence's next
+    token (engine/drafts.py). Drafts that are always right answer every other tick from the tick before;
+    drafts that are always wrong are dropped with their cells; either way the session's tokens and
+    log-probabilities are those it has with a dummy row instead."""
+    e, _, p = chat
+    counts = Counter()
+    step = e.step
+
+    def counting(plan):
+        res = step(plan)
+        counts.update(drafted=res.drafted, served=res.served)
+        return res
+
+    monkeypatch.setattr(e, "step", counting)
+    with monkeypatch.context() as m:
+        m.setattr(e, "_draft", lambda chunks: {})
+        dummy = scenario(e, p, SAMPLINGS[how])
+    assert counts["drafted"] == 0
+    full = p + dummy["tokens"]
+    drafts = {"right": lambda pos: full[pos + 1], "wrong": lambda pos: 3 + (full[pos + 1] - 2) % (e.n_vocab - 3)}
+    for name, draft in drafts.items():
+        monkeypatch.setattr(e._drafts, "propose", lambda seq, history, pos, token, d=draft: d(pos))
+        counts.clear()
+        got = scenario(e, p, SAMPLINGS[how])
+        assert got["tokens"] == dummy["tokens"] and got["logprobs"] == dummy["logprobs"], name
+        if name == "right":  # a drafted tick, then one answered from it: 39 decode ticks, about half served
+            assert counts["served"] >= 15 and counts["drafted"] + counts["served"] >= 38, counts
+        else:
+            assert counts["served"] == 0 and counts["drafted"] >= 38, counts
+
+
 JOB = dict(tokens=[3 + (k * 11) % 500 for k in range(150)], max_tokens=500, ignore_eos=True, logprobs=2,
            sampling=Sampling(temperature=0.9, top_k=40, seed=5))
 
@@ -281,12 +316,13 @@ def test_through_a_node_alone_in_a_crowd_after_a_kill_and_on_a_cache_hit_a_sessi
         os.kill(c.status()["node"]["engine_pid"], signal.SIGKILL)
         c.buffer.extendleft(reversed(kept))
         killed = c.collect(["killed"])["killed"]
-        restarts = c.status()["telemetry"]["engine"]["restarts"]
+        engine_stats = c.status()["telemetry"]["engine"]
     assert len(alone.tokens) == 500 and alone.done["usage"]["cached_tokens"] == 0
     assert hit.done["usage"]["cached_tokens"] == 150 - 64  # a tile of the prompt is left to compute
     for got in (crowded, hit, killed):
         same(got, alone)
-    assert killed.done["reason"] == R.LENGTH and restarts == 1
+    assert killed.done["reason"] == R.LENGTH and engine_stats["restarts"] == 1
+    assert engine_stats["drafted_rows_total"] > 0  # "alone" decoded with drafts beside its rows
 
 
 @pytest.mark.slow

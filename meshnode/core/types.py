@@ -157,6 +157,8 @@ class StepResult:
     step_ms: float = 0.0
     kv_cells: int = 0  # KV cells in use after the step
     logprobs: dict = field(default_factory=dict)  # seq_id -> (sampled token's logprob, [(token, logprob)])
+    drafted: int = 0  # rows that carried a draft of their next token (engine/drafts.py)
+    served: int = 0  # rows answered from a draft the tick before had computed
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,7 @@ class Front:
         """A tick's outcome -> the sessions' events (sent by the caller, after the next dispatch)."""
         if isinstance(outcome, Reply):
             done = outcome.done
-            self.telemetry.record_tick(done.rss, done.step_ms, done.kv_cells, done.gap_ms)
+            self.telemetry.record_tick(done.rss, done.step_ms, done.kv_cells, done.gap_ms, done.drafted, done.served)
             self.sched.pipeline.engine_waited(done.gap_ms)
             self.telemetry.set_memory(done.mem_available, done.mem_total)
             self.sched.mem_available = done.mem_available
