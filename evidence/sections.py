@@ -38,6 +38,27 @@ def layout() -> list[str]:
     return md + ["", "A positive cost is deterministic mode slower (docs/determinism.md reads it).", ""]
 
 
+def drafts() -> list[str]:
+    d = load("drafts-bench.json")
+    if not d:
+        return []
+    names = list(d["rounds"][0])
+    md = ["## A session decoding alone: deterministic mode's drafted row (bench model)", "",
+          "`meshnode bench drafts --preset bench --rounds 3 --json evidence/drafts-bench.json`, on "
+          f"{d['build']}: through fresh nodes, one session of {d['new_tokens']} tokens at a time (3 a node, their "
+          "median), deterministic mode (the lone row's second row a draft of its next token) and off (one row); "
+          "`flat` is the bench shape with all-zero output weights (every logit equal): greedy repeats one token, "
+          "so every draft is right (the ceiling); seeded draws at random, so nearly every draft is wrong (the cost "
+          "of the row, as the dummy row it replaced).", "",
+          "| side | ms a token (rounds) | drafted rows | served from a draft |", "|---|---|---|---|"]
+    for name in names:
+        runs = [r[name] for r in d["rounds"]]
+        ms = [x["ms_per_token"] for x in runs]
+        md.append(f"| {name} | {np.median(ms):.2f} ({', '.join(f'{v:.2f}' for v in ms)}) | {runs[-1]['drafted']} | "
+                  f"{runs[-1]['served']} |")
+    return md + [""] + [f"- {v}" for v in d["verdicts"]] + [""]
+
+
 def chat() -> list[str]:
     d = load("chat-bench.json")
     if not d:

@@ -273,6 +273,29 @@ def test_a_lone_rows_drafts_right_or_wrong_leave_the_session_bitwise_the_same(ch
             assert counts["served"] == 0 and counts["drafted"] >= 38, counts
 
 
+@pytest.mark.slow
+def test_through_a_node_a_lone_session_with_right_drafts_gets_every_other_token_from_the_tick_before(tmp_path):
+    """A model whose logits are all equal answers every greedy row with one token, so every draft is right:
+    through the front's pipelined ticks (their follow-ups filled in by the engine), each drafted tick is
+    followed by one the engine answers from it. Seeded sampling over equal logits draws at random, so
+    its drafts are nearly all wrong, and dropped."""
+    flat = str(make_model(tmp_path / "flat.gguf", "tiny", 0, flat=True))
+    prompt = [3 + k for k in range(20)]
+    with NodeProcess(flat, "--deterministic") as n, n.client(timeout_s=120) as c:
+        greedy = c.generate("greedy", tokens=prompt, max_tokens=101, ignore_eos=True)
+        after_greedy = dict(c.status()["telemetry"]["engine"])
+        seeded = c.generate("seeded", tokens=prompt, max_tokens=101, ignore_eos=True,
+                            sampling=Sampling(temperature=1.0, seed=3))
+        after_seeded = c.status()["telemetry"]["engine"]
+    assert len(greedy.tokens) == 101 and len(set(greedy.tokens)) == 1 and greedy.done["reason"] == R.LENGTH
+    # 100 decode ticks' tokens: about half computed with a draft, the other half answered from it
+    assert after_greedy["drafts_served_total"] >= 45 and after_greedy["drafted_rows_total"] >= 45, after_greedy
+    assert len(seeded.tokens) == 101 and len(set(seeded.tokens)) > 50 and seeded.done["reason"] == R.LENGTH
+    drafted = after_seeded["drafted_rows_total"] - after_greedy["drafted_rows_total"]
+    served = after_seeded["drafts_served_total"] - after_greedy["drafts_served_total"]
+    assert drafted >= 95 and served <= 5, (drafted, served)
+
+
 JOB = dict(tokens=[3 + (k * 11) % 500 for k in range(150)], max_tokens=500, ignore_eos=True, logprobs=2,
            sampling=Sampling(temperature=0.9, top_k=40, seed=5))
 

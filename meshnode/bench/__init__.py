@@ -26,6 +26,7 @@ BENCHES = {
     "gateway": "the OpenAI HTTP gateway vs the ZeroMQ client at concurrency 1 and 8, and the mix vs llama-server's HTTP",
     "memory": "RSS per decoding session and per cached conversation, KV types as budgeted vs resident, 100 cached "
               "conversations' hit rate and lookup time",
+    "drafts": "a session decoding alone: deterministic mode's drafted row, right (ceiling), wrong, and on the model, vs off",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }
 

@@ -132,12 +132,13 @@ QUANTS = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype: LLAMA_
 
 
 def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, quant: str | None = None,
-               chat_template: bool = True) -> Path:
+               chat_template: bool = True, flat: bool = False) -> Path:
     """Write the preset's GGUF to `path` atomically (a half-written model never loads); `quant` runs it
     through llama.cpp's own quantizer, as users' models are made. `chat_template=False`: a model
-    without one, as many base models are (tests)."""
+    without one, as many base models are (tests). `flat`: every output weight 0, so every logit is equal
+    and greedy decoding repeats one token (what deterministic mode's drafts do when always right)."""
     if quant is not None:
-        return _quantized(Path(path), preset, seed, quant)
+        return _quantized(Path(path), preset, seed, quant, flat)
     import gguf
 
     if preset not in PRESETS:
@@ -186,7 +187,7 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
         w.add_chat_template(CHATML)  # so `messages` work on the demo models (the vocab has no ChatML tokens: bytes)
     rng = np.random.default_rng(seed)
     for name, arr in _weights(p, rng):
-        w.add_tensor(name, arr)
+        w.add_tensor(name, np.zeros_like(arr) if flat and name == "output.weight" else arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -195,14 +196,14 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
     return path
 
 
-def _quantized(path: Path, preset: str, seed: int, quant: str) -> Path:
+def _quantized(path: Path, preset: str, seed: int, quant: str, flat: bool = False) -> Path:
     import llama_cpp as lc
 
     if quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r}; choose one of {sorted(QUANTS)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     src, tmp = path.with_name(path.name + f".src{os.getpid()}"), path.with_name(path.name + f".tmp{os.getpid()}")
-    make_model(src, preset, seed)
+    make_model(src, preset, seed, flat=flat)
     try:
         params = lc.llama_model_quantize_default_params()
         params.ftype, params.nthread = QUANTS[quant], os.cpu_count() or 1
