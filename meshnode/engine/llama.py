@@ -20,10 +20,10 @@ import numpy as np
 
 from meshnode.core.costmodel import llama_calls
 from meshnode.core.endpoints import host_port
-from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, SeqChunk, StepResult
+from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
 from meshnode.engine import calibration, devices, invariant, llamacpp
 from meshnode.engine.base import Engine
-from meshnode.engine.drafts import Ahead, Drafts
+from meshnode.engine.drafts import Drafted
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ, QUANTIZED_KV
 from meshnode.engine.seqmap import SeqMap
 
@@ -144,7 +144,7 @@ class EngineConfig:
                                placement, amx=self.amx_weights)
 
 
-class LlamaEngine(Engine):
+class LlamaEngine(Drafted, Engine):
     def __init__(self, cfg: EngineConfig):
         import llama_cpp as lc
 
@@ -196,7 +196,7 @@ class LlamaEngine(Engine):
         self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
         self._ran: dict[int, int] = {}  # sequence -> the step of its last chunk (streams: who is live)
         self._step_no = 0
-        self._drafts, self._ahead = Drafts(), {}  # sequence -> Ahead: its next tick, computed from a draft
+        self._init_drafts()
         self._alloc_batch(self.n_batch)
         # a lone decode row gets a dummy neighbour (engine/invariant.py), but AMX's f16 kernel gives a lone row
         # the bits it has in a crowd: where all the weights are f16 in AMX buffers, try without, as checked
@@ -271,51 +271,6 @@ class LlamaEngine(Engine):
                 elif c.draw >= 0:
                     self.sample(c, self._logits(r), res)
         return res
-
-    def _draft(self, chunks: list) -> dict[int, SeqChunk]:
-        """Deterministic mode: each decode row alone in its run of streams goes with a draft of its next
-        token, its own second row instead of a dummy on another stream (engine/drafts.py)."""
-        rows = {self._ids[c.seq_id]: c for c in chunks if len(c.tokens) == 1}
-        out = {}
-        for s, c in rows.items():
-            if s - 1 in rows or s + 1 in rows or c.draw < 0 or c.pos + 1 >= self.n_ctx_seq \
-                    or c.seq_id in self._constraints:
-                continue
-            t = int(c.tokens[0])
-            d = self._drafts.propose(c.seq_id, self._history[c.seq_id], c.pos, t)
-            out[c.seq_id] = SeqChunk(c.seq_id, c.pos, np.array([t, d], np.int32), draw=c.draw)
-        return out
-
-    def _verify(self, c: SeqChunk, row: int, res: StepResult) -> None:
-        """A drafted row's token from its first row; where it is the draft, the next tick's from the second
-        (kept for it, with its cell), else the draft's cell goes."""
-        self.sample(SeqChunk(c.seq_id, c.pos, c.tokens[:1], draw=c.draw), self._logits(row - 1), res)
-        res.drafted += 1
-        if res.tokens[c.seq_id] != c.tokens[1]:
-            self._lc.llama_memory_seq_rm(self._mem, self._phys(c.seq_id), c.pos + 1, -1)
-            return
-        ahead = StepResult()
-        self.sample(SeqChunk(c.seq_id, c.pos, c.tokens, draw=c.draw + 1), self._logits(row), ahead)
-        self._ahead[c.seq_id] = Ahead(c.pos + 1, int(c.tokens[1]), c.draw + 1, ahead.tokens[c.seq_id],
-                                      ahead.logprobs.get(c.seq_id))
-
-    def _answered(self, chunks: list, res: StepResult) -> list:
-        """The chunks left to compute: one that is the tick a draft computed already is answered from it;
-        a sequence that went elsewhere loses the draft's cell."""
-        left = []
-        for c in chunks:
-            a = self._ahead.pop(c.seq_id, None)
-            if a is not None and len(c.tokens) == 1 and (c.pos, int(c.tokens[0]), c.draw) == a[:3] \
-                    and c.sampling is None:
-                res.tokens[c.seq_id] = a.sampled
-                if a.logprobs is not None:
-                    res.logprobs[c.seq_id] = a.logprobs
-                res.served += 1
-                continue
-            if a is not None:
-                self._lc.llama_memory_seq_rm(self._mem, self._phys(c.seq_id), a.pos, -1)
-            left.append(c)
-        return left
 
     def calibrate(self) -> tuple:
         """Ticks of known shapes, timed, before the first client (meshnode/engine/calibration.py)."""
