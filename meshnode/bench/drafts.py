@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshnode.bench import llama_build, model_path
+from meshnode.bench import llama_build, model_path, steady_rate
 from meshnode.core.types import Sampling
 from meshnode.dev.nodeproc import NodeProcess
 
@@ -41,8 +41,7 @@ def lone(path: str, threads: int, mode: tuple, sampling: Sampling | None) -> dic
         for i in range(SESSIONS):
             r = c.generate(f"x{i}", tokens=[3 + (k * 7 + i) % 500 for k in range(32)], max_tokens=NEW,
                            ignore_eos=True, sampling=sampling)
-            t = r.token_times
-            ms.append(1e3 * (t[-1] - t[0]) / (len(t) - 1))
+            ms.append(steady_rate([r.token_times])[1])
         e = c.status()["telemetry"]["engine"]
     return {"ms_per_token": float(np.median(ms)), "drafted": e["drafted_rows_total"], "served": e["drafts_served_total"]}
 
