@@ -295,8 +295,8 @@ def scenario(e, p, sampling, n_new=40, crowd=None, restart_after=None, warm=None
     (a prompt) finished first; with at most `room` prompt tokens a tick (None: the default, 64). x ignores
     EOS unless it has a `grammar` (it ends when that is complete)."""
     e.step(Plan([], list(range(e.n_seq_max))))
-    sched = Scheduler(NodeBudget.from_engine(e, max_prefill_tokens_per_tick=room), e.eog, recipe=e.recipe_fingerprint, prefix_cache="client",
-                      deterministic=True)
+    sched = Scheduler(NodeBudget.from_engine(e, max_prefill_tokens_per_tick=room), e.eog, recipe=e.recipe_fingerprint,
+                      prefix_cache="client", deterministic=True)
     if warm:
         sched.submit(Session("warm", warm[0], len(warm[1]), ignore_eos=True, owner="c"))
         run_to_completion(sched, e)

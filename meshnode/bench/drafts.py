@@ -43,7 +43,8 @@ def lone(path: str, threads: int, mode: tuple, sampling: Sampling | None) -> dic
                            ignore_eos=True, sampling=sampling)
             ms.append(steady_rate([r.token_times])[1])
         e = c.status()["telemetry"]["engine"]
-    return {"ms_per_token": float(np.median(ms)), "drafted": e["drafted_rows_total"], "served": e["drafts_served_total"]}
+    return {"ms_per_token": float(np.median(ms)), "drafted": e["drafted_rows_total"],
+            "served": e["drafts_served_total"]}
 
 
 def main(a) -> int:
@@ -74,7 +75,8 @@ def main(a) -> int:
         off = [rd[f"{name}, off"]["ms_per_token"] for rd in rounds]
         ratio = [x / y for x, y in zip(on, off)]
         verdicts.append(f"{name}: deterministic / off {np.median(ratio):.2f} (rounds "
-                        f"{', '.join(f'{v:.2f}' for v in ratio)}); {np.median(on):.2f} vs {np.median(off):.2f} ms a token")
+                        f"{', '.join(f'{v:.2f}' for v in ratio)}); {np.median(on):.2f} vs {np.median(off):.2f} "
+                        "ms a token")
     for line in verdicts:
         print(line)
     if a.json:
