@@ -91,6 +91,7 @@ class TickDone:
     logprobs: tuple = ()  # (seq, sampled token's logprob, ((token, logprob), ...)) for sessions that asked
     drafted: int = 0  # StepResult's
     served: int = 0
+    failed: tuple = ()  # (seq, why): StepResult's, sessions whose response_format failed (no sample in the arena)
 
     @classmethod
     def of(cls, tick: int, res: StepResult, gap_ms: float, rss: int = 0, mem_available: int = 0,
@@ -98,12 +99,13 @@ class TickDone:
         """An engine step's wire form, with the engine process's memory figures; its tokens go to the arena."""
         lps = tuple((s, lp, tuple(top)) for s, (lp, top) in res.logprobs.items()) if res.logprobs else ()
         return cls(tick, tuple(res.cache_miss), res.step_ms, res.kv_cells, gap_ms, rss, mem_available, mem_total, lps,
-                   res.drafted, res.served)
+                   res.drafted, res.served, tuple(res.failed.items()))
 
     def result(self, tokens: dict[int, int]) -> StepResult:
         """The step as the engine returned it, with its tokens read back from the arena."""
         return StepResult(tokens, list(self.cache_miss), self.step_ms, self.kv_cells,
-                          {s: (lp, list(top)) for s, lp, top in self.logprobs}, self.drafted, self.served)
+                          {s: (lp, list(top)) for s, lp, top in self.logprobs}, self.drafted, self.served,
+                          dict(self.failed))
 
 
 @dataclass(frozen=True)
@@ -176,12 +178,14 @@ def write_samples(arena, tick: int, plan: Plan, tokens: dict[int, int]) -> None:
         arena.output[out + k] = tokens.get(c.seq_id, -1)
 
 
-def read_samples(arena, tick: int, plan: Plan, n_vocab: int) -> dict[int, int]:
-    """The front's side: each sampling chunk's token. One outside the vocabulary raises ValueError: the
+def read_samples(arena, tick: int, plan: Plan, n_vocab: int, absent=()) -> dict[int, int]:
+    """The front's side: each sampling chunk's token, but for the sequences `absent` (the engine said they
+    drew none: a cache miss, a failed constraint). One outside the vocabulary raises ValueError: the
     engine is broken, and detokenizing it would abort the front (llama.cpp throws std::out_of_range)."""
     _, out = _bases(tick, arena)
     samples = arena.output
-    tokens = {c.seq_id: int(samples[out + k]) for k, c in enumerate(plan.chunks) if c.draw >= 0}
+    tokens = {c.seq_id: int(samples[out + k]) for k, c in enumerate(plan.chunks)
+              if c.draw >= 0 and c.seq_id not in absent}
     for seq, tok in tokens.items():
         if not 0 <= tok < n_vocab:
             raise ValueError(f"engine sampled token {tok} for sequence {seq}, outside the vocabulary of {n_vocab}")
@@ -207,7 +211,8 @@ def encode(msg: Message, arena=None) -> bytes:
         return pack({"kind": "grammar", "key": msg.grammar.key, "text": msg.grammar.text, "forget": list(msg.forget)})
     if isinstance(msg, TickDone):
         return pack({"kind": "done", **asdict(msg), "cache_miss": list(msg.cache_miss),
-                     "logprobs": [[s, lp, [list(t) for t in top]] for s, lp, top in msg.logprobs]})
+                     "logprobs": [[s, lp, [list(t) for t in top]] for s, lp, top in msg.logprobs],
+                     "failed": [list(f) for f in msg.failed]})
     kind = {Stop: "stop", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
 
@@ -252,7 +257,7 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
             return TickDone(int(m["tick"]), tuple(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
                             int(m["kv_cells"]), float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
                             int(m["mem_total"]), _logprobs(m.get("logprobs", [])), int(m.get("drafted", 0)),
-                            int(m.get("served", 0)))
+                            int(m.get("served", 0)), tuple((int(q), str(why)) for q, why in m.get("failed", [])))
         if kind == "refused":
             return TickRefused(m["tick"], bool(m["fatal"]), str(m["detail"]))
         if kind == "hello":

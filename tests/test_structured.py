@@ -6,7 +6,7 @@ import json
 import jsonschema
 import pytest
 
-from helpers import history, scheduler, scenario
+from helpers import history, logprob_entries, scheduler, scenario
 from ipc import link
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
@@ -163,3 +163,46 @@ def test_through_a_node_constraints_hold_across_an_engine_kill_and_end_as_they_s
     assert got["stopped"].done["reason"] == R.STOP and got["stopped"].done["incomplete"] is True
     assert bad.done is None and bad.admission["event"] == "error" and bad.admission["code"] == R.BAD_REQUEST
     assert "regex" in bad.admission["detail"] and t["bad_frames_total"] == before + 1
+
+
+# grammars the library compiles and then gives up on while generating (its limits: items in a row, rows)
+FAILING = (ResponseFormat("grammar", 'root ::= "a" root'),
+           ResponseFormat("grammar", "root ::= " + " | ".join(f'"w{i}"' for i in range(2001))))
+
+
+def test_grammars_that_fail_while_generating_end_their_own_sessions_and_nobody_elses(tiny_model):
+    """20 sessions whose grammars the library stops on after a token or two, sent while six unconstrained
+    sessions decode: each ends `done BAD_REQUEST` naming the library's limit, with `incomplete`, and the six
+    get every token, bitwise what they get alone (deterministic mode: the failed rows shared their ticks).
+    Before: the failure refused the whole tick and every session in it ended ENGINE_ERROR."""
+    crowd = {f"c{i}": dict(tokens=[3 + i, 40, 41, 42], max_tokens=60, ignore_eos=True, logprobs=2,
+                           sampling=Sampling(1.0, 0, 1.0, i)) for i in range(6)}
+    with NodeProcess(tiny_model) as n, n.client() as c:
+        assert c.status()["node"]["deterministic"], c.status()["node"]
+        alone = {sid: c.generate(sid, **kw) for sid, kw in crowd.items()}
+        for sid, kw in crowd.items():
+            c.submit(sid, **kw)
+        for i in range(20):  # one each time the crowd streams a token, so failures land all through its decode
+            c.wait_for(lambda e: e["event"] == "tokens" and e["id"] in crowd, keep=True)
+            c.submit(f"g{i}", tokens=[5, 9, 33], max_tokens=100, sampling=Sampling(1.0, 0, 1.0, i),
+                     response_format=FAILING[i % 2])
+        got = c.collect([*crowd, *(f"g{i}" for i in range(20))], timeout_s=300)
+        t = c.status()["telemetry"]
+    for sid in crowd:
+        assert got[sid].done["reason"] == R.LENGTH, got[sid].done
+        assert got[sid].tokens == alone[sid].tokens and logprob_entries(got[sid]) == logprob_entries(alone[sid])
+    for i in range(20):
+        d = got[f"g{i}"].done
+        assert d["reason"] == R.BAD_REQUEST and d["incomplete"] is True, d
+        assert ("Too many items" if i % 2 == 0 else "max is 2000") in d["detail"] and "<state>" not in d["detail"]
+    assert t["engine"]["restarts"] == 0 and t["healthy"]
+
+
+def test_a_constraint_no_text_can_match_is_refused_before_admission(served):
+    """A regex that matches nothing, a schema that is only a reference to itself: llguidance compiles both,
+    then allows no first token. Refused at compile time with why, never an `EOS` with "" claiming success."""
+    _, _, constraints = served
+    for fmt in (ResponseFormat("regex", r"[^\s\S]"),
+                ResponseFormat("json_schema", json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}))):
+        grammar, why = constraints.compile(fmt)
+        assert grammar is None and "no output can ever match it" in why and "<state>" not in why, why

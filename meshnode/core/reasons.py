@@ -31,13 +31,17 @@ CANCELLED = "CANCELLED"
 CACHE_MISS = "CACHE_MISS"
 ENGINE_ERROR = "ENGINE_ERROR"
 DRAINED = "DRAINED"
-KV_UNTRUSTED = (CACHE_MISS, ENGINE_ERROR)  # a session ended so leaves no KV worth caching
 
 # error event codes
 BAD_REQUEST = "BAD_REQUEST"
 UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"
 UNKNOWN_SESSION = "UNKNOWN_SESSION"
 TOO_LARGE = "TOO_LARGE"
+
+# extension (docs/protocol.md): BAD_REQUEST is also a `done` reason, for a session whose own request turned out
+# never to be able to complete while it ran (its response_format failed: the constraint library's limits, or no
+# token can continue the output); `detail` gives the library's words
+KV_UNTRUSTED = (CACHE_MISS, ENGINE_ERROR, BAD_REQUEST)  # a session ended so leaves no KV worth caching
 
 # extension (documented in docs/protocol.md): the engine is in a crash loop and the node is unhealthy
 REJECTED_ENGINE_UNAVAILABLE = "REJECTED_ENGINE_UNAVAILABLE"

@@ -246,6 +246,9 @@ class Scheduler:
             if c.seq_id in missed:
                 events.append(self._end(s, R.CACHE_MISS))  # released again: see engine/followups.py
                 continue
+            if c.seq_id in result.failed:  # its own request can never complete; the tick went on for the rest
+                events.append(self._end(s, R.BAD_REQUEST, result.failed[c.seq_id]))
+                continue
             if c.draw < 0:
                 continue
             s.draws_in_flight -= 1
@@ -317,7 +320,7 @@ class Scheduler:
                and self.seqs.available):
             self._start(self.waiting.popleft())
 
-    def _end(self, s: Session, reason: str) -> Event:
+    def _end(self, s: Session, reason: str, detail: str = "") -> Event:
         if s.state == RUNNING:
             self.admission.release(s.ask)
             self.running.remove(s)
@@ -326,7 +329,7 @@ class Scheduler:
             self.waiting.remove(s)
         s.state, s.reason, s.t_done = DONE, reason, self.clock()
         self.live.pop(s.key, None)
-        return Event("done", s, s.generated, reason)
+        return Event("done", s, s.generated, reason, detail)
 
     @property
     def cells_planned(self) -> int:

@@ -21,6 +21,21 @@ class InvalidPlan(EngineError):
     """The plan broke the contract (bad token, position, sequence id, size)."""
 
 
+class ConstraintFailed(ValueError):
+    """A session's response_format cannot go on (the constraint library's limits, or no token may come next):
+    that session ends with BAD_REQUEST, never the tick it was in. The message is the library's own first line:
+    llguidance appends its parser state and the whole grammar, which no client should get back."""
+
+    def __init__(self, words: str):
+        super().__init__(library_words(words))
+
+
+def library_words(raw: str, limit: int = 300) -> str:
+    """The first line of a constraint library's error, without the state dump that follows it."""
+    line = raw.split("<state>", 1)[0].strip().splitlines()
+    return (line[0] if line else raw)[:limit]
+
+
 class FatalEngineError(EngineError):
     """llama_decode returned < -1, or the engine is otherwise unusable: restart it."""
 
@@ -159,6 +174,8 @@ class StepResult:
     logprobs: dict = field(default_factory=dict)  # seq_id -> (sampled token's logprob, [(token, logprob)])
     drafted: int = 0  # rows that carried a draft of their next token (engine/drafts.py)
     served: int = 0  # rows answered from a draft the tick before had computed
+    # seq_id -> why its response_format failed (the library's words): that session ends, the tick goes on
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

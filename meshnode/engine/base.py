@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from meshnode.core.types import GREEDY, Constrained, InvalidPlan, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
+from meshnode.core.types import GREEDY, Constrained, ConstraintFailed, InvalidPlan, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
 from meshnode.engine.sampling import logprobs, sample
 
 
@@ -137,7 +137,7 @@ class Engine:
                 self._samplers[c.seq_id] = c.sampling or GREEDY
                 self._constraints.pop(c.seq_id, None)
             if c.constraint is not None:
-                self._constraints[c.seq_id] = self.constraint(c.constraint)
+                self._constraints[c.seq_id] = self._start_constraint(c)
 
     def end(self, plan: Plan, res: StepResult) -> None:
         """The part after: the chunks that ran advance their sequences; the ones that lost their
@@ -151,14 +151,29 @@ class Engine:
                 self._history[c.seq_id][c.pos:] = np.asarray(c.tokens).tolist()
         res.kv_cells = sum(self._next_pos)
 
+    def _start_constraint(self, c: SeqChunk):
+        """The chunk's matcher, or the library's words when it cannot build one: that session fails when it
+        samples, never the tick (the other rows are other clients')."""
+        try:
+            return self.constraint(c.constraint)
+        except ConstraintFailed as e:
+            return e
+
     def sample(self, c: SeqChunk, logits: np.ndarray, res: StepResult) -> None:
         """The chunk's token into `res` (and its log-probabilities, when the session asked for them).
-        Penalties see the sequence's tokens up to and including this chunk's."""
+        Penalties see the sequence's tokens up to and including this chunk's. A response_format that fails
+        here (the library's limits, no token allowed) fails its session alone, in `res.failed`."""
         s = self._samplers[c.seq_id]
         k = self._constraints.get(c.seq_id)
         history = self._history[c.seq_id][:c.pos] + list(c.tokens) if s.penalized or k else ()
         if k is not None:  # what it generated so far, the sample of the tick before included
-            logits = k.masked(logits, history)
+            try:
+                if isinstance(k, ConstraintFailed):
+                    raise k
+                logits = k.masked(logits, history)
+            except ConstraintFailed as e:
+                res.failed[c.seq_id] = f"response_format: {e}"
+                return
         tok = res.tokens[c.seq_id] = sample(logits, s, c.draw, history)
         if s.logprobs:
             res.logprobs[c.seq_id] = logprobs(logits, tok, s.logprobs)

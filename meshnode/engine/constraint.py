@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from meshnode.core.types import Constrained
+from meshnode.core.types import Constrained, ConstraintFailed
 
 KEEP = 64  # parsed grammars kept: a new session on a known grammar copies its matcher instead of parsing
 
@@ -32,7 +32,7 @@ class Matchers:
         if template is None:
             template = self._g.LLMatcher(self.tokenizer, c.grammar.text)
             if template.is_error():
-                raise ValueError(template.get_error())
+                raise ConstraintFailed(template.get_error())
         self._parsed[c.grammar.key] = template
         if len(self._parsed) > KEEP:
             self._parsed.popitem(last=False)
@@ -46,10 +46,15 @@ class Constraint:
         self.n_vocab, self.n_prompt, self.consumed = n_vocab, n_prompt, 0
 
     def allowed(self) -> np.ndarray:
-        """The tokens that may come next, as a bool row of n_vocab."""
+        """The tokens that may come next, as a bool row of n_vocab; ConstraintFailed where the matcher
+        stopped on an error (a limit of the library) or allows nothing (the output can never match)."""
         self._gn.fill_next_token_bitmask(self.matcher, self._mask, 0)
-        bits = np.unpackbits(self._mask[0].view(np.uint8), bitorder="little")
-        return bits[:self.n_vocab].astype(bool)
+        if self.matcher.is_error():
+            raise ConstraintFailed(self.matcher.get_error())
+        bits = np.unpackbits(self._mask[0].view(np.uint8), bitorder="little")[:self.n_vocab].astype(bool)
+        if not bits.any():
+            raise ConstraintFailed("no token can continue the output: the constraint can never be satisfied")
+        return bits
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """The logits with every token the constraint forbids at -inf."""
@@ -57,7 +62,7 @@ class Constraint:
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
-            raise ValueError(f"constraint refused token {token}: {self.matcher.get_error()}")
+            raise ConstraintFailed(f"constraint refused token {token}: {self.matcher.get_error()}")
         self.consumed += 1
 
     def replay(self, tokens) -> None:

@@ -7,7 +7,8 @@ and Followups fills it in from tick N's result. Two things can break that
 link, and both are handled here so that one bad tick never takes good
 sequences with it:
 
-- tick N lost a sequence's KV (llama_decode rc=1, a cache miss): its chunks in
+- tick N lost a sequence's KV (llama_decode rc=1, a cache miss), or its session
+  failed (its response_format could not go on): its chunks in
   tick N+1 are dropped and reported as misses again, unless N+1 released the
   sequence and starts a new session on it; a session N+1 meant to start on that
   KV (a `Keep` of it, or a `Share` from it) is dropped the same way, its KV
@@ -69,7 +70,7 @@ class Followups:
         runnable, dropped = self.resolve(plan, resync)
         res = engine.step(runnable)
         res.cache_miss = list(res.cache_miss) + dropped
-        self.sampled, self.lost = dict(res.tokens), set(res.cache_miss)
+        self.sampled, self.lost = dict(res.tokens), set(res.cache_miss) | set(res.failed)
         return res
 
     def refused(self) -> None:

@@ -166,7 +166,8 @@ class EngineLink:
                 return self._break(f"engine reported a fatal error: {msg.detail}")
             return Refusal(tick, msg.detail)
         try:
-            tokens = link.read_samples(self.arena, tick.t, tick.plan, self.n_vocab)
+            absent = {*msg.cache_miss, *(q for q, _ in msg.failed)} if msg.cache_miss or msg.failed else ()
+            tokens = link.read_samples(self.arena, tick.t, tick.plan, self.n_vocab, absent)
         except ValueError as e:  # garbage from the engine: restart it, re-prefill
             return self._break(f"engine sent a bad reply: {e}")
         self.health.good_tick()

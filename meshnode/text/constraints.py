@@ -14,13 +14,14 @@ import hashlib
 import json
 from collections import OrderedDict
 
-from meshnode.core.types import Grammar, ResponseFormat
+from meshnode.core.types import Grammar, ResponseFormat, library_words
 from meshnode.engine import llamacpp
 
 JSON_OBJECT = {"type": "object"}  # `json_object`: any JSON object, as OpenAI's and llama-server's json mode
 # compact JSON (",", ":" and no whitespace between tokens): llguidance's default allows any run of
 # whitespace anywhere, which a weak model fills until max_tokens; a schema's "x-guidance" can ask otherwise
 JSON_OPTIONS = {"whitespace_flexible": False}
+NO_MATCH = "no output can ever match it: no token may start the text"
 KEEP = 256  # compiled formats kept: clients tend to send the same few schemas again and again
 
 
@@ -64,5 +65,21 @@ class Constraints:
 
                 text = M.grammar_from_lark(gbnf_to_lark(fmt.spec))
         except Exception as e:  # the library's own parsers: a bad schema or grammar text
-            return "", str(e)
-        return text, M.validate_grammar(text, self.tokenizer) or ""
+            return "", library_words(str(e))
+        return text, library_words(M.validate_grammar(text, self.tokenizer) or self._first_token_problem(text))
+
+    def _first_token_problem(self, text: str) -> str:
+        """Why no output can start under the grammar ("" when some token may): a matcher the library cannot
+        build (its limits, e.g. a rule of too many alternatives) or one that allows nothing (a regex or schema
+        no text matches). Found here, the client hears it before admission; the engine checks every later
+        token the same way (meshnode/engine/constraint.py)."""
+        import llguidance.numpy as gn
+
+        m = self._g.LLMatcher(self.tokenizer, text)
+        if not m.is_error():
+            mask = gn.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+            gn.fill_next_token_bitmask(m, mask, 0)
+            if not m.is_error():
+                return "" if mask.any() else NO_MATCH
+        words = library_words(m.get_error())
+        return NO_MATCH + f" ({words})" if words.startswith("NoExtensionBias") else words
