@@ -27,6 +27,7 @@ from ipc.shm import alive
 
 CLIENT_HWM = 1000  # events queued to one client before it counts as stalled (meshnode/outbox.py)
 REQUEST_HWM = 64  # requests of one client read ahead of the front: at most 64 x 2 MiB held for it
+HANDSHAKE_S = 10.0  # a connection to a listener that has not completed the ZeroMQ handshake by then is dropped
 
 
 class EndpointError(RuntimeError):
@@ -142,10 +143,18 @@ def _base(sock: zmq.Socket) -> zmq.Socket:
     return sock
 
 
+def _listener(sock: zmq.Socket, handshake_s: float) -> zmq.Socket:
+    """A socket that binds: a connection silent past `handshake_s` is dropped. Set before the bind: libzmq's
+    listener copies the socket's options when it is bound, and one set later never reaches its connections
+    (a node whose HANDSHAKE_IVL came after the bind held 1,100 greeting-less connections for good)."""
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(handshake_s * 1000))
+    return _base(sock)
+
+
 def client_router(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, insecure: bool = False,
-                  auth_holder: list | None = None) -> zmq.Socket:
+                  auth_holder: list | None = None, handshake_s: float = HANDSHAKE_S) -> zmq.Socket:
     check_private(endpoint, "client", curve is not None, insecure)
-    s = _base(ctx.socket(zmq.ROUTER))
+    s = _listener(ctx.socket(zmq.ROUTER), handshake_s)
     s.setsockopt(zmq.ROUTER_MANDATORY, 1)
     s.setsockopt(zmq.SNDHWM, CLIENT_HWM)
     s.setsockopt(zmq.RCVHWM, REQUEST_HWM)
@@ -174,10 +183,10 @@ def _enable_curve(ctx: zmq.Context, s: zmq.Socket, curve: Curve, auth_holder: li
 
 
 def telemetry_pub(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, insecure: bool = False,
-                  auth_holder: list | None = None) -> zmq.Socket:
+                  auth_holder: list | None = None, handshake_s: float = HANDSHAKE_S) -> zmq.Socket:
     """The snapshot says model, recipe and load: the same rule as the client socket."""
     check_private(endpoint, "telemetry", curve is not None, insecure)
-    s = _base(ctx.socket(zmq.PUB))
+    s = _listener(ctx.socket(zmq.PUB), handshake_s)
     s.setsockopt(zmq.SNDHWM, 100)
     if curve is not None:
         _enable_curve(ctx, s, curve, auth_holder)

@@ -61,7 +61,7 @@ def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model, zctx):
 # -- descriptors ------------------------------------------------------------------------------------
 def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
     """At a descriptor limit of 1024, 1,100 idle connections used to abort the front inside libzmq:
-    now the ones beyond the cap are closed (none of those held has been quiet long enough to give way),
+    now the ones beyond the cap are closed, or take the place of one that has sent nothing for 2 s,
     a session streaming meanwhile goes on, and with the flood still held an engine restart finds the
     descriptors it needs. On tcp://, where libzmq drops a connection it cannot accept; its ipc listener
     asserts on EMFILE instead, so on ipc:// with a low limit a flood faster than the node closes
@@ -92,7 +92,8 @@ def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
                 s.close()
                 continue
             idle.append(s)
-        t = wait_until(lambda: (lambda t: t if t["clients_refused_total"] > 0 else None)(c.status()["telemetry"]), 10)
+        t = wait_until(lambda: (lambda t: t if t["clients_refused_total"] + t["clients_evicted_total"] > 0 else None)(
+            c.status()["telemetry"]), 60)
         assert t and t["fds_open"] < t["fds_limit"] == 1024
         c.submit("after", **job)
         c.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "after", keep=True)
@@ -106,8 +107,59 @@ def test_idle_connections_cannot_exhaust_the_descriptors(tiny_model):
         assert_consistent(r, 200, R.LENGTH)
         assert_same_or_a_tie(r, want)  # re-prefilled in other batches: bitwise only in deterministic mode
     assert t["engine"]["restarts"] == 1 and t["healthy"]
-    print(f"idle connections: {t['clients_connected']} held, {t['clients_refused_total']} closed; "
+    print(f"idle connections: {t['clients_connected']} held, {t['clients_refused_total']} refused, "
+          f"{t['clients_evicted_total']} gave way; "
           f"{t['fds_open']} of {t['fds_limit']} descriptors open")
+
+
+def test_a_new_client_gets_in_while_1100_sockets_that_never_sent_a_greeting_stay_open(tiny_model):
+    """1,100 plain TCP connections on loopback that never speak ZeroMQ fill the cap (1024); nothing idle
+    may give way by the old rule here (evict_after_s: an hour). A new client is still served, in the place
+    of a socket that has sent nothing for 2 s (counted as given way); before, every new client was closed
+    at the cap for as long as the sockets stayed."""
+    import socket
+
+    from meshnode.client import Client
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with NodeProcess(tiny_model, nofile=4096, internal={"evict_after_s": 3600.0},
+                     listen=f"tcp://127.0.0.1:{port}") as n:
+        raw = []
+        try:
+            for _ in range(1100):
+                s = socket.socket()
+                s.connect(("127.0.0.1", port))
+                raw.append(s)
+            new = Client(n.listen, timeout_s=30)
+            assert wait_until(lambda: new.ping(timeout_s=1), 60), "the new client was never let in"
+            assert new.generate("after", tokens=[3, 4], max_tokens=2).done["reason"] == R.LENGTH
+            t = new.status()["telemetry"]
+            new.close()
+        finally:
+            for s in raw:
+                s.close()
+    assert t["clients_evicted_total"] >= 1 and t["clients_connected"] <= 1024, t
+
+
+def test_a_listener_drops_a_connection_that_never_completes_the_handshake(zctx):
+    """HANDSHAKE_IVL reaches the listener's connections only when set before the bind (libzmq copies the
+    options then): with 0.5 s, a socket that never sends a greeting is closed long before libzmq's own
+    default of 30 s would close it."""
+    import socket
+
+    from ipc.transport import client_router, free_tcp_port
+
+    port = free_tcp_port()
+    router = client_router(zctx, f"tcp://127.0.0.1:{port}", handshake_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            silent.settimeout(15)
+            while silent.recv(4096):  # the node's greeting, then the end at the handshake deadline
+                pass
+    finally:
+        router.close(0)
 
 
 def test_an_ipc_endpoint_with_a_low_descriptor_limit_is_warned_of_at_start(tiny_model):

@@ -9,7 +9,7 @@ a cap: a socket monitor reports every accepted connection with its descriptor,
 and one beyond the cap is shut down at once (libzmq then closes it), leaving
 everyone already connected alone. Unbinding instead would drop them all
 (zmq_unbind discards the endpoint's connections). A connection that never
-completes its handshake is dropped by libzmq after HANDSHAKE_S. RESERVE_FDS
+completes its handshake is dropped by libzmq (ipc/transport.py, HANDSHAKE_S). RESERVE_FDS
 stays free for the node itself and for a burst of accepts between a
 connection's arrival and its shutdown.
 """
@@ -34,7 +34,9 @@ log = logging.getLogger("meshnode.front")
 # instead): below this limit a flood on ipc:// faster than the gate closes connections can abort the front
 SAFE_IPC_FDS = 65536
 RESERVE_FDS = 256  # the node's own: engine restarts, metrics, logs, libzmq internals, a burst of accepts
-HANDSHAKE_S = 10.0  # a connection silent this long after connecting is dropped
+# at the cap, a connection that has sent nothing this long gives way first: 1,100 sockets that never sent a
+# ZeroMQ greeting held every new client out while they stayed (the handshake deadline had not reached them)
+SILENT_S = 2.0
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
@@ -85,7 +87,6 @@ class Gate:
         self.sock, self.endpoint, self.cap = sock, endpoint, cap
         self.busy, self.idle_s, self.per_host, self.clock = busy, idle_s, per_host, clock
         self.evict_after_s = evict_after_s
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self.monitor = sock.get_monitor_socket(_EVENTS)
         self.conns: dict[int, Conn] = {}  # by descriptor
         self.refused_total = self.evicted_total = 0
@@ -152,9 +153,16 @@ class Gate:
                 self.evicted_total += 1
 
     def _idlest(self) -> int | None:
+        """The connection that gives way at the cap: the oldest that has sent nothing for SILENT_S (a socket
+        that never completed its handshake, or a client that never asked anything: a ZeroMQ client keeps
+        what it queued and connects again), else the idlest quiet for `evict_after_s` with nothing owed."""
         if self.busy is None:
             return None
-        busy, limit = self._busy(), self.clock() - self.evict_after_s
+        now = self.clock()
+        silent = [(c.since, fd) for fd, c in self.conns.items() if c.ident is None and c.since <= now - SILENT_S]
+        if silent:
+            return min(silent)[1]
+        busy, limit = self._busy(), now - self.evict_after_s
         idle = [(c.since, fd) for fd, c in self.conns.items() if c.since <= limit and c.ident not in busy]
         return min(idle)[1] if idle else None
 
