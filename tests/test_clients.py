@@ -295,7 +295,7 @@ def test_the_telemetry_pub_holds_64_subscribers_and_a_silent_connection_is_dropp
     import zmq
 
     from meshnode.front.clients import TELEMETRY_SUBSCRIBERS
-    from meshnode.front.gate import HANDSHAKE_S
+    from ipc.transport import HANDSHAKE_S
 
     with NodeProcess(tiny_model) as n, n.client() as c:
         ctx = zctx
