@@ -172,14 +172,28 @@ def _messages(v, id) -> list[dict]:
 
 
 def request_id(frames: list[bytes]) -> str | None:
-    """The request's id when it can be read, for answering a request the node will not decode (it
-    waited behind too many others): the client then learns which one failed."""
-    try:
-        msg = unpack(frames[1]) if len(frames) == 2 and frames[0] == VERSION else None
-    except Exception:
+    """The request's id when it can be read, for answering a request the node will not decode (over a limit,
+    or behind too many others): the client then learns which one failed. Only the map's keys and the id
+    itself are unpacked; every other value is skipped unread, so no limit of the full decode applies (the
+    frame itself is bounded by the socket's MAXMSGSIZE)."""
+    if len(frames) != 2 or frames[0] != VERSION:
         return None
-    raw = msg.get("id") if isinstance(msg, dict) else None
-    return raw if isinstance(raw, str) and 1 <= len(raw) <= MAX_ID_CHARS else None
+    data = frames[1]
+    n = len(data)
+    try:
+        u = msgpack.Unpacker(raw=False, max_buffer_size=max(n, 1), max_str_len=n, max_bin_len=n, max_array_len=n,
+                             max_map_len=n, max_ext_len=0, strict_map_key=False)
+        u.feed(data)
+        for _ in range(min(u.read_map_header(), 64)):
+            key = u.unpack()
+            if key != "id":
+                u.skip()
+                continue
+            raw = u.unpack()
+            return raw if isinstance(raw, str) and 1 <= len(raw) <= MAX_ID_CHARS else None
+    except Exception:  # not a map, truncated, too deep: no id to be had
+        return None
+    return None
 
 
 def decode_request(frames: list[bytes], n_vocab: int):
@@ -189,14 +203,15 @@ def decode_request(frames: list[bytes], n_vocab: int):
     if frames[0] != VERSION:
         raise ProtocolError(R.UNSUPPORTED_VERSION, f"version frame must be {VERSION!r}")
     if len(frames[1]) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(R.TOO_LARGE, f"payload over {MAX_MESSAGE_BYTES} bytes")
+        raise ProtocolError(R.TOO_LARGE, f"payload over {MAX_MESSAGE_BYTES} bytes", request_id(frames))
     try:
         msg = unpack(frames[1])
     except ValueError as e:  # msgpack's limit errors are ValueErrors
         code = R.TOO_LARGE if "exceeds max" in str(e) else R.BAD_REQUEST
-        raise ProtocolError(code, f"payload is not valid msgpack within limits: {e}") from None
+        raise ProtocolError(code, f"payload is not valid msgpack within limits: {e}", request_id(frames)) from None
     except Exception as e:
-        raise ProtocolError(R.BAD_REQUEST, f"payload is not valid msgpack: {type(e).__name__}") from None
+        raise ProtocolError(R.BAD_REQUEST, f"payload is not valid msgpack: {type(e).__name__}",
+                            request_id(frames)) from None
     if not isinstance(msg, dict):
         raise ProtocolError(R.BAD_REQUEST, "payload must be a msgpack map")
     op = msg.get("op")

@@ -260,3 +260,17 @@ def reachable(endpoint: str, timeout_s: float = 0.5) -> str:
             return ""
     except (OSError, ValueError) as e:
         return f"rpc worker {endpoint} unreachable: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+
+
+def api_keys(path: str | None) -> set[bytes]:
+    """The keys of `path`, one a line, as UTF-8 bytes (a BOM and the whitespace around a key dropped; a line
+    whose first non-blank character is `#` is a comment). ValueError when the file names no key: a key file
+    that holds none must never mean "no authentication"."""
+    if not path:
+        return set()
+    with open(path, encoding="utf-8-sig") as f:
+        lines = [line.strip() for line in f]
+    keys = {line.encode() for line in lines if line and not line.startswith("#")}
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key (one a line; lines starting with # are comments)")
+    return keys

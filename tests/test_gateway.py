@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers import wait_until
+from helpers import serve, wait_until
 from ipc.transport import free_tcp_port
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
@@ -138,6 +138,11 @@ def test_response_format_json_schema_answers_parse(served):
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text content"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
         "schema": {"type": "objekt"}}}}, 400, "objekt"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": True}, 400, "n = 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": 5}, 400, "model"),
+    ({"messages": [{"role": "user", "content": "x"}], "seed": 2 ** 64}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30}, 400, "max_tokens"),
 ])
 def test_bad_requests_get_openais_error_body(served, body, status, words):
     base = served[0]
@@ -145,6 +150,47 @@ def test_bad_requests_get_openais_error_body(served, body, status, words):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_over_limit_and_unreadable_bodies_are_answered_at_once(served):
+    """A prompt over the node's 256 KiB text limit and a schema whose request is over its 1 MiB message
+    limit are 413s (they hung for ever: the node's error named no request); JSON nested deeper than the
+    parser goes is a 400 (was a 500). Every request answered, none left registered."""
+    base = served[0]
+    big = httpx.post(f"{base}/v1/completions", json={"prompt": "a" * 300_000, "max_tokens": 2}, headers=auth(),
+                     timeout=60)
+    assert big.status_code == 413 and big.json()["error"]["code"] == R.TOO_LARGE, big.text
+    enum = {"type": "json_schema", "json_schema": {"schema": {"enum": [f"v{i}" for i in range(100_000)]}}}
+    huge = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                      "response_format": enum}, headers=auth(), timeout=60)
+    assert huge.status_code == 413, huge.text
+    deep = httpx.post(f"{base}/v1/completions", content=b"[" * 100_000, headers=auth(), timeout=60)
+    assert deep.status_code == 400, deep.text
+    lone = httpx.post(f"{base}/v1/chat/completions", headers=auth(), timeout=60,  # a lone surrogate: no UTF-8
+                      content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}')
+    assert lone.status_code == 400 and "encoded" in lone.json()["error"]["message"], lone.text
+    assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+
+
+def test_api_keys_are_utf8_lines_compared_as_bytes_and_a_file_without_one_is_refused(tmp_path, tiny_model):
+    """A BOM, a non-ASCII key, an indented comment; a file of comments only must never mean no keys."""
+    from ipc.transport import api_keys
+
+    f = tmp_path / "keys"
+    f.write_bytes("\ufeffsk-one\n  # a comment, indented\nключ-два\n\n".encode())
+    assert api_keys(str(f)) == {b"sk-one", "ключ-два".encode()}
+    f.write_text("# nothing but comments\n   \n")
+    with pytest.raises(ValueError, match="holds no key"):
+        api_keys(str(f))
+    out = serve(tiny_model, "--http", "127.0.0.1:1", "--http-api-key-file", str(f))  # refused before anything starts
+    assert out.returncode == 2 and "holds no key" in out.stderr, out.stderr
+
+
+def test_a_non_ascii_authorization_header_is_a_401(served):
+    base = served[0]
+    for given in ("Bearer ключ".encode(), b"Bearer \xff\xfe", "Bearer sk-test-1\u00e9".encode()):
+        r = httpx.get(f"{base}/v1/models", headers={"Authorization": given}, timeout=5)
+        assert r.status_code == 401, (given, r.text)
 
 
 def test_keys_models_health_and_metrics(served):
@@ -414,3 +460,27 @@ def test_a_stream_whose_node_dies_ends_with_an_error_chunk_and_done(tiny_model):
                 pass
             gw.terminate()
             gw.wait(30)
+
+
+def test_an_error_that_names_no_request_never_answers_a_status():
+    """A status waiter is answered by a status, never by a stray error (one without an id answered the
+    next /health with 503 on a healthy node)."""
+    import asyncio
+
+    from ipc import protocol as P
+    from meshnode.gateway.upstream import Upstream
+
+    async def run():
+        up = Upstream(f"tcp://127.0.0.1:{free_tcp_port()}")
+        up._loop = asyncio.get_running_loop()
+        waiter = up._loop.create_future()
+        up._replies.append(waiter)
+        up._on_event(P.error(R.TOO_LARGE, "payload over 1048576 bytes"))
+        stray_answered = waiter.done()
+        up._on_event(P.status({"healthy": True}, {}, {}))
+        up.sock.close(0)
+        up.monitor.close(0)
+        up.ctx.term()
+        return stray_answered, waiter.result()["event"]
+
+    assert asyncio.run(run()) == (False, "status")

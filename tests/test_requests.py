@@ -130,3 +130,17 @@ def test_without_max_tokens_a_session_may_fill_its_context_share():
     assert sched.live[(b"c", "toks")].max_tokens == share - 10 and sched.live[(b"c", "text")].max_tokens == share - 7
     reqs.on_frames(b"c", P.encode_request(P.Submit("full", None, tokens=prompt(share))))
     assert replies[-1]["event"] == "rejected" and replies[-1]["reason"] == R.REJECTED_CONTEXT_TOO_LONG
+
+
+@pytest.mark.parametrize("field, value", [("text", "x" * 300_000), ("tokens", [5] * 70_000),
+                                          ("stop", ["y" * 1_100_000])], ids=["text", "tokens", "payload"])
+def test_an_over_limit_payload_is_answered_with_its_own_id(field, value):
+    """The id is read before anything else is decoded: an error for a request names it even when the
+    payload is over a limit (a text over 256 KiB, a list over 65,536 items, a payload over 1 MiB), so a
+    client with many requests open knows which one failed (the gateway left the request hanging)."""
+    payload = P.pack({"op": "submit", field: value, "id": "big-1", "max_tokens": 4})
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request([P.VERSION, payload], 1000)
+    assert e.value.code == R.TOO_LARGE and e.value.id == "big-1", e.value.detail
+    for junk in (b"\xc1", P.pack([1, 2]), P.pack({"id": 5}), payload[:100]):  # no id to be had: none given
+        assert P.request_id([P.VERSION, junk]) is None

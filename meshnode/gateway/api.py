@@ -65,8 +65,14 @@ def parse(body, chat: bool, model: str, new_id) -> Request:
         v = body.get(key)
         if v and not (key == "tool_choice" and v in ("none", "auto")):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
-    if body.get("n", 1) != 1:
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):  # type: true == 1 in Python, and is no count
         raise ApiError(400, "only n = 1 is supported: send the request again for another answer", param="n")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, "model must be a string", param="model")
+    for key, v in body.items():  # past 64 bits nothing reaches the node to judge it: say which field here
+        if type(v) is int and not -(1 << 63) <= v < (1 << 64):
+            raise ApiError(400, f"{key} is out of range (an integer past 64 bits)", param=key)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
@@ -101,6 +107,8 @@ def parse(body, chat: bool, model: str, new_id) -> Request:
 
 def _logprobs(body: dict, chat: bool) -> int | None:
     if chat:
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+            raise ApiError(400, "logprobs must be a boolean", param="logprobs")
         if not body.get("logprobs"):
             if body.get("top_logprobs"):
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -162,8 +170,8 @@ def _response_format(body: dict) -> ResponseFormat | None:
 def rejection(ev: dict) -> ApiError:
     """A `rejected` or `error` event -> the HTTP error."""
     if ev["event"] == "error":
-        return ApiError(400 if ev.get("code") in (R.BAD_REQUEST, R.TOO_LARGE) else 500, ev.get("detail", ""),
-                        code=ev.get("code"))
+        status = {R.BAD_REQUEST: 400, R.TOO_LARGE: 413}.get(ev.get("code"), 500)
+        return ApiError(status, ev.get("detail", ""), code=ev.get("code"))
     return ApiError(REJECTED.get(ev["reason"], 500), ev.get("detail", ""), code=ev["reason"])
 
 
@@ -178,7 +186,8 @@ def finish_error(done: dict) -> ApiError | None:
     """A `done` that is no normal finish (engine error, cancelled, drained) -> the error to report."""
     if done["reason"] in FINISH:
         return None
-    return ApiError(503 if done["reason"] in (R.DRAINED, R.ENGINE_ERROR) else 500,
+    status = 503 if done["reason"] in (R.DRAINED, R.ENGINE_ERROR) else 400 if done["reason"] == R.BAD_REQUEST else 500
+    return ApiError(status,
                     done.get("detail") or f"the generation ended with {done['reason']}", code=done["reason"])
 
 

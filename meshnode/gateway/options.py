@@ -2,7 +2,7 @@
 is built without it)."""
 from __future__ import annotations
 
-from ipc.transport import exposure
+from ipc.transport import api_keys, exposure  # noqa: F401  (api_keys: the gateway's)
 from meshnode.core.endpoints import host_port
 
 
@@ -18,7 +18,7 @@ def add_args(p) -> None:
     p.add_argument("--curve-client-cert", help="this gateway's secret certificate, for a CURVE node")
 
 
-def refusal(listen: str, keys: set[str], insecure: bool) -> str:
+def refusal(listen: str, keys: set[bytes], insecure: bool) -> str:
     """Why the gateway must not listen there ("" when it may), in one line with the fix."""
     try:
         host_port(listen)
@@ -29,10 +29,3 @@ def refusal(listen: str, keys: set[str], insecure: bool) -> str:
         return (f"refusing to serve HTTP on {listen} without API keys: {why}; give --api-key-file (clients send "
                 "Authorization: Bearer KEY) or --insecure")
     return ""
-
-
-def api_keys(path: str | None) -> set[str]:
-    if not path:
-        return set()
-    with open(path) as f:
-        return {line.strip() for line in f if line.strip() and not line.startswith("#")}

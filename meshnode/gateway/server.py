@@ -27,7 +27,7 @@ log = logging.getLogger("meshnode.gateway")
 
 
 class Gateway:
-    def __init__(self, up: Upstream, model: str, piece=None, keys: set[str] | None = None, metrics_from: str = "",
+    def __init__(self, up: Upstream, model: str, piece=None, keys: set[bytes] | None = None, metrics_from: str = "",
                  recipe: str = ""):
         self.up, self.model, self.piece, self.keys, self.metrics_from = up, model, piece, keys or set(), metrics_from
         self.recipe = recipe
@@ -42,8 +42,9 @@ class Gateway:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.keys and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not (given.startswith("Bearer ") and any(secrets.compare_digest(given[7:], k) for k in self.keys)):
+            # as bytes: compare_digest refuses a str that is not ASCII, and a header may hold anything
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not (given.startswith(b"Bearer ") and any(secrets.compare_digest(given[7:], k) for k in self.keys)):
                 return _error(api.ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)",
                                            code="invalid_api_key"))
         try:
@@ -62,12 +63,19 @@ class Gateway:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise api.ApiError(400, "the request body is not JSON") from None
+        except RecursionError:
+            raise api.ApiError(400, "the request body nests deeper than this server reads") from None
         req = api.parse(body, chat, self.model, lambda: secrets.token_hex(12))
         if req.top_logprobs is not None and self.piece is None:
             raise api.ApiError(400, "logprobs need the model's vocabulary, which this gateway cannot read (run it "
                                     "where the model file is, or give --model)", param="logprobs")
         sid = req.submit.id
-        q = self.up.open(req.submit)
+        try:
+            q = self.up.open(req.submit)
+        except OverflowError as e:
+            raise api.ApiError(413, f"{e}: send a shorter prompt or schema") from None
+        except ValueError as e:
+            raise api.ApiError(400, str(e)) from None
         ended = False
         try:
             first = await q.get()
@@ -137,7 +145,7 @@ def _error(e: api.ApiError) -> web.Response:
     return web.json_response(e.body(), status=e.status, headers=headers)
 
 
-async def _serve(a, endpoint: str, keys: set[str]) -> None:
+async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
     from ipc.transport import client_curve
 
     up = Upstream(endpoint, **client_curve(a.curve_server_key, a.curve_client_cert))
@@ -173,7 +181,11 @@ def main(a) -> int:
     from ipc.transport import default_listen
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    keys = api_keys(a.api_key_file)
+    try:
+        keys = api_keys(a.api_key_file)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        print(f"meshnode gateway: {e}", file=__import__("sys").stderr)
+        return 2
     why = refusal(a.listen, keys, a.insecure)
     if why:
         print(f"meshnode gateway: {why}", file=__import__("sys").stderr)

@@ -52,8 +52,16 @@ class Upstream:
         self._tasks = [asyncio.create_task(self._watch())]
 
     def open(self, submit: P.Submit) -> asyncio.Queue:
+        """The session's event queue; ValueError (nothing registered, nothing sent) when the request cannot go
+        to the node: it does not encode, or it is over the node's message limit."""
+        try:
+            frames = P.encode_request(submit)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"the request cannot be encoded for the node: {e}") from None
+        if len(frames[1]) > P.MAX_MESSAGE_BYTES:
+            raise OverflowError(f"the request is {len(frames[1])} bytes for the node, over its {P.MAX_MESSAGE_BYTES}")
         q = self.sessions[submit.id] = asyncio.Queue()
-        self._send(P.encode_request(submit))
+        self._send(frames)
         return q
 
     def finished(self, sid: str) -> None:
@@ -104,7 +112,9 @@ class Upstream:
                 q.put_nowait(ev)
             elif ev["event"] in FINAL:
                 del self.sessions[sid]
-        elif sid is None and ev["event"] in ("status", "pong", "error") and self._replies:
+        elif sid is None and ev["event"] == "error":  # no request of ours is answered so: not a status reply
+            log.error("an error from the node that names no request, dropped: %s", ev.get("detail"))
+        elif sid is None and ev["event"] in ("status", "pong") and self._replies:
             fut = self._replies.popleft()
             if fut is not None and not fut.done():
                 fut.set_result(ev)

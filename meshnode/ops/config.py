@@ -191,7 +191,7 @@ class NodeConfig:
             if not (host and port.isdigit() and 1 <= int(port) <= 65535):
                 raise ConfigError(f"metrics_listen: must be HOST:PORT with a port in [1, 65535], "
                                   f"got {self.metrics_listen!r}")
-        from ipc.transport import EndpointError, check_private, exposure
+        from ipc.transport import EndpointError, api_keys, check_private, exposure
 
         if self.http is not None:
             if self.curve_secret_key is not None:
@@ -203,8 +203,13 @@ class NodeConfig:
                 host_port(self.http)
             except ValueError as e:
                 raise ConfigError(f"http: {e}") from None
-            if self.http_api_key_file is not None and not os.path.isfile(self.http_api_key_file):
-                raise ConfigError(f"http_api_key_file: no such file {self.http_api_key_file}")
+            if self.http_api_key_file is not None:
+                try:
+                    api_keys(self.http_api_key_file)
+                except FileNotFoundError:
+                    raise ConfigError(f"http_api_key_file: no such file {self.http_api_key_file}") from None
+                except (OSError, UnicodeDecodeError, ValueError) as e:
+                    raise ConfigError(f"http_api_key_file: {e}") from None
             why = exposure(f"tcp://{self.http}")
             if why and self.http_api_key_file is None and not self.insecure:
                 raise ConfigError(f"http: refusing to serve HTTP on {self.http} without API keys: {why}; set "
