@@ -262,6 +262,43 @@ def reachable(endpoint: str, timeout_s: float = 0.5) -> str:
         return f"rpc worker {endpoint} unreachable: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
 
 
+# ggml's RPC protocol (ggml-rpc.cpp in the vendored llama.cpp, protocol 7.0.0): every connection opens with
+# | RPC_CMD_HELLO (1 byte) | request size (u64) | conn_caps (24 bytes) |, answered | size (u64) | major, minor,
+# patch, padding, conn_caps (24 bytes) |
+RPC_CMD_HELLO, RPC_CONN_CAPS, RPC_PROTO_MAJOR = 14, 24, 7
+
+
+def rpc_hello(endpoint: str, timeout_s: float) -> str:
+    """"" when the ggml RPC server at HOST:PORT answers a hello within `timeout_s`, else why not, naming it.
+    An open port is not enough: a worker stopped, or busy with another node (it serves one at a time), accepts
+    the connection and never answers, and ggml would wait on it for ever. Zero capabilities ask for no upgrade
+    of the transport; the connection is closed right after, so the worker takes its next client."""
+    import struct
+
+    from meshnode.core.endpoints import host_port
+
+    try:
+        host, port = host_port(endpoint)
+        with _socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            s.sendall(struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS) + bytes(RPC_CONN_CAPS))
+            answer = b""
+            while len(answer) < 12:
+                got = s.recv(12 - len(answer))
+                if not got:
+                    return f"rpc worker {endpoint} closed the connection without answering its hello (not a ggml RPC server?)"
+                answer += got
+    except _socket.timeout:
+        return f"rpc worker {endpoint} does not answer (no hello within {timeout_s:g} s: stopped, or serving another node)"
+    except (OSError, ValueError) as e:
+        return f"rpc worker {endpoint} unreachable: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+    size, major = struct.unpack("<Q", answer[:8])[0], answer[8]
+    if size != 4 + RPC_CONN_CAPS or major != RPC_PROTO_MAJOR:
+        return (f"rpc worker {endpoint} speaks another RPC protocol (version {major}, this node's ggml "
+                f"{RPC_PROTO_MAJOR}): run the same llama-cpp-python on both")
+    return ""
+
+
 def api_keys(path: str | None) -> set[bytes]:
     """The keys of `path`, one a line, as UTF-8 bytes (a BOM and the whitespace around a key dropped; a line
     whose first non-blank character is `#` is a comment). ValueError when the file names no key: a key file

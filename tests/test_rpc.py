@@ -100,6 +100,45 @@ def test_a_worker_that_is_not_there_stops_the_start_with_one_line(tiny_model, tm
     assert out.returncode == 1 and f"rpc worker {absent} unreachable" in line and "meshnode rpc-worker" in line
 
 
+def test_a_worker_that_accepts_but_never_answers_stops_the_start_with_one_line(tiny_model, tmp_path, monkeypatch):
+    """A port that accepts connections and never says a word (a stopped worker, another program): the
+    start check's own hello times out (--rpc-timeout-s) and the node exits 1 naming it, instead of
+    waiting out start_timeout_s (300 s) in ggml's blocking connect."""
+    import socket
+
+    monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        where = f"127.0.0.1:{mute.getsockname()[1]}"
+        out = serve(tiny_model, "--rpc", where, "--rpc-timeout-s", "1", "--listen", f"ipc://{tmp_path}/n.sock",
+                    "--telemetry", f"ipc://{tmp_path}/t.sock", "--start-timeout-s", "600")
+    line = next(ln for ln in out.stderr.splitlines() if "cannot serve" in ln)
+    assert out.returncode == 1 and f"rpc worker {where} does not answer" in line, out.stderr
+
+
+def test_a_worker_stopped_mid_generation_turns_the_node_unhealthy_naming_it(tiny_model, workers, local_tokens):
+    """SIGSTOP on a worker: its TCP connections stay open and ggml waits on it for ever. Past the tick
+    deadline the engine is judged hung, every session ends once, and the restart's hello probe finds the
+    silent worker: `healthy: false`, `engine_missing` naming it; SIGCONT, and the node serves again."""
+    import os
+
+    rpc = ",".join(w.endpoint for w in workers)
+    with NodeProcess(tiny_model, "--rpc", rpc, "--gpu-layers", "3", "--tick-deadline-s", "2",
+                     "--rpc-timeout-s", "1") as n, n.client() as c:
+        for sid, kw in JOBS.items():
+            c.submit(sid, **{**kw, "max_tokens": 4000})
+        c.wait_for(lambda ev: ev["event"] == "tokens", keep=True)
+        os.kill(workers[1].proc.pid, signal.SIGSTOP)
+        try:
+            got = c.collect(list(JOBS), timeout_s=120)
+            st = c.status()["node"]
+        finally:
+            os.kill(workers[1].proc.pid, signal.SIGCONT)
+        assert all(got[sid].done["reason"] == R.ENGINE_ERROR for sid in JOBS), [got[s].done for s in JOBS]
+        assert not st["healthy"] and workers[1].endpoint in st["engine_missing"], st
+        assert wait_until(lambda: c.status()["node"]["engine_state"] == "READY", timeout_s=120), n.log()
+        assert c.generate("again", **JOBS["r1"]).tokens == local_tokens["r1"].tokens
+
+
 @pytest.mark.parametrize("listen", ["0.0.0.0:50999", "10.1.2.3:50999"])
 def test_a_worker_refuses_an_address_others_can_reach_without_insecure(listen):
     out = subprocess.run([sys.executable, "-m", "meshnode", "rpc-worker", "--listen", listen], capture_output=True,

@@ -4,7 +4,7 @@ on other hosts (`meshnode rpc-worker`), which llama.cpp treats as devices like a
 Everything goes through ggml's own backend registry, in the library copy llama.cpp loaded
 (llamacpp.ggml_library): the protocol to other hosts is ggml's RPC protocol, never one of ours. An
 RPC server that cannot be reached makes ggml abort the process mid-call, so the front checks that
-every worker answers (ipc/transport.py, `reachable`) before it starts an engine that needs them.
+every worker answers ggml's RPC hello (ipc/transport.py, `rpc_hello`) before it starts an engine that needs them.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from ipc import link, seqpacket
-from ipc.transport import reachable
+from ipc.transport import rpc_hello
 from ipc.shm import TokenArena
 from meshnode.core.health import DOWN, READY, STARTING, EngineHealth, model_problem
 from meshnode.core.pipeline import Tick, TickPipeline
@@ -64,12 +64,13 @@ def engine_process(cfg: link.EngineProcessConfig) -> None:
 class EngineLink:
     def __init__(self, run_dir: str, arena: TokenArena, pipeline: TickPipeline, health: EngineHealth, *,
                  engine_kind: str, engine_params: dict, n_vocab: int, model_path: str, log_level: str = "WARNING",
-                 faults: list | None = None, wrapper: str = "", claim=lambda path: None):
+                 faults: list | None = None, wrapper: str = "", claim=lambda path: None, rpc_timeout_s: float = 2.0):
         self.run_dir, self.arena, self.pipeline, self.health = run_dir, arena, pipeline, health
         self.engine_kind, self.engine_params, self.log_level = engine_kind, engine_params, log_level
         self.n_vocab, self.model_path = n_vocab, model_path
         self.faults, self.wrapper = faults, wrapper  # tests only: one entry per incarnation, the last for all after
         self.claim = claim  # tells the front's reaper of each socket file made here
+        self.rpc_timeout_s = rpc_timeout_s  # each rpc worker's hello, probed while no engine holds it
         self.info: EngineInfo | None = None  # the first incarnation's: every later one must match it
         self.proc = None
         self.listener = None  # until the incarnation connects
@@ -218,8 +219,9 @@ class EngineLink:
             self.receive()
 
     def missing_worker(self) -> str:
-        """Why the first rpc worker the engine needs does not answer, or "" (all do, or it needs none)."""
-        return next(filter(None, map(reachable, self.engine_params.get("rpc", ()))), "")
+        """Why the first rpc worker the engine needs does not answer its hello, or "" (all do, or it needs none).
+        Asked only while no engine is connected to them: a worker serves one client at a time."""
+        return next(filter(None, (rpc_hello(ep, self.rpc_timeout_s) for ep in self.engine_params.get("rpc", ()))), "")
 
     def died(self, why: str) -> None:
         """Kill what is left and let the health policy decide: restart with backoff, wait for a missing
@@ -239,7 +241,7 @@ class EngineLink:
             missing = self.missing_worker()
             if missing:
                 return h.wait_for(now, missing)
-            log.info("%s answers again: restarting the engine", h.missing.split(" unreachable")[0])
+            log.info("%s answers again: restarting the engine", " ".join(h.missing.split()[:3]))
         if h.restart_due(now):
             self.start()
 

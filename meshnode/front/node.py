@@ -152,7 +152,7 @@ class Front:
         self.link = EngineLink(self.run_dir, self.arena, pipeline, self.health, engine_kind=cfg.engine_kind,
                                engine_params=params, n_vocab=self.tok.n_vocab, model_path=cfg.model,
                                log_level=cfg.log_level, faults=cfg.faults, wrapper=cfg.engine_wrapper,
-                               claim=self.reaper.claim)
+                               claim=self.reaper.claim, rpc_timeout_s=cfg.rpc_timeout_s)
         missing = self.link.missing_worker()
         if missing:  # ggml would abort the engine mid-load: say which worker, at once
             raise RuntimeError(f"{missing}; start it (meshnode rpc-worker --listen HOST:PORT) or leave it out of --rpc")

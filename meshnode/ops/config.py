@@ -106,6 +106,9 @@ class NodeConfig:
     prefix_cache: str = setting("client", "reuse finished sessions' KV for prompts that start the same: client "
                                 "(same client identity only), node (anyone: a hit is a timing signal), off",
                                 choices=SCOPES)
+    rpc_timeout_s: float = setting(2.0, "each rpc worker must answer ggml's hello within this long, at start and "
+                                   "before an engine restart, or the node names it (exit 1 at start)",
+                                   range=(0.1, 600))
     tick_deadline_s: float = setting(30.0, "an engine tick running longer is a hung engine: killed and restarted",
                                      range=(0.5, DAY))
     start_timeout_s: float = setting(300.0, "the first engine start (loading the model) may take this long",
