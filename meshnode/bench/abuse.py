@@ -6,8 +6,10 @@ few requests in flight each, the largest valid request of every kind: 256 KiB
 texts of characters the vocab lacks (the tokenizer's worst case) and the
 largest text the context bound cannot refuse unread, the same as chat messages
 from ten identities, 65,536-token prompts,
-status floods, cancels of unknown ids, /metrics scrapes, and a client that
-submits sessions and stops reading. The abusers are switched on and off in
+status floods, cancels of unknown ids, /metrics scrapes, a client that
+submits sessions and stops reading, response_format grammars the constraint
+library gives up on while generating, and 1,100 connections that never send a
+ZeroMQ greeting. The abusers are switched on and off in
 short alternating phases, so both conditions see the streams at the same
 context lengths (a tick's cost grows with them); their requests are packed
 once, so their own CPU stays small next to what they cost the node. The
@@ -33,13 +35,18 @@ from ipc.transport import free_tcp_port
 from meshnode.bench import llama_build, model_path, token_gaps
 from meshnode.dev.clients import deaf_client
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.core.types import ResponseFormat, Sampling
 from meshnode.engine.llamacpp import system_info
 
 STREAMS = 4
 PAIRS = 5  # steady + abuse phase pairs per round
 STREAM_TOKENS = 1000  # per session of a stream
 WORST_TEXT = "\t" * (256 * 1024)
-KINDS = ("text", "chat", "tokens", "status", "cancel", "metrics", "slow_reader")
+KINDS = ("text", "chat", "tokens", "status", "cancel", "metrics", "slow_reader", "grammar", "handshake")
+# grammars the constraint library compiles, then gives up on a token or two into the answer (its limits): each
+# such session must end alone (done BAD_REQUEST) while the streams' ticks go on
+FAILING_GRAMMARS = ('root ::= "a" root', "root ::= " + " | ".join(f'"w{i}"' for i in range(2001)))
+SILENT_SOCKETS = 1100  # connections that never send a ZeroMQ greeting, held while the abuse is on
 CHAT_IDENTITIES = 10  # the chat abuse: ten clients, each with one 256 KiB message of tabs in flight
 PROBE_EVERY_S = 0.25  # a small `text` request from a client of its own, steady and under abuse
 
@@ -60,6 +67,10 @@ def _frames(kind: str, n_ctx_seq: int) -> list[list[bytes]]:
                 P.encode_request(P.Submit("n", 1, messages=[{"role": "user", "content": "\t" * (n_ctx_seq + 1)}]))]
     if kind == "status":
         return [P.encode_request(P.Status())]
+    if kind == "grammar":
+        return [P.encode_request(P.Submit(f"g{k}", 100, [5, 9, 33], sampling=Sampling(1.0, 0, 1.0, k),
+                                          response_format=ResponseFormat("grammar", FAILING_GRAMMARS[k % 2])))
+                for k in range(2 * WINDOW)]  # ids enough that none is still live when it comes round again
     return [P.encode_request(P.Cancel("no-such-session"))]
 
 
@@ -68,6 +79,8 @@ def _abuser(kind: str, endpoint: str, metrics_url: str, n_ctx_seq: int, on, stop
     """Fires while `on` is set, idles while it is not, ends at `stop`."""
     if kind == "metrics":
         return _scraper(metrics_url, on, stop, counts)
+    if kind == "handshake":
+        return _silent_sockets(endpoint, on, stop, counts)
     if kind == "slow_reader":
         n = 0
         while not stop.is_set():
@@ -95,6 +108,8 @@ def _abuser(kind: str, endpoint: str, metrics_url: str, n_ctx_seq: int, on, stop
         for entry in socks:
             if ready.get(entry[0]):
                 ev = P.decode_event(entry[0].recv_multipart())
+                if ev["event"] in ("admitted", "tokens"):  # a session's answer is its done
+                    continue
                 entry[2] += 1
                 key = ev.get("reason") or ev.get("code") or ev["event"]
                 counts[key] = counts.get(key, 0) + 1
@@ -102,6 +117,38 @@ def _abuser(kind: str, endpoint: str, metrics_url: str, n_ctx_seq: int, on, stop
     for e in socks:
         e[0].close()
     ctx.term()
+
+
+def _silent_sockets(endpoint: str, on, stop: threading.Event, counts: dict) -> None:
+    """SILENT_SOCKETS plain connections that never send a greeting, opened when the abuse starts and held
+    until it ends (the node closes them: at its cap, or at the handshake deadline)."""
+    import socket
+
+    held: list = []
+    while not stop.is_set():
+        if on.wait(0.1) and not held:
+            for _ in range(SILENT_SOCKETS):
+                if endpoint.startswith("ipc://"):
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    where = endpoint[len("ipc://"):]
+                else:
+                    s = socket.socket()
+                    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+                    where = (host, int(port))
+                try:
+                    s.connect(where)
+                except OSError:
+                    s.close()
+                    counts["connect_failed"] = counts.get("connect_failed", 0) + 1
+                    continue
+                held.append(s)
+            counts["sent"] += len(held)
+        elif not on.is_set() and held:
+            for s in held:
+                s.close()
+            held = []
+    for s in held:
+        s.close()
 
 
 def _scraper(url: str, on, stop: threading.Event, counts: dict) -> None:

@@ -34,9 +34,10 @@ log = logging.getLogger("meshnode.front")
 # instead): below this limit a flood on ipc:// faster than the gate closes connections can abort the front
 SAFE_IPC_FDS = 65536
 RESERVE_FDS = 256  # the node's own: engine restarts, metrics, logs, libzmq internals, a burst of accepts
-# at the cap, a connection that has sent nothing this long gives way first: 1,100 sockets that never sent a
-# ZeroMQ greeting held every new client out while they stayed (the handshake deadline had not reached them)
+# at the cap, a tcp connection that has not sent one byte for this long (no ZeroMQ greeting: every ZeroMQ peer
+# sends one at once) gives way first: 1,100 such sockets held every new client out while they stayed
 SILENT_S = 2.0
+_TCP_INFO_BYTES_RECEIVED = 128  # struct tcp_info's tcpi_bytes_received (u64, Linux >= 4.1)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
@@ -89,6 +90,7 @@ class Gate:
         self.evict_after_s = evict_after_s
         self.monitor = sock.get_monitor_socket(_EVENTS)
         self.conns: dict[int, Conn] = {}  # by descriptor
+        self._unheard: dict[int, float] = {}  # tcp connections nothing was heard on yet, oldest first
         self.refused_total = self.evicted_total = 0
         self._local = _local_address(endpoint)
         self._closing: set[int] = set()  # shut down by us: their DISCONNECTED is no news
@@ -125,46 +127,63 @@ class Gate:
                 self.refused_total += 1
             return
         self.conns[fd] = Conn(self.clock(), host=host)
+        if self.endpoint.startswith("tcp://"):
+            self._unheard[fd] = self.conns[fd].since
 
     def heard(self, fd: int | None, ident: bytes) -> None:
         """A request came on `fd` (its SRCFD) from `ident`: the connection is in use."""
         if fd is None or fd in self._closing:
             return
-        conn = self.conns.get(fd)
+        self._unheard.pop(fd, None)
+        conn = self.conns.pop(fd, None)  # re-inserted last: `conns` stays in the order of `since`
         if conn is None:  # its request overtook the monitor's ACCEPTED (two pipes, no order between them)
-            self.conns[fd] = Conn(self.clock(), ident)
+            conn = Conn(self.clock(), ident)
         else:
             conn.since, conn.ident = self.clock(), ident
+        self.conns[fd] = conn
         self._fd_of[ident] = fd
 
     def sent(self, ident: bytes) -> None:
         """An answer went to `ident`: its connection is in use until the client could have read it."""
-        conn = self.conns.get(self._fd_of.get(ident, -1))
+        fd = self._fd_of.get(ident, -1)
+        conn = self.conns.get(fd)
         if conn is not None and conn.ident == ident:
             conn.since = self.clock()
+            self.conns[fd] = self.conns.pop(fd)
+
+    def _quiet(self, limit: float, busy: set):
+        """The connections quiet since before `limit` with nothing owed, longest quiet first: `conns` is in
+        the order of `since`, so the walk stops at the first one heard from since."""
+        for fd, c in self.conns.items():
+            if c.since > limit:
+                return
+            if c.ident not in busy:
+                yield fd
 
     def expire(self) -> None:
         """Close the connections idle past `idle_s` (called once a second)."""
         if not self.idle_s:
             return
-        limit, busy = self.clock() - self.idle_s, self._busy()
-        for fd in [fd for fd, c in self.conns.items() if c.since < limit and c.ident not in busy]:
+        for fd in list(self._quiet(self.clock() - self.idle_s, self._busy())):
             if self._close(fd):
                 self.evicted_total += 1
 
     def _idlest(self) -> int | None:
-        """The connection that gives way at the cap: the oldest that has sent nothing for SILENT_S (a socket
-        that never completed its handshake, or a client that never asked anything: a ZeroMQ client keeps
-        what it queued and connects again), else the idlest quiet for `evict_after_s` with nothing owed."""
+        """The connection that gives way at the cap: the oldest tcp one whose peer has not sent a byte in
+        SILENT_S (the kernel's count, so a client whose request waits unread is never taken for silent), else
+        the idlest quiet for `evict_after_s` with nothing owed. The unheard are kept oldest first and each
+        is looked at once, so a flood of silent connections at the cap costs a constant per accept."""
         if self.busy is None:
             return None
         now = self.clock()
-        silent = [(c.since, fd) for fd, c in self.conns.items() if c.ident is None and c.since <= now - SILENT_S]
-        if silent:
-            return min(silent)[1]
-        busy, limit = self._busy(), now - self.evict_after_s
-        idle = [(c.since, fd) for fd, c in self.conns.items() if c.since <= limit and c.ident not in busy]
-        return min(idle)[1] if idle else None
+        while self._unheard:
+            fd, since = next(iter(self._unheard.items()))
+            if since > now - SILENT_S:
+                break
+            del self._unheard[fd]
+            if _bytes_received(fd) == 0:
+                return fd
+        return next(self._quiet(now - self.evict_after_s, self._busy()), None)
 
     def _busy(self) -> set:
         return self.busy() if self.busy is not None else set()
@@ -178,6 +197,7 @@ class Gate:
         return True
 
     def _forget(self, fd: int) -> None:
+        self._unheard.pop(fd, None)
         conn = self.conns.pop(fd, None)
         if conn is not None and self._fd_of.get(conn.ident) == fd:
             del self._fd_of[conn.ident]
@@ -198,6 +218,23 @@ def _peer_host(fd: int) -> str | None:
         return None if ipaddress.ip_address(host).is_loopback else host
     except (OSError, ValueError, IndexError):
         return None
+    finally:
+        s.detach()
+
+
+def _bytes_received(fd: int) -> int:
+    """What the peer of tcp connection `fd` has sent, by the kernel's count (-1 when it cannot say)."""
+    import struct
+
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return -1
+    try:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        return struct.unpack_from("<Q", info, _TCP_INFO_BYTES_RECEIVED)[0] if len(info) >= 136 else -1
+    except OSError:
+        return -1
     finally:
         s.detach()
 
