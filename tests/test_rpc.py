@@ -59,6 +59,40 @@ def test_a_model_split_over_two_workers_decodes_what_a_local_node_decodes(tiny_m
     assert node["recipe"] != local_recipe(tiny_model)  # other devices, another fingerprint
 
 
+def test_tensor_split_and_device_place_the_layers_as_told(tiny_model, workers):
+    """llama-server's meanings through a node: --tensor-split 1,2 gives RPC1 twice RPC0's share of the 3
+    offloaded layers; --device RPC1 puts them all on RPC1 and none on RPC0."""
+    rpc = ",".join(w.endpoint for w in workers)
+
+    def layers(*flags):
+        with NodeProcess(tiny_model, "--rpc", rpc, "--gpu-layers", "3", *flags) as n, n.client() as c:
+            return {d["name"]: d["layers"] for d in c.status()["node"]["devices"]}
+
+    split = layers("--tensor-split", "1,2")
+    assert len(split["RPC0"]) == 1 and len(split["RPC1"]) == 2 and split["CPU"] == [0, 1], split
+    only = layers("--device", "RPC1")
+    assert only["RPC1"] == [2, 3, 4] and not only.get("RPC0"), only
+
+
+def test_a_workers_memory_cap_fails_the_load_with_llama_cpps_words_and_an_unknown_device_is_refused(tiny_model,
+                                                                                                    tmp_path,
+                                                                                                    monkeypatch):
+    """rpc-worker --mem-mb: an allocation past the cap fails the node's model load (exit 1, llama.cpp's
+    message) while the same node loads on an uncapped worker; --device with a name llama.cpp lacks is refused
+    in one line, and CPU (the default's) serves."""
+    monkeypatch.setenv("MESHNODE_RUN_DIR", str(tmp_path))
+    with RpcWorker(extra=("--mem-mb", "1")) as capped:
+        out = serve(tiny_model, "--rpc", capped.endpoint, "--gpu-layers", "5", "--listen",
+                    f"ipc://{tmp_path}/n.sock", "--telemetry", f"ipc://{tmp_path}/t.sock", timeout=120)
+    assert out.returncode == 1 and "failed to allocate RPC0" in out.stderr, out.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "meshnode", "rpc-worker", "--listen", f"127.0.0.1:{free_tcp_port()}",
+                          "--device", "NOPE"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no device 'NOPE'" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    with RpcWorker(extra=("--device", "CPU")) as cpu, NodeProcess(tiny_model, "--rpc", cpu.endpoint,
+                                                                  "--gpu-layers", "3") as n, n.client() as c:
+        assert c.generate("x", tokens=[3, 4], max_tokens=3).done["reason"] == R.LENGTH
+
+
 def local_recipe(model):
     from meshnode.ops.config import NodeConfig
 

@@ -68,11 +68,18 @@ def main(a) -> int:
     from meshnode.engine.devices import Registry
 
     llamacpp.install_log()
-    if a.mem_mb:
-        limit = int(a.mem_mb * 2**20) + _data_in_use()
+    if a.mem_mb:  # on top of what the process holds now and the server thread's stack (mapped when it starts)
+        stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+        limit = int(a.mem_mb * 2**20) + _data_in_use() + (stack if 0 < stack < 2**30 else 8 << 20)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     reg = Registry()
     devices = [d for d in a.device.split(",") if d]
+    try:
+        for d in devices:  # in one line here, not in a thread's traceback
+            reg.by_name(d)
+    except ValueError as e:
+        print(f"meshnode rpc-worker: --{e}", file=sys.stderr)
+        return 2
     threads = a.threads or os.cpu_count() or 1
     server = threading.Thread(target=reg.serve_rpc, args=(a.listen, threads, devices), daemon=True,
                               name="ggml-rpc-server")
