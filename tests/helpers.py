@@ -170,6 +170,38 @@ class _NoSlot:
 
 
 # -- what the default mode promises ---------------------------------------------------------------
+def promised(model_path: str) -> bool:
+    """Whether docs/determinism.md promises deterministic mode for this model on this CPU: where it does, a
+    node or engine without the mode is a failure, never a skip (engine/invariant.py, `promised`)."""
+    from meshnode.engine import invariant, llamacpp
+    from meshnode.engine.llama import EngineConfig
+
+    return invariant.promised(EngineConfig(model_path).weight_types, llamacpp.system_info())
+
+
+def deterministic_node(c, model_path: str) -> bool:
+    """Whether the node behind client `c` runs deterministic mode; asserted on where it is promised."""
+    node = c.status()["node"]
+    if promised(model_path):
+        assert node["deterministic"], f"deterministic mode is promised here, the node says: {node['deterministic_problem']}"
+    return node["deterministic"]
+
+
+def assert_as_promised(got, want, deterministic: bool, prefix=False):
+    """`got` against the reference run `want`: in deterministic mode bitwise (tokens, and logprobs where both
+    asked), a prefix where `prefix` (ended early); without it, the default mode's promise (the same up to a
+    numerical tie, assert_same_or_a_tie)."""
+    if not deterministic:
+        return assert_same_or_a_tie(got, want, prefix=prefix)
+    n = len(got.tokens)
+    assert n == len(want.tokens) or (prefix and n <= len(want.tokens)), (n, len(want.tokens))
+    assert got.tokens == want.tokens[:n], "deterministic mode: tokens differ from the reference run"
+    mine, theirs = logprob_entries(got), logprob_entries(want)
+    if mine and theirs:
+        assert mine == theirs[:len(mine)], "deterministic mode: logprobs differ from the reference run"
+    return None
+
+
 TIE = 1e-3  # logprob gap under which two tokens are a numerical tie (batch-dependent numerics: ~1e-5 in f32)
 
 
@@ -270,16 +302,17 @@ def serve(model, *args, internal=None, timeout=60, env=None):
                           timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
-def assert_continues(got: dict, want: dict, jobs: dict, reason=None, prefix_if=None):
-    """Per session of `jobs`: its own stream is consistent, every requested token came, and a greedy
-    one is the reference's up to a tie (seeded ones part wherever a draw lands near a boundary, which
-    logprobs cannot show). `prefix_if(result)` says which sessions may have been ended early."""
+def assert_continues(got: dict, want: dict, jobs: dict, reason=None, prefix_if=None, deterministic=False):
+    """Per session of `jobs`: its own stream is consistent, every requested token came, and it is the
+    reference's: bitwise in deterministic mode, greedy and seeded alike; without it, a greedy one up to a
+    tie (seeded ones part wherever a draw lands near a boundary, which logprobs cannot show).
+    `prefix_if(result)` says which sessions may have been ended early."""
     for sid, kw in jobs.items():
         r = got[sid]
         early = bool(prefix_if and prefix_if(r))
         assert_consistent(r, None if early else kw["max_tokens"], None if early else reason)
-        if kw.get("sampling") is None:
-            assert_same_or_a_tie(r, want[sid], prefix=early)
+        if deterministic or kw.get("sampling") is None:
+            assert_as_promised(r, want[sid], deterministic, prefix=early)
 
 
 def history(e):

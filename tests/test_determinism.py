@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from helpers import history, logprob_entries, scenario, serve
+from helpers import history, logprob_entries, promised, scenario, serve
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
 from meshnode.core.scheduler import Scheduler
@@ -48,7 +48,12 @@ def problems(models):
     return out
 
 
-def holding(problems, name):
+def holding(problems, name, models):
+    """Where docs/determinism.md promises the mode for this format on this CPU, the engine refusing it is a
+    failure (a regression of the default mode must not turn into skips); elsewhere a skip, in its words."""
+    if problems[name] and promised(models[name]):
+        pytest.fail(f"{name}: deterministic mode is promised on this CPU and format, the engine refused: "
+                    f"{problems[name]}")
     if problems[name]:
         pytest.skip(f"{name}: deterministic mode does not hold here (the node runs without it): {problems[name]}")
 
@@ -130,7 +135,7 @@ def test_extra_weight_buffers_only_where_numbers_hold_and_never_quantized_ones_o
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_a_sequence_is_bitwise_the_same_alone_and_in_any_crowd(models, problems, name):
-    holding(problems, name)
+    holding(problems, name, models)
     with engine(models[name]) as e:
         alone = logits_of_seq0(e)
         crowds = [logits_of_seq0(e, seed) for seed in range(3)]
@@ -143,7 +148,7 @@ def test_a_sequence_is_bitwise_the_same_alone_and_in_any_crowd(models, problems,
 def test_f16_weights_in_amx_buffers_keep_a_rows_bits_alone_and_in_crowds_without_the_dummy_row(models, problems):
     """With at most AMX_MAX_ROWS sequences on an AMX CPU, f16 weights go to AMX buffers, whose kernel gives a
     lone row the bits it has in a crowd: no dummy row. Elsewhere the same harness runs the usual path."""
-    holding(problems, "f16")
+    holding(problems, "f16", models)
     with engine(models["f16"], n_seq_max=AMX_MAX_ROWS) as e:
         assert e.pad_lone_rows == (not llamacpp.amx_crashes())
         alone = logits_of_seq0(e)
@@ -155,7 +160,7 @@ def test_f16_weights_in_amx_buffers_keep_a_rows_bits_alone_and_in_crowds_without
 def test_equal_prompt_chunks_share_one_llama_decode_and_each_keeps_the_bits_it_has_alone(models, problems, monkeypatch):
     """llama.cpp puts chunks of one length on consecutive streams in one ubatch (split_equal): one pass over the
     weights for all of them, and each sequence's logits what it gets alone."""
-    holding(problems, "f16")
+    holding(problems, "f16", models)
     prompt = lambda s, n: np.array([3 + (s * 37 + k * 11) % 500 for k in range(n)], np.int32)  # noqa: E731
     lengths = [20, 20, 20, 9, 20]
     with engine(models["f16"]) as e:
@@ -196,6 +201,7 @@ def test_left_to_the_engine_the_mode_is_on_where_it_holds_and_off_with_the_reaso
                                                                                            monkeypatch):
     with engine(models["q4_k_m"], deterministic=None) as e:
         assert e.deterministic == (e.deterministic_problem == "")
+        assert e.deterministic or not promised(models["q4_k_m"]), e.deterministic_problem
         cfg = EngineConfig(models["q4_k_m"], kv_layout="streams", deterministic=None)
         assert e.recipe_fingerprint == cfg.recipe(e.deterministic) != cfg.recipe(not e.deterministic)
     q4_0 = str(make_model(tmp_path / "q4_0.gguf", "tiny-f16", 0, "q4_0"))
@@ -213,7 +219,7 @@ SAMPLINGS = {"greedy": Sampling(logprobs=2), "seeded": Sampling(temperature=0.9,
 @pytest.fixture(scope="module", params=[c[0] for c in CASES])
 def chat(request, models, problems):
     """One engine per accepted format, the conversation, and the prompt that continues it."""
-    holding(problems, request.param)
+    holding(problems, request.param, models)
     with engine(models[request.param]) as e:
         q, answer = history(e)
         yield e, (q, answer), q + answer + [3 + (k * 31) % 500 for k in range(70)]
@@ -313,7 +319,7 @@ def test_through_a_node_alone_in_a_crowd_after_a_kill_and_on_a_cache_hit_a_sessi
                                                                                               name, kv):
     """Quantized KV (llama-server's --cache-type-k/-v) too: the start-up self-check runs on the context
     as configured, so the mode is on only where it holds, and the budget counts llama.cpp's own bytes."""
-    holding(problems, name)
+    holding(problems, name, models)
     with NodeProcess(models[name], "--deterministic", "--ctx", "8192", "-ctk", kv[0], "--cache-type-v", kv[1]) as n, \
             n.client(timeout_s=300) as c:
         info = c.status()["node"]

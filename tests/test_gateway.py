@@ -68,6 +68,33 @@ def test_a_seeded_chat_answer_is_the_protocols_answer_for_the_same_request(serve
     assert other.choices[0].message.content != r.choices[0].message.content  # the seed reached the node
 
 
+# each sampling parameter the gateway passes on, a value that changes a seeded answer of the tiny model, and the
+# base it changes (repeat_last_n only counts where a penalty is on)
+SAMPLING_PARAMS = [("top_k", 2, {}), ("top_p", 0.3, {}), ("min_p", 0.3, {}), ("repeat_penalty", 1.8, {}),
+                   ("repeat_last_n", 0, {"repeat_penalty": 1.8}), ("presence_penalty", 1.5, {}),
+                   ("frequency_penalty", 1.5, {})]
+
+
+@pytest.mark.parametrize("name, value, base", SAMPLING_PARAMS, ids=[p[0] for p in SAMPLING_PARAMS])
+def test_every_sampling_parameter_reaches_the_sampler_as_through_the_node_protocol(served, name, value, base):
+    """The same options over HTTP and over ZeroMQ give the same seeded answer, and the parameter changes it:
+    a gateway that dropped it would answer the base's text."""
+    base_url = served[0]
+    c = served[2]
+    prompt = [5 + k * 37 % 400 for k in range(6)]
+
+    def over_http(extra):
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 1.0, "seed": 7, "ignore_eos": True, **extra}
+        r = httpx.post(f"{base_url}/v1/completions", json=body, headers=auth(), timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with_it, without = over_http({**base, name: value}), over_http(base)
+    sampling = Sampling(**{"temperature": 1.0, "seed": 7, **base, name: value})
+    ref = c.generate(f"ref-{name}", tokens=prompt, max_tokens=24, ignore_eos=True, sampling=sampling)
+    assert with_it == ref.done["text"] and with_it != without
+
+
 def test_a_stream_says_the_role_first_then_the_same_text_and_ends_with_usage_when_asked(served):
     _, oa, _, _ = served
     kw = {"model": "x", "messages": [{"role": "user", "content": "count"}], "max_tokens": 20, "temperature": 0.7,
@@ -375,6 +402,42 @@ def test_a_stream_of_events_becomes_openais_chunks():
         "prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}
     assert all(c["id"] == "chatcmpl-s1" and c["object"] == "chat.completion.chunk" for c in chunks)
     assert api.finish_error({"reason": R.ENGINE_ERROR, "detail": "engine died"}).status == 503
+
+
+def test_health_is_503_when_the_node_is_unhealthy_or_silent():
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from meshnode.gateway.server import Gateway
+
+    class Node:
+        def __init__(self, answer):
+            self.answer = answer
+
+        async def ask(self, req, timeout_s=5.0):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    async def health(answer):
+        async with TestClient(TestServer(Gateway(Node(answer), "m").app())) as client:
+            resp = await client.get("/health")
+            return resp.status, await resp.json()
+
+    assert asyncio.run(health({"node": {"healthy": True}})) == (200, {"status": "ok"})
+    assert asyncio.run(health({"node": {"healthy": False}})) == (503, {"status": "unhealthy"})
+    status, body = asyncio.run(health(asyncio.TimeoutError()))
+    assert status == 503 and body["status"] == "error"
+
+
+def test_json_object_answers_are_json_objects(served):
+    _, oa, _, _ = served
+    for seed in range(3):
+        r = oa.chat.completions.create(model="x", messages=[{"role": "user", "content": "json?"}], max_tokens=80,
+                                       seed=seed, response_format={"type": "json_object"})
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_a_client_that_is_behind_gets_what_waited_in_one_write_and_nothing_is_lost(monkeypatch):

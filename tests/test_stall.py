@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_consistent, assert_same_or_a_tie, wait_until
+from helpers import assert_as_promised, assert_consistent, deterministic_node, wait_until
 from meshnode.core import reasons as R
 from meshnode.core.types import Plan
 from meshnode.dev.nodeproc import NodeProcess
@@ -159,13 +159,23 @@ def test_huge_texts_do_not_stall_a_streaming_session(tiny_model):
             for k in range(5):
                 ids.append(f"{name}{k}")
                 c.submit(ids[-1], text=text, max_tokens=1)
-        worst, done = stream_gaps(c, "stream")
-        answers = c.collect(ids, timeout_s=60)
+        order, times = [], []  # every event of this client, as it came
+        while len([e for e in order if e[1] == "rejected"]) < len(ids) or ("stream", "done") not in order:
+            ev = c.recv(60)
+            assert ev is not None, "the node went silent"
+            order.append((ev.get("id"), ev["event"]))
+            if order[-1] == ("stream", "tokens"):
+                times.append(time.monotonic())
         t = c.status()["telemetry"]
+    worst = max(np.diff(times))
     print(f"largest gap while 20 huge texts were tokenized: {worst * 1e3:.0f} ms (bench abuse measures it)")
-    assert done["reason"] == R.LENGTH
-    assert {r.admission["reason"] for r in answers.values()} == {R.REJECTED_CONTEXT_TOO_LONG}
-    assert t["engine"]["restarts"] == 0
+    rejected = [i for i, (sid, kind) in enumerate(order) if kind == "rejected"]
+    # the stream decoded all through the tokenizing (it took turns off the loop): tokens came between the
+    # answers to the texts, not only before the first and after the last
+    between = [i for i, e in enumerate(order) if e == ("stream", "tokens") and rejected[0] < i < rejected[-1]]
+    assert len(between) >= 10, (len(between), rejected[:3], rejected[-3:])
+    assert ("stream", "done") in order and all(sid in ids for sid, kind in order if kind == "rejected")
+    assert t["engine"]["restarts"] == 0 and t["rejected_by_reason"][R.REJECTED_CONTEXT_TOO_LONG] == len(ids)
 
 
 def test_a_text_that_cannot_fit_is_refused_without_tokenizing(tiny_model):
@@ -208,45 +218,50 @@ def test_an_incarnation_stopped_at_hello_is_replaced_within_the_derived_deadline
         got = c.collect(["s"], timeout_s=120)["s"]
         t = c.status()["telemetry"]
         log = n.log()
+        det = deterministic_node(c, tiny_model)
     print(f"first start {node['engine_first_start_s']:.2f} s -> restart deadline {deadline:.2f} s")
     assert deadline == max(1.0, 5 * node["engine_first_start_s"])
     assert f"did not say hello within {deadline:.1f} s" in log  # the derived deadline, not the first start's 300 s
     assert_consistent(got, JOB["max_tokens"], R.LENGTH)
-    assert_same_or_a_tie(got, want)
-    assert t["engine"]["restarts"] == 2 and t["healthy"]
+    assert_as_promised(got, want, det)
+    # the kill and the incarnation stopped at hello, in that order; a busy machine may add a late hello of its own
+    assert t["engine"]["restarts"] >= 2 and t["healthy"]
+    assert log.index("did not say hello") > log.index("engine died")
 
 
 def test_a_front_that_was_stopped_does_not_kill_a_healthy_engine(tiny_model):
     """The front stops for three tick deadlines, twice, while the engine has answered everything it
     was sent: the answers wait unread, which is no hang."""
-    with NodeProcess(tiny_model, "--tick-deadline-s", "0.5") as n, n.client() as c:
+    with NodeProcess(tiny_model, "--tick-deadline-s", "2") as n, n.client() as c:
         want = c.generate("ref", **JOB)
         c.submit("s", **JOB)
         c.wait_for(lambda e: e["event"] == "tokens", keep=True)
         for _ in range(2):
             n.proc.send_signal(signal.SIGSTOP)
-            time.sleep(1.5 + random.random() * 0.05)
+            time.sleep(6 + random.random() * 0.05)
             n.proc.send_signal(signal.SIGCONT)
             time.sleep(0.05)
         got = c.collect(["s"], timeout_s=60)["s"]
         t = c.status()["telemetry"]
+        det = deterministic_node(c, tiny_model)
     assert t["engine"]["restarts"] == 0, n.log()
     assert_consistent(got, JOB["max_tokens"], R.LENGTH)
-    assert_same_or_a_tie(got, want)  # its prompt's KV came from the prefix cache
+    assert_as_promised(got, want, det)  # its prompt's KV came from the prefix cache
 
 
 def test_a_stopped_engine_mid_generation_is_a_hang(tiny_model):
     """The other side of the same rule: the engine itself stops mid-decode; its heartbeat says so."""
-    with NodeProcess(tiny_model, "--tick-deadline-s", "1") as n, n.client() as c:
+    with NodeProcess(tiny_model, "--tick-deadline-s", "4") as n, n.client() as c:
         want = c.generate("ref", **JOB)
         c.submit("s", **JOB)
         c.wait_for(lambda e: e["event"] == "tokens", keep=True)
         os.kill(c.status()["node"]["engine_pid"], signal.SIGSTOP)
         got = c.collect(["s"], timeout_s=60)["s"]
         t = c.status()["telemetry"]
+        det = deterministic_node(c, tiny_model)
     assert t["engine"]["restarts"] == 1
     assert_consistent(got, JOB["max_tokens"], R.LENGTH)
-    assert_same_or_a_tie(got, want)
+    assert_as_promised(got, want, det)
 
 
 # -- client work metered -----------------------------------------------------------------------

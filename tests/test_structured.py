@@ -6,7 +6,7 @@ import json
 import jsonschema
 import pytest
 
-from helpers import history, logprob_entries, scheduler, scenario
+from helpers import history, logprob_entries, promised, scheduler, scenario
 from ipc import link
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
@@ -109,6 +109,7 @@ def test_a_constrained_session_is_the_same_alone_in_a_crowd_after_a_restart_and_
     those they get beside an unconstrained x."""
     e, tok, constraints = served
     if not e.deterministic:
+        assert not promised(e.cfg.model_path), f"deterministic mode is promised here: {e.deterministic_problem}"
         pytest.skip(f"deterministic mode does not hold here: {e.deterministic_problem}")
     grammar, why = constraints.compile(ResponseFormat("json_schema", json.dumps(ROWS)))
     assert grammar, why

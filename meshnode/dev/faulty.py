@@ -48,6 +48,7 @@ class Faulty:
             from meshnode.engine import llamacpp
 
             llamacpp.abort("GGML_ASSERT(injected) failed")
+        time.sleep(self.faults.get("step_sleep_s", 0))  # a slow engine: every tick takes at least this long
         res = self.engine.step(plan)
         if kind == "bad_sample":
             res.tokens = dict.fromkeys(res.tokens, self.engine.n_vocab)  # ids the vocabulary lacks

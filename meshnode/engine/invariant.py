@@ -20,11 +20,20 @@ from __future__ import annotations
 import numpy as np
 
 from meshnode.core.types import GREEDY, Plan, SeqChunk
+from meshnode.engine.llamacpp import INVARIANT_WEIGHTS
 
 TILED_ENV = ("GGML_CPU_TILED_MM_FORCE", "1")
 K_QUANTS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 CHECK_PROMPT = 80  # >= TILE_ROWS: the check's prompt runs the tiled kernel, its decode rows the per-row one
 CHECK_STEPS = 3
+
+
+def promised(weight_types: set[str], system: str) -> bool:
+    """Whether docs/determinism.md promises the mode for these weights on this CPU (`system`: llama.cpp's
+    system info line): the formats the tests prove (llamacpp.INVARIANT_WEIGHTS) on an x86-64 CPU with AVX2,
+    with or without AVX-512 (both measured). Elsewhere the start-up check decides alone; where the mode is
+    promised and the check refuses, that is a regression, and the engine says so."""
+    return bool(weight_types) and weight_types <= INVARIANT_WEIGHTS and "AVX2 = 1" in system
 
 
 def pads(streams: list[int], n_streams: int) -> list[int]:

@@ -207,6 +207,9 @@ class LlamaEngine(Drafted, Engine):
                 self.pad_lone_rows = True
                 problem = invariant.self_check(self)
             if problem:
+                if invariant.promised(cfg.weight_types, llamacpp.system_info()):
+                    problem += ("; the mode is promised on this CPU and model (docs/determinism.md): a regression "
+                                "of this build, please report it")
                 self.deterministic_problem = f"deterministic: not on this CPU and model: {problem}"
                 self.deterministic = False
                 if cfg.deterministic is True:

@@ -67,7 +67,9 @@ class Report:
                 "engine_pid": n.link.pid, "listen": n.listen, "telemetry": n.telemetry_ep, "healthy": h.serving,
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
                 "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.deterministic,
+                "deterministic_problem": n.link.info.deterministic_problem if n.link.info else "",
                 "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache, "engine_missing": h.missing,
+                "gather_ms": n.cfg.gather_ms, "max_clients_per_host": n.cfg.max_clients_per_host,
                 "cache_type_k": n.cfg.type_k, "cache_type_v": n.cfg.type_v, "kv_bytes_per_token": n.budget.kv_bytes_per_token,
                 "devices": [asdict(d) for d in n.devices]}
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
