@@ -547,3 +547,49 @@ def test_an_error_that_names_no_request_never_answers_a_status():
         return stray_answered, waiter.result()["event"]
 
     assert asyncio.run(run()) == (False, "status")
+
+
+def test_a_client_that_trickles_its_headers_is_closed_at_the_deadline_and_others_are_served(served):
+    """Slowloris: a byte of headers every 0.2 s. With --header-timeout-s 1 the gateway closes the connection
+    while the headers are still coming (before, aiohttp waited for as long as they came); a connection that
+    sends nothing is closed the same way; a normal request on the same gateway is answered."""
+    import socket
+    import time
+
+    n = served[3]
+    port = free_tcp_port()
+    gw = subprocess.Popen([sys.executable, "-m", "meshnode", "gateway", "--listen", f"127.0.0.1:{port}",
+                           "--node", n.listen, "--header-timeout-s", "1"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    try:
+        gateway_up(f"http://127.0.0.1:{port}")
+        slow = socket.create_connection(("127.0.0.1", port))
+        mute = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        sent, closed = 0, False
+        for byte in b"X-Slow: " + b"a" * 200:  # 40 s of headers at this pace
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            sent += 1
+            time.sleep(0.2)
+            slow.setblocking(False)
+            try:
+                closed = slow.recv(4096) == b""
+            except BlockingIOError:
+                pass
+            finally:
+                slow.setblocking(True)
+            if closed:
+                break
+        mute.settimeout(30)
+        mute_closed = mute.recv(4096) == b""
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": [3, 4], "max_tokens": 2},
+                       timeout=60)
+    finally:
+        gw.terminate()
+        gw.wait(30)
+    assert closed and sent < 208, sent  # closed while its headers were still trickling in
+    assert mute_closed and r.status_code == 200, r.text

@@ -24,6 +24,7 @@ REJECTED = {R.REJECTED_QUEUE_FULL: 429, R.REJECTED_KV_BUDGET: 429, R.REJECTED_SC
             R.REJECTED_MEMORY_PRESSURE: 429, R.REJECTED_DRAINING: 503, R.REJECTED_ENGINE_UNAVAILABLE: 503,
             R.REJECTED_CONTEXT_TOO_LONG: 400, R.REJECTED_BAD_REQUEST: 400, R.REJECTED_RECIPE_MISMATCH: 400}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               408: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 RETRY_AFTER_S = 1
 UNSUPPORTED = ("tools", "functions", "tool_choice", "echo", "suffix", "best_of", "logit_bias")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ipc.transport import api_keys, exposure  # noqa: F401  (api_keys: the gateway's)
 from meshnode.core.endpoints import host_port
+from meshnode.gateway.deadline import HEADER_S
 
 
 def add_args(p) -> None:
@@ -14,6 +15,8 @@ def add_args(p) -> None:
     p.add_argument("--model", help="the GGUF the node serves, for token names in logprobs (default: the "
                    "node's model path, where this host can read it)")
     p.add_argument("--metrics-from", help="the node's /metrics URL, served again at /metrics")
+    p.add_argument("--header-timeout-s", type=float, default=HEADER_S, help="a request's line and headers must "
+                   "arrive within this long of its first byte, or the connection is closed (slow clients)")
     p.add_argument("--curve-server-key", help="the node's public certificate, for a CURVE node")
     p.add_argument("--curve-client-cert", help="this gateway's secret certificate, for a CURVE node")
 

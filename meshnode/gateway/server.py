@@ -19,11 +19,12 @@ from aiohttp import web
 
 from ipc import protocol as P
 from meshnode.core.endpoints import host_port
-from meshnode.gateway import api
+from meshnode.gateway import api, deadline
 from meshnode.gateway.options import api_keys, refusal
 from meshnode.gateway.upstream import Upstream
 
 log = logging.getLogger("meshnode.gateway")
+BODY_S = 60.0  # a request's body must arrive within this long of its headers (408 after)
 
 
 class Gateway:
@@ -33,7 +34,7 @@ class Gateway:
         self.recipe = recipe
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
+        app = web.Application(middlewares=[_deadline, self._auth], client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
         app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
@@ -60,7 +61,9 @@ class Gateway:
 
     async def _generate(self, request: web.Request, chat: bool):
         try:
-            body = await request.json()
+            body = await asyncio.wait_for(request.json(), BODY_S)
+        except asyncio.TimeoutError:
+            raise api.ApiError(408, f"the request body did not arrive within {BODY_S:g} s") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise api.ApiError(400, "the request body is not JSON") from None
         except RecursionError:
@@ -135,6 +138,19 @@ class Gateway:
         return web.Response(body=text, content_type="text/plain", charset="utf-8")
 
 
+@web.middleware
+async def _deadline(request: web.Request, handler):
+    """The request's headers are in: its connection's header deadline stops until the answer is written."""
+    wrapper = deadline.wrapper_of(request.transport)
+    if wrapper is not None:
+        wrapper.started()
+    try:
+        return await handler(request)
+    finally:
+        if wrapper is not None:
+            wrapper.handled()
+
+
 def _sse(chunks: list[dict]) -> bytes:
     """Server-sent events for the chunks, written at once: one wake-up of the client, one syscall."""
     return b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
@@ -166,13 +182,14 @@ async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     host, port = host_port(a.listen)
-    await web.TCPSite(runner, host, port).start()
+    server = await deadline.serve(runner, host, port, a.header_timeout_s)
     log.info("meshnode gateway ready: http://%s/v1 node=%s model=%s logprobs=%s keys=%d", a.listen, endpoint,
              gw.model, "yes" if piece else "no (no vocab)", len(keys))
     stop = asyncio.Event()
     for sig in ("SIGTERM", "SIGINT"):
         asyncio.get_running_loop().add_signal_handler(getattr(__import__("signal"), sig), stop.set)
     await stop.wait()
+    server.close()
     await runner.cleanup()
     await up.close()
 
