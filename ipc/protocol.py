@@ -68,6 +68,7 @@ class Submit:
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the decoded text
     messages: list[dict] | None = None  # [{role, content}], formatted with the model's chat template
     response_format: ResponseFormat | None = None  # constrained output (json schema, regex, grammar)
+    special: bool = False  # `text` spells special tokens (<|im_start|>): parse them, as llama-server's completions
 
 
 @dataclass
@@ -251,7 +252,9 @@ def decode_request(frames: list[bytes], n_vocab: int):
     fmt = _response_format(msg.get("response_format"), id)
     _check(fmt is None or not ignore_eos, "ignore_eos cannot be combined with response_format: a constrained "
            "answer ends when it is complete", id)
-    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt)
+    special = msg.get("special", False)
+    _check(isinstance(special, bool) and (not special or has_text), "special must be a bool, and only with text", id)
+    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special)
 
 
 def encode_request(req) -> list[bytes]:
@@ -259,7 +262,7 @@ def encode_request(req) -> list[bytes]:
     op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping"}[type(req)]
     body = {"op": op}
     for k, v in asdict(req).items():
-        if v is None or (k in ("stop_tokens", "stop", "ignore_eos") and not v):
+        if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special") and not v):
             continue
         body[k] = v
     if isinstance(req, Submit):

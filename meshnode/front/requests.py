@@ -103,7 +103,7 @@ class Requests:
             return [Answer(ident, P.error(R.BAD_REQUEST, why, req.id))]
         if req.tokens is not None:
             return self._admit(ident, req, req.tokens, arrived, grammar)
-        prompt = req.text
+        prompt = self.tok.special_prompt(req.text) if req.special else req.text
         if req.messages is not None:
             try:
                 prompt = self.tok.chat_prompt(req.messages, self.special_in_content)

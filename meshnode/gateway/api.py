@@ -101,8 +101,9 @@ def parse(body, chat: bool, model: str, new_id) -> Request:
         else:
             raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request)", param="prompt")
     # ignore_eos: llama-server's extension (benchmarks, load tests)
+    # a completions prompt is the client's own template: special tokens it spells are parsed, as llama-server does
     submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
-                      _stop(body.get("stop")), messages, _response_format(body))
+                      _stop(body.get("stop")), messages, _response_format(body), special=text is not None)
     return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model)
 
 

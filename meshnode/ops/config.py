@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 from meshnode.core.budget import ConfigError
 from meshnode.core.prefix import SCOPES
 from meshnode.core.scheduler import GATHER_SPAN
+from meshnode.ops import realmodel
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ  # llama.cpp's own limits, defined once
 
 
@@ -52,7 +53,8 @@ SESSION_CELLS = 4096  # with no ctx set, every session may reach this many token
 
 @dataclass
 class NodeConfig:
-    model: str | None = setting(None, "GGUF to serve; unset = generate and serve the tiny demo model",
+    model: str | None = setting(None, "GGUF to serve, or a packaged model's name (smollm2, smollm2-q8_0, "
+                                "smollm2-f16); unset = generate and serve the tiny demo model",
                                 example="/var/lib/meshnode/models/model.gguf")
     listen: str | None = setting(None, "client ROUTER endpoint; unset = ipc://$RUNTIME_DIRECTORY/node.sock",
                                  example="tcp://127.0.0.1:5555")
@@ -181,6 +183,11 @@ class NodeConfig:
             if (getattr(self, key) or 0) > self.n_seq_max:
                 raise ConfigError(f"{key}: {getattr(self, key)} is more than n_seq_max ({self.n_seq_max}) sequence "
                                   f"slots; raise n_seq_max or leave it unset (it follows {key})")
+        if self.model in realmodel.NAMES:  # a real model a package ships, by name (meshnode/ops/realmodel.py)
+            try:
+                self.model = str(realmodel.real_model(self.model))
+            except (LookupError, RuntimeError) as e:
+                raise ConfigError(f"model: {e}") from None
         if self.model is not None and not os.path.isfile(self.model):
             raise ConfigError(f"model: no such file {self.model}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):

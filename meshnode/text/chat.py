@@ -59,6 +59,15 @@ def prompt(apply_template, specials: Specials, messages: list[dict], special_in_
         else:
             content = messages[int(piece)]["content"]
             parts += specials.partition(content) if special_in_content else [content]
+    return _merged(parts)
+
+
+def parsed(specials: Specials, text: str) -> ChatPrompt:
+    """A whole text with every special token it spells parsed (llama-server's way for a raw prompt)."""
+    return _merged(specials.partition(text))
+
+
+def _merged(parts: list) -> ChatPrompt:
     merged: list = []
     for p in parts:  # adjacent text is one run, as in llama.cpp; empty runs are nothing
         if isinstance(p, str) and merged and isinstance(merged[-1], str):

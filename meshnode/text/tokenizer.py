@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from meshnode.engine import llamacpp
 from meshnode.text import chat
 from meshnode.text.chat import ChatPrompt
+from meshnode.text.jinja import ChatTemplate
 
 SPM = 1  # llama_vocab_type
 SLICE_BYTES = 1024  # cut a text at most this often (at a character that never merges) to stay linear
@@ -52,6 +53,7 @@ class Tokenizer:
         self._never_merges = self._spm_foreign(texts)
         self.add_bos, self.bos = lc.llama_vocab_get_add_bos(self._vocab), lc.llama_vocab_bos(self._vocab)
         special = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_USER_DEFINED | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+        self._template = None  # the GGUF's chat template, compiled at the first chat request
         self._specials = chat.Specials({texts[t].decode("utf-8", "replace"): t for t in range(self.n_vocab)
                                         if texts[t] and lc.llama_vocab_get_attr(self._vocab, t) & special})
 
@@ -142,21 +144,29 @@ class Tokenizer:
         content as plain text (meshnode/text/chat.py says why)."""
         return chat.prompt(self._apply_template, self._specials, messages, special_in_content)
 
+    def special_prompt(self, text: str) -> ChatPrompt:
+        """`text` with the vocab's special tokens it spells parsed as those tokens (llama-server's completions):
+        for a client that templates its own prompts, where every character of it is its own."""
+        return chat.parsed(self._specials, text)
+
     def _apply_template(self, messages: list[tuple[str, str]]) -> str:
-        """llama.cpp's template engine over (role, content) pairs with the GGUF's `tokenizer.chat_template`,
-        the assistant's turn opened. ValueError, in a sentence, when there is none."""
-        lc = self._lc
-        tmpl = lc.llama_model_chat_template(self._model, None)
-        if not tmpl:
-            raise ValueError("the model has no chat template (tokenizer.chat_template); send text or tokens")
-        keep = [(r.encode(), c.encode()) for r, c in messages]  # alive while C reads them
-        msgs = (lc.llama_chat_message * len(keep))(*(lc.llama_chat_message(r, c) for r, c in keep))
-        n = lc.llama_chat_apply_template(tmpl, msgs, len(keep), True, None, 0)
-        if n < 0:
-            raise ValueError("the model's chat template is not one llama.cpp can apply; send text or tokens")
-        buf = ctypes.create_string_buffer(n + 1)
-        lc.llama_chat_apply_template(tmpl, msgs, len(keep), True, buf, n + 1)
-        return buf.raw[:n].decode("utf-8", "replace")
+        """The GGUF's own `tokenizer.chat_template` run over (role, content) pairs, the assistant's turn
+        opened (meshnode/text/jinja.py). ValueError, in a sentence, when there is none or it fails."""
+        if self._template is None:
+            src = self._lc.llama_model_chat_template(self._model, None)
+            if not src:
+                raise ValueError("the model has no chat template (tokenizer.chat_template); send text or tokens")
+            self._template = ChatTemplate(src.decode("utf-8", "replace"), self._special_text(self.bos),
+                                          self._special_text(self._lc.llama_vocab_eos(self._vocab)), self.add_bos,
+                                          self._lc.llama_vocab_get_add_eos(self._vocab))
+        return self._template.render([{"role": r, "content": c} for r, c in messages])
+
+    def _special_text(self, token: int) -> str:
+        """A control token's own text (<|im_start|>, <s>), as the template's bos_token / eos_token."""
+        if token < 0:
+            return ""
+        n = self._lc.llama_token_to_piece(self._vocab, token, self._buf, len(self._buf), 0, True)
+        return self._buf.raw[:max(n, 0)].decode("utf-8", "replace")
 
     def piece(self, token: int) -> bytes:
         p = self._pieces.get(token)

