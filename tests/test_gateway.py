@@ -160,7 +160,8 @@ def test_response_format_json_schema_answers_parse(served):
 @pytest.mark.parametrize("body, status, words", [
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n = 1"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "each tool must be"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400, "functions"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text content"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.types import ResponseFormat, Sampling
+from meshnode.gateway import tools
 
 FINISH = {R.EOS: "stop", R.STOP: "stop", R.LENGTH: "length"}  # others end a stream with an error chunk
 # the node's rejection -> (HTTP status, OpenAI error type); Retry-After goes with the 429s
@@ -27,7 +28,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                408: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 RETRY_AFTER_S = 1
-UNSUPPORTED = ("tools", "functions", "tool_choice", "echo", "suffix", "best_of", "logit_bias")
+ARGUMENT_PIECE = 32  # characters of a streamed tool call's arguments a chunk
+UNSUPPORTED = ("functions", "echo", "suffix", "best_of", "logit_bias")
 
 
 class ApiError(Exception):
@@ -56,6 +58,7 @@ class Request:
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs asked; else how many alternatives per token (0..20)
     model: str
+    tools: tools.ToolUse | None = None  # the functions the answer may call (gateway/tools.py)
 
 
 def parse(body, chat: bool, model: str, new_id) -> Request:
@@ -63,9 +66,14 @@ def parse(body, chat: bool, model: str, new_id) -> Request:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for key in UNSUPPORTED:
-        v = body.get(key)
-        if v and not (key == "tool_choice" and v in ("none", "auto")):
+        if body.get(key):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
+    try:
+        use = tools.parse(body) if chat else None
+    except tools.ToolError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    if not chat and body.get("tools"):
+        raise ApiError(400, "tools are for /v1/chat/completions", param="tools")
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):  # type: true == 1 in Python, and is no count
         raise ApiError(400, "only n = 1 is supported: send the request again for another answer", param="n")
@@ -88,8 +96,14 @@ def parse(body, chat: bool, model: str, new_id) -> Request:
                         0 if top is None else max(1, top))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     text, tokens, messages = None, None, None
+    fmt = _response_format(body)
     if chat:
         messages = _messages(body.get("messages"))
+        if use is not None:
+            if fmt is not None:
+                raise ApiError(400, "response_format cannot be combined with tools: a tools answer has its own form",
+                               param="response_format")
+            messages, fmt = with_tools(messages, use), ResponseFormat("json_schema", json.dumps(use.schema()))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -103,8 +117,16 @@ def parse(body, chat: bool, model: str, new_id) -> Request:
     # ignore_eos: llama-server's extension (benchmarks, load tests)
     # a completions prompt is the client's own template: special tokens it spells are parsed, as llama-server does
     submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
-                      _stop(body.get("stop")), messages, _response_format(body), special=text is not None)
-    return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model)
+                      _stop(body.get("stop")), messages, fmt, special=text is not None)
+    return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model, use)
+
+
+def with_tools(messages: list[dict], use: tools.ToolUse) -> list[dict]:
+    """The tools in the system turn (the client's system message keeps its place, the tools after it)."""
+    text = use.system_text()
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -132,7 +154,11 @@ def _messages(v) -> list[dict]:
     for m in v:
         if not isinstance(m, dict):
             raise ApiError(400, "each message must be an object with role and content", param="messages")
-        content = m.get("content")
+        try:
+            earlier = tools.history(m)  # an earlier turn's tool calls or tool result, as the model sees them
+        except tools.ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        content = m.get("content") if earlier is None else earlier
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise ApiError(400, "only text content parts are supported", param="messages")
@@ -223,7 +249,7 @@ class Answer:
         if self.req.chat and not self.sent_role:
             self.sent_role = True
             out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
-        if ev["text"] or lps:
+        if (ev["text"] or lps) and self.req.tools is None:  # a tools answer is JSON: told at its end
             out.append(self._chunk({"content": ev["text"]} if self.req.chat else ev["text"], lps, None))
         return out
 
@@ -263,6 +289,8 @@ class Answer:
     def end(self, done: dict) -> list[dict]:
         """The `done` event -> the last stream chunks (finish reason, usage), or the whole response."""
         finish = FINISH[done["reason"]]
+        if self.req.tools is not None:
+            return self._tools_end(done, finish)
         if self.req.stream:
             last = self._chunk({} if self.req.chat else "", None, finish)
             out = [last]
@@ -274,3 +302,30 @@ class Answer:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps, "finish_reason": finish}
                   if self.req.chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish})
         return [{**self._base(False), "choices": [choice], "usage": usage(done)}]
+
+    def _tools_end(self, done: dict, finish: str) -> list[dict]:
+        """A tools answer, parsed once whole: `tool_calls` (finish `tool_calls`) or the response's text.
+        Streamed as OpenAI streams calls: per call its index, id, type and name first, then its arguments in
+        fragments."""
+        content, calls = tools.answer("".join(self.text)) if finish != "length" else ("".join(self.text), None)
+        finish = "tool_calls" if calls else finish
+        if not self.req.stream:
+            msg = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
+            return [{**self._base(False), "choices": [{"index": 0, "message": msg, "logprobs": lps,
+                                                        "finish_reason": finish}], "usage": usage(done)}]
+        out = [] if self.sent_role else [self._chunk({"role": "assistant", "content": ""}, None, None)]
+        if content:
+            out.append(self._chunk({"content": content}, None, None))
+        for i, c in enumerate(calls or ()):
+            f = c["function"]
+            out.append(self._chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                                    "function": {"name": f["name"], "arguments": ""}}]}, None, None))
+            args = f["arguments"]
+            for k in range(0, len(args), ARGUMENT_PIECE):
+                out.append(self._chunk({"tool_calls": [{"index": i, "function": {
+                    "arguments": args[k:k + ARGUMENT_PIECE]}}]}, None, None))
+        out.append(self._chunk({}, None, finish))
+        if self.req.include_usage:
+            out.append({**self._base(True), "choices": [], "usage": usage(done)})
+        return out

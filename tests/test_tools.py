@@ -1,0 +1,127 @@
+"""Tool calling through the gateway, with the official `openai` package, on the real model (SmolLM2-135M-
+Instruct): calls that always parse and validate against each function's schema, OpenAI's shapes streamed and
+not, the history given back, and the pure parts (gateway/tools.py) on their own."""
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from ipc.transport import free_tcp_port
+from meshnode.dev.nodeproc import NodeProcess
+from meshnode.gateway import tools
+from meshnode.ops.realmodel import real_model
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 40}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+@pytest.fixture(scope="module")
+def oa(tmp_path_factory):
+    from test_gateway import gateway_up
+
+    model = str(real_model("smollm2", tmp_path_factory.mktemp("real")))
+    port = free_tcp_port()
+    with NodeProcess(model, "--http", f"127.0.0.1:{port}", "--max-active", "4") as n:
+        gateway_up(f"http://127.0.0.1:{port}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        yield client
+        client.close()
+
+
+def valid_calls(message) -> list:
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return message.tool_calls
+
+
+def test_required_tool_calls_always_parse_and_validate(oa):
+    """tool_choice required, 20 seeded answers at temperature 1: every one is a call whose arguments
+    validate against its function's schema (the answer is constrained from its first token)."""
+    for seed in range(20):
+        r = oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       temperature=1.0, seed=seed, max_tokens=200)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        valid_calls(r.choices[0].message)
+
+
+def test_a_named_function_is_the_one_called_and_parallel_false_calls_one(oa):
+    r = oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], temperature=1.0, seed=3,
+                                   tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                   parallel_tool_calls=False, max_tokens=200)
+    calls = valid_calls(r.choices[0].message)
+    assert [c.function.name for c in calls] == ["get_time"]
+
+
+def test_auto_answers_with_text_or_a_call_and_none_is_plain_chat(oa):
+    for seed in range(3):
+        r = oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="auto",
+                                       temperature=1.0, seed=seed, max_tokens=200)
+        m = r.choices[0].message
+        assert (m.tool_calls and r.choices[0].finish_reason == "tool_calls") or \
+               (isinstance(m.content, str) and r.choices[0].finish_reason == "stop"), r.choices[0]
+    plain = oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
+                                       tool_choice="none", temperature=0, max_tokens=64)
+    assert plain.choices[0].message.content == "Hello there! How can I assist you today?"
+
+
+def test_a_streamed_call_comes_as_openai_sends_it(oa):
+    stream = oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                        temperature=1.0, seed=5, max_tokens=200, stream=True)
+    heads, args, finish = [], {}, None
+    for chunk in stream:
+        ch = chunk.choices[0]
+        for d in ch.delta.tool_calls or ():
+            if d.id:
+                heads.append((d.index, d.id, d.type, d.function.name))
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and heads and all(t == "function" and n == "get_weather" for _, _, t, n in heads)
+    for i, _, _, name in heads:
+        jsonschema.validate(json.loads(args[i]), SCHEMAS[name])
+
+
+def test_a_conversation_with_a_call_and_its_result_goes_on(oa):
+    first = oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                       temperature=0, max_tokens=200)
+    call = valid_calls(first.choices[0].message)[0]
+    history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "22 degrees and sunny"}]
+    after = oa.chat.completions.create(model="m", messages=history, tools=[WEATHER], temperature=0, max_tokens=100)
+    assert after.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    assert after.usage.prompt_tokens > first.usage.prompt_tokens + 10  # the call and its result are in the prompt
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"tools": [{"type": "function"}]}, "function"),
+    ({"tools": [WEATHER, WEATHER]}, "unique"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_malformed_tool_requests_are_named(body, words):
+    with pytest.raises(tools.ToolError, match=words):
+        tools.parse({"messages": ASK, **body})
+
+
+def test_the_schema_and_the_answer_forms():
+    use = tools.parse({"tools": [WEATHER, TIME], "tool_choice": "auto"})
+    good = {"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC"}}]}
+    jsonschema.validate(good, use.schema())
+    jsonschema.validate({"response": "hello"}, use.schema())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tool_calls": [{"name": "get_time", "arguments": {"city": "x"}}]}, use.schema())
+    content, calls = tools.answer(json.dumps(good))
+    assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    assert tools.answer('{"response": "hi"}') == ("hi", None) and tools.answer('{"tool_') == ('{"tool_', None)
