@@ -34,7 +34,8 @@ BENCHES = {
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
     p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench", "bench-32k", "bench-long"])
-    p.add_argument("--model", help="a GGUF instead of the preset")
+    p.add_argument("--model", help="a GGUF, or a packaged model by name (smollm2, smollm2-q8_0, smollm2-f16), "
+                   "instead of the preset")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per session (gateway: its c1 and c8 "
                    "pairs' sessions, when above 64)")
@@ -64,8 +65,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_path(a) -> str:
+    """--model: a GGUF, or a packaged model's name (smollm2, smollm2-q8_0, smollm2-f16); else the preset's."""
     if a.model:
-        return a.model
+        from meshnode.ops import realmodel
+
+        return str(realmodel.real_model(a.model)) if a.model in realmodel.NAMES else a.model
     from meshnode.ops.models import cached_model
 
     return str(cached_model(a.preset))

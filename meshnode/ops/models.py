@@ -132,9 +132,10 @@ QUANTS = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype: LLAMA_
 
 
 def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, quant: str | None = None,
-               chat_template: bool = True, flat: bool = False) -> Path:
+               chat_template: bool | str = True, flat: bool = False) -> Path:
     """Write the preset's GGUF to `path` atomically (a half-written model never loads); `quant` runs it
-    through llama.cpp's own quantizer, as users' models are made. `chat_template=False`: a model
+    through llama.cpp's own quantizer, as users' models are made. `chat_template`: ChatML, or a template's
+    Jinja source (tests of other families' templates); False: a model
     without one, as many base models are (tests). `flat`: every output weight 0, so every logit is equal
     and greedy decoding repeats one token (what deterministic mode's drafts do when always right)."""
     if quant is not None:
@@ -184,7 +185,7 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
         w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     if chat_template:
-        w.add_chat_template(CHATML)  # so `messages` work on the demo models (the vocab has no ChatML tokens: bytes)
+        w.add_chat_template(CHATML if chat_template is True else chat_template)  # so `messages` work on the demo models (the vocab has no ChatML tokens: bytes)
     rng = np.random.default_rng(seed)
     for name, arr in _weights(p, rng):
         w.add_tensor(name, np.zeros_like(arr) if flat and name == "output.weight" else arr)
