@@ -286,10 +286,12 @@ def rpc_hello(endpoint: str, timeout_s: float) -> str:
             while len(answer) < 12:
                 got = s.recv(12 - len(answer))
                 if not got:
-                    return f"rpc worker {endpoint} closed the connection without answering its hello (not a ggml RPC server?)"
+                    return (f"rpc worker {endpoint} closed the connection without answering its hello (not a ggml "
+                            "RPC server?)")
                 answer += got
     except _socket.timeout:
-        return f"rpc worker {endpoint} does not answer (no hello within {timeout_s:g} s: stopped, or serving another node)"
+        return (f"rpc worker {endpoint} does not answer (no hello within {timeout_s:g} s: stopped, or serving "
+                "another node)")
     except (OSError, ValueError) as e:
         return f"rpc worker {endpoint} unreachable: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
     size, major = struct.unpack("<Q", answer[:8])[0], answer[8]

@@ -183,7 +183,7 @@ def deterministic_node(c, model_path: str) -> bool:
     """Whether the node behind client `c` runs deterministic mode; asserted on where it is promised."""
     node = c.status()["node"]
     if promised(model_path):
-        assert node["deterministic"], f"deterministic mode is promised here, the node says: {node['deterministic_problem']}"
+        assert node["deterministic"], f"deterministic mode is promised here; the node: {node['deterministic_problem']}"
     return node["deterministic"]
 
 

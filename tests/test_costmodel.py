@@ -282,7 +282,8 @@ def test_the_correction_follows_sized_ticks_only_and_sizing_uses_its_high_quanti
 @pytest.mark.slow
 def test_the_first_token_estimate_orders_prompts_and_load_as_the_engine_costs_them(tiny_model):
     """On the real model, not a fake whose cost has the fitted form: the node's estimate of a prompt's
-    first-token delay grows with the prompt, idle and with four sessions decoding. How close it lands to the measured delay is a benchmark's to say
+    first-token delay grows with the prompt, idle and with four sessions decoding. How close it lands to the
+    measured delay is a benchmark's to say
     (`meshnode bench burst` prints estimate and measurement side by side): a wall-clock ratio here failed
     whenever the machine was busier than at the node's start-up timing."""
     from meshnode.dev.nodeproc import NodeProcess

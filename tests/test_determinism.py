@@ -16,11 +16,7 @@ import pytest
 
 from helpers import history, logprob_entries, promised, scenario, serve
 from meshnode.core import reasons as R
-from meshnode.core.budget import NodeBudget
-from meshnode.core.scheduler import Scheduler
-from meshnode.core.session import Session
 from meshnode.core.types import GREEDY, FatalEngineError, Plan, Sampling, SeqChunk
-from meshnode.dev.drive import run_tick, run_to_completion
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine import invariant, llamacpp
 from meshnode.engine.llama import AMX_MAX_ROWS, EngineConfig, LlamaEngine

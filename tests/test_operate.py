@@ -233,7 +233,8 @@ def test_metrics_endpoint_serves_prometheus_text(tiny_model):
                     (ln.rsplit(" ", 1) for ln in body.splitlines() if ln and not ln.startswith("#"))}
 
         # the text is rendered once per telemetry publication (every second), not per scrape
-        samples = wait_until(lambda: (lambda s: s if s["meshnode_generation_tokens_total"] >= 3 else None)(scrape()), 60)
+        samples = wait_until(lambda: (lambda s: s if s["meshnode_generation_tokens_total"] >= 3 else None)(scrape()),
+                             60)
     assert samples, "the scrape never showed the generated tokens"
     assert samples['meshnode_requests_rejected_total{reason="REJECTED_CONTEXT_TOO_LONG"}'] == 1
     assert "meshnode_kv_cache_usage_ratio" in samples and "meshnode_engine_restarts_total" in samples

@@ -194,7 +194,8 @@ def test_four_sessions_sent_one_200_token_system_prompt_compute_it_once_on_llama
     args = ["--tick-target-ms", "0", "--prefill-chunk", "64"] + ([mode] if mode != "default" else [])
     with NodeProcess(tiny_model, *args) as n:
         with n.client() as c:
-            deterministic = deterministic_node(c, tiny_model) if mode == "default" else c.status()["node"]["deterministic"]
+            deterministic = (deterministic_node(c, tiny_model) if mode == "default"
+                             else c.status()["node"]["deterministic"])
             before = c.status()["telemetry"]["prefill_tokens_total"]
             for sid, kw in jobs.items():
                 c.submit(sid, **kw)

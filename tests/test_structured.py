@@ -204,6 +204,7 @@ def test_a_constraint_no_text_can_match_is_refused_before_admission(served):
     then allows no first token. Refused at compile time with why, never an `EOS` with "" claiming success."""
     _, _, constraints = served
     for fmt in (ResponseFormat("regex", r"[^\s\S]"),
-                ResponseFormat("json_schema", json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}))):
+                ResponseFormat("json_schema",
+                               json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}))):
         grammar, why = constraints.compile(fmt)
         assert grammar is None and "no output can ever match it" in why and "<state>" not in why, why

@@ -31,7 +31,7 @@ def oa(tmp_path_factory):
 
     model = str(real_model("smollm2", tmp_path_factory.mktemp("real")))
     port = free_tcp_port()
-    with NodeProcess(model, "--http", f"127.0.0.1:{port}", "--max-active", "4") as n:
+    with NodeProcess(model, "--http", f"127.0.0.1:{port}", "--max-active", "4"):
         gateway_up(f"http://127.0.0.1:{port}")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
         yield client

@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from meshnode.core.types import GREEDY, Constrained, ConstraintFailed, InvalidPlan, Keep, Plan, Release, Sampling, SeqChunk, Share, StepResult
+from meshnode.core.types import (GREEDY, Constrained, ConstraintFailed, InvalidPlan, Keep, Plan, Release, Sampling,
+                                 SeqChunk, Share, StepResult)
 from meshnode.engine.sampling import logprobs, sample
 
 

@@ -185,7 +185,8 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
         w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     if chat_template:
-        w.add_chat_template(CHATML if chat_template is True else chat_template)  # so `messages` work on the demo models (the vocab has no ChatML tokens: bytes)
+        # so `messages` work on the demo models (the vocab has no ChatML tokens: bytes)
+        w.add_chat_template(CHATML if chat_template is True else chat_template)
     rng = np.random.default_rng(seed)
     for name, arr in _weights(p, rng):
         w.add_tensor(name, np.zeros_like(arr) if flat and name == "output.weight" else arr)
