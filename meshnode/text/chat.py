@@ -44,21 +44,73 @@ class Specials:
         return [self.by_text[p] if k % 2 else p for k, p in enumerate(self.pattern.split(text))]
 
 
-def _rendered(apply_template, messages: list[dict]) -> str:
-    """The template's text with a placeholder where each message's content goes."""
-    return apply_template([(m["role"], PLACEHOLDER.format(i)) for i, m in enumerate(messages)])
+def conversation(apply_template, messages: list[dict]) -> tuple[list[dict], str | None]:
+    """The messages as llama-server hands them to the template, and the text it continues with:
+    - `developer` is `system` (every template but gpt-oss's);
+    - a template without a system role (Gemma's raises on one) gets the system text at the head of the next
+      message, or nothing where it stands alone;
+    - a conversation ending with an assistant message is a prefill: the others are rendered with the
+      assistant's turn opened and that message's content follows as it is, to be continued."""
+    msgs = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+    if msgs and msgs[0]["role"] == "system" and not _has_system_role(apply_template):
+        head = msgs.pop(0)
+        if msgs:
+            msgs[0] = {**msgs[0], "content": head["content"] + "\n" + msgs[0]["content"]}
+    prefill = None
+    if msgs and msgs[-1]["role"] == "assistant":
+        prefill = msgs.pop()["content"]
+    return msgs, prefill
+
+
+def _has_system_role(apply_template) -> bool:
+    """llama.cpp's probe: a system message whose text the template renders."""
+    probe = "\ue002system probe\ue003"
+    try:
+        return probe in apply_template([("system", probe), ("user", "x")])
+    except ValueError:
+        return False
+
+
+def _pieces(apply_template, messages: list[dict]) -> list:
+    """The rendered conversation as template text (str) and contents (int: the message's index), in order.
+    The template runs twice: with a placeholder for each content, to find where contents go, and with the
+    contents themselves, to take each as the template wrote it (Llama 3's trims it, as llama-server then
+    does); where a content cannot be told apart there, it goes in as the client sent it."""
+    marked = _PLACEHOLDERS.split(apply_template([(m["role"], PLACEHOLDER.format(i)) for i, m in enumerate(messages)]))
+    real = apply_template([(m["role"], m["content"]) for m in messages])
+    out, pos = [marked[0]], len(marked[0])
+    if not real.startswith(marked[0]):
+        return [marked[0], *(int(x) if k % 2 else x for k, x in enumerate(marked[1:], 1))]
+    for k in range(1, len(marked), 2):
+        i, after = int(marked[k]), marked[k + 1]
+        c = messages[i]["content"]
+        last = k + 2 >= len(marked)
+        for cand in dict.fromkeys((c, c.strip(), c.rstrip(), c.lstrip())):
+            rest = real[pos + len(cand):]
+            if real.startswith(cand, pos) and (rest == after if last else rest.startswith(after)):
+                out += [(i, cand), after]
+                pos += len(cand) + len(after)
+                break
+        else:
+            out += [(i, c), after]
+            pos = -1
+            break
+    if pos == -1:  # the template did something else with a content: as sent, where the placeholders were
+        out = [marked[0], *((int(x), messages[int(x)]["content"]) if k % 2 else x for k, x in enumerate(marked[1:], 1))]
+    return out
 
 
 def prompt(apply_template, specials: Specials, messages: list[dict], special_in_content: bool = False) -> ChatPrompt:
     """`apply_template([(role, content), ...]) -> str` renders; the contents come back in as text."""
-    rendered = _rendered(apply_template, messages)
+    msgs, prefill = conversation(apply_template, messages)
     parts: list = []
-    for k, piece in enumerate(_PLACEHOLDERS.split(rendered)):
-        if k % 2 == 0:
+    for piece in _pieces(apply_template, msgs):
+        if isinstance(piece, str):
             parts += specials.partition(piece)
         else:
-            content = messages[int(piece)]["content"]
-            parts += specials.partition(content) if special_in_content else [content]
+            parts += specials.partition(piece[1]) if special_in_content else [piece[1]]
+    if prefill is not None:
+        parts += specials.partition(prefill) if special_in_content else [prefill]
     return _merged(parts)
 
 
@@ -79,5 +131,5 @@ def _merged(parts: list) -> ChatPrompt:
 
 def render(apply_template, messages: list[dict]) -> str:
     """The messages in the template as one text, contents included (what llama-server tokenizes)."""
-    rendered = _rendered(apply_template, messages)
-    return _PLACEHOLDERS.sub(lambda m: messages[int(m.group(1))]["content"], rendered)
+    msgs, prefill = conversation(apply_template, messages)
+    return "".join(p if isinstance(p, str) else p[1] for p in _pieces(apply_template, msgs)) + (prefill or "")

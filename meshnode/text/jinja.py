@@ -7,13 +7,15 @@ a default system turn when none is given: llama-server renders "hi" as 31 prompt
 and their greedy answers differ). Here the template runs in jinja2's immutable sandbox (a template is data
 from the model file: no attribute access into Python, no mutation of what it is given) with what HF passes:
 `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools`, `raise_exception`, `strftime_now`
-and the `tojson` filter. As llama.cpp does, a BOS the template writes is dropped where the tokenizer adds
+and the `tojson` filter, and what llama-server adds: today's `date_string` and `datetime`. As llama.cpp does, a BOS the template writes is dropped where the tokenizer adds
 one itself (and an EOS at the end where it adds that): no token twice.
 """
 from __future__ import annotations
 
 import json
 from datetime import datetime
+
+now = datetime.now  # the clock the template's dates come from (tests set the day a reference was recorded)
 
 
 class TemplateError(ValueError):
@@ -38,7 +40,7 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.globals["strftime_now"] = lambda fmt: now().strftime(fmt)
         try:
             self.template = env.from_string(source)
         except TemplateSyntaxError as e:
@@ -48,8 +50,10 @@ class ChatTemplate:
     def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = True) -> str:
         from jinja2 import TemplateError as JinjaError
 
+        today = now()  # llama-server passes both (Llama 3.1's template prints date_string in its system turn)
         context = {"messages": messages, "add_generation_prompt": add_generation_prompt, "bos_token": self.bos,
-                   "eos_token": self.eos}
+                   "eos_token": self.eos, "date_string": today.strftime("%d %b %Y"),
+                   "datetime": today.strftime("%b %d %Y")}
         if tools:
             context["tools"] = tools
         try:

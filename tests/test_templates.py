@@ -1,0 +1,58 @@
+"""The node's chat prompts are llama-server's: for ten conversation shapes (no system, system, multi-turn,
+an assistant prefill, a tool result, unicode, whitespace a template trims, an empty system message), on the
+real model's own template and on four other families' templates written into the tiny BPE demo model
+(Llama 3.1, Qwen2.5, Mistral Nemo, Gemma 2, from llama.cpp's models/templates), the prompt tokens equal
+the ones llama-server (Jinja, its default) gave, recorded by tools/chat_reference.py in
+tests/data/chat-reference.json. None of these conversations spells a special token in its content, where
+the two differ on purpose (docs/protocol.md, "Messages")."""
+import json
+import os
+
+import pytest
+
+from meshnode.ops.models import make_model
+from meshnode.ops.realmodel import real_model
+from meshnode.text.tokenizer import Tokenizer
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+with open(os.path.join(DATA, "chat-conversations.json")) as f:
+    CONVERSATIONS = json.load(f)
+with open(os.path.join(DATA, "chat-reference.json")) as f:
+    RECORDED = json.load(f)
+REFERENCE = RECORDED["tokens"]
+
+
+@pytest.fixture(autouse=True)
+def recorded_day(monkeypatch):
+    """The day the reference was recorded: templates print today's date (Llama 3.1's system turn)."""
+    from datetime import datetime
+
+    from meshnode.text import jinja
+
+    monkeypatch.setattr(jinja, "now", lambda: datetime.strptime(RECORDED["date"], "%Y-%m-%d"))
+
+
+@pytest.fixture(scope="module", params=sorted(REFERENCE))
+def tokenizer(request, tmp_path_factory):
+    label = request.param
+    if label == "smollm2":
+        path = str(real_model("smollm2"))
+    else:
+        with open(os.path.join(DATA, "templates", f"{label}.jinja")) as f:
+            source = f.read()
+        path = str(make_model(tmp_path_factory.mktemp("t") / f"{label}.gguf", "tiny-bpe", 0, chat_template=source))
+    tok = Tokenizer(path)
+    yield label, tok
+    tok.close()
+
+
+@pytest.mark.parametrize("shape", sorted(CONVERSATIONS))
+def test_prompt_tokens_equal_llama_servers(tokenizer, shape):
+    label, tok = tokenizer
+    want = REFERENCE[label][shape]
+    if want is None:  # llama-server refused it too (a template that raises on the conversation)
+        with pytest.raises(ValueError):
+            tok.chat_prompt(CONVERSATIONS[shape])
+        return
+    got = [t for part in tok.prompt_slices(tok.chat_prompt(CONVERSATIONS[shape])) for t in part]
+    assert got == want, (label, shape, tok.decode(got), tok.decode(want))
