@@ -196,7 +196,7 @@ def test_grammars_that_fail_while_generating_end_their_own_sessions_and_nobody_e
         d = got[f"g{i}"].done
         assert d["reason"] == R.BAD_REQUEST and d["incomplete"] is True, d
         assert ("Too many items" if i % 2 == 0 else "max is 2000") in d["detail"] and "<state>" not in d["detail"]
-    assert t["engine"]["restarts"] == 0 and t["healthy"]
+    assert t["engine"]["restarts"] == 0 and t["healthy"] and t["constraint_failures_total"] == 20
 
 
 def test_a_constraint_no_text_can_match_is_refused_before_admission(served):

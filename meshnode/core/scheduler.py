@@ -66,6 +66,7 @@ class Counters:
     occupancy_last: int = 0
     occupancy_max: int = 0
     occupancy_sum: int = 0
+    constraint_failures: int = 0  # sessions ended BAD_REQUEST: their response_format failed while generating
 
 
 class Scheduler:
@@ -247,6 +248,7 @@ class Scheduler:
                 events.append(self._end(s, R.CACHE_MISS))  # released again: see engine/followups.py
                 continue
             if c.seq_id in result.failed:  # its own request can never complete; the tick went on for the rest
+                self.counters.constraint_failures += 1
                 events.append(self._end(s, R.BAD_REQUEST, result.failed[c.seq_id]))
                 continue
             if c.draw < 0:

@@ -99,6 +99,7 @@ class Telemetry:
             "rejected_total": sum(self.rejected.values()),
             "rejected_by_reason": {r: self.rejected.get(r, 0) for r in R.REJECTIONS},
             "bad_frames_total": self.bad_frames_total,
+            "constraint_failures_total": c.constraint_failures,
             "client_faults_total": self.client_faults_total,
             "engine": dict(self.engine, **self._wait_percentiles()),
             "memory": dict(self.memory),

@@ -38,6 +38,8 @@ SNAPSHOT = [
     ("meshnode_weight_bytes", "gauge", "Bytes of model weights loaded.", lambda t: t["weight_bytes"]),
     ("meshnode_prompt_tokens_total", "counter", "Prompt tokens prefilled (re-prefills included).", lambda t: t["prefill_tokens_total"]),
     ("meshnode_generation_tokens_total", "counter", "Tokens generated.", lambda t: t["decode_tokens_total"]),
+    ("meshnode_constraint_failures_total", "counter", "Sessions ended BAD_REQUEST: their response_format failed "
+     "while generating.", lambda t: t["constraint_failures_total"]),
     ("meshnode_batch_occupancy", "gauge", "Sequences in the last tick's batch.", lambda t: t["batch_occupancy_last"]),
     ("meshnode_batch_occupancy_avg", "gauge", "Mean sequences per tick since start.", lambda t: t["batch_occupancy_avg"]),
     ("meshnode_batch_occupancy_max", "gauge", "Most sequences in one tick since start.", lambda t: t["batch_occupancy_max"]),
