@@ -7,8 +7,9 @@ a default system turn when none is given: llama-server renders "hi" as 31 prompt
 and their greedy answers differ). Here the template runs in jinja2's immutable sandbox (a template is data
 from the model file: no attribute access into Python, no mutation of what it is given) with what HF passes:
 `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools`, `raise_exception`, `strftime_now`
-and the `tojson` filter, and what llama-server adds: today's `date_string` and `datetime`. As llama.cpp does, a BOS the template writes is dropped where the tokenizer adds
-one itself (and an EOS at the end where it adds that): no token twice.
+and the `tojson` filter, and what llama-server adds: today's `date_string` and `datetime`. As llama.cpp
+does, a BOS the template writes is dropped where the tokenizer adds one itself (and an EOS at the end where
+it adds that): no token twice.
 """
 from __future__ import annotations
 
