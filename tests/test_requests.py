@@ -144,3 +144,14 @@ def test_an_over_limit_payload_is_answered_with_its_own_id(field, value):
     assert e.value.code == R.TOO_LARGE and e.value.id == "big-1", e.value.detail
     for junk in (b"\xc1", P.pack([1, 2]), P.pack({"id": 5}), payload[:100]):  # no id to be had: none given
         assert P.request_id([P.VERSION, junk]) is None
+
+
+def test_a_template_that_changes_around_a_content_gets_the_contents_as_sent():
+    """Where the rendering with the contents cannot be lined up with the one with placeholders (here the
+    template's head depends on the first content), every content goes in as the client sent it, as text."""
+    def heads(pairs):
+        head = "<s>" if pairs[0][1] == "hi" else ""
+        return head + "".join(CHATML.format(role=r, content=c) for r, c in pairs)
+
+    got = chat_prompt(heads, SPECIALS, [{"role": "user", "content": "hi"}])
+    assert got.parts == (500, "user\nhi", 501, "\n")

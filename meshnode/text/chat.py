@@ -44,7 +44,7 @@ class Specials:
         return [self.by_text[p] if k % 2 else p for k, p in enumerate(self.pattern.split(text))]
 
 
-def conversation(apply_template, messages: list[dict]) -> tuple[list[dict], str | None]:
+def conversation(messages: list[dict], system_role: bool = True) -> tuple[list[dict], str | None]:
     """The messages as llama-server hands them to the template, and the text it continues with:
     - `developer` is `system` (every template but gpt-oss's);
     - a template without a system role (Gemma's raises on one) gets the system text at the head of the next
@@ -52,7 +52,7 @@ def conversation(apply_template, messages: list[dict]) -> tuple[list[dict], str 
     - a conversation ending with an assistant message is a prefill: the others are rendered with the
       assistant's turn opened and that message's content follows as it is, to be continued."""
     msgs = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
-    if msgs and msgs[0]["role"] == "system" and not _has_system_role(apply_template):
+    if msgs and msgs[0]["role"] == "system" and not system_role:
         head = msgs.pop(0)
         if msgs:
             msgs[0] = {**msgs[0], "content": head["content"] + "\n" + msgs[0]["content"]}
@@ -62,8 +62,9 @@ def conversation(apply_template, messages: list[dict]) -> tuple[list[dict], str 
     return msgs, prefill
 
 
-def _has_system_role(apply_template) -> bool:
-    """llama.cpp's probe: a system message whose text the template renders."""
+def has_system_role(apply_template) -> bool:
+    """llama.cpp's probe: a system message whose text the template renders (once per template: its caller
+    keeps the answer)."""
     probe = "\ue002system probe\ue003"
     try:
         return probe in apply_template([("system", probe), ("user", "x")])
@@ -72,15 +73,16 @@ def _has_system_role(apply_template) -> bool:
 
 
 def _pieces(apply_template, messages: list[dict]) -> list:
-    """The rendered conversation as template text (str) and contents (int: the message's index), in order.
+    """The rendered conversation as template text (str) and contents ((message index, text)), in order.
     The template runs twice: with a placeholder for each content, to find where contents go, and with the
     contents themselves, to take each as the template wrote it (Llama 3's trims it, as llama-server then
-    does); where a content cannot be told apart there, it goes in as the client sent it."""
+    does); where the two cannot be lined up, every content goes in as the client sent it."""
     marked = _PLACEHOLDERS.split(apply_template([(m["role"], PLACEHOLDER.format(i)) for i, m in enumerate(messages)]))
+    as_sent = [(int(x), messages[int(x)]["content"]) if k % 2 else x for k, x in enumerate(marked)]
     real = apply_template([(m["role"], m["content"]) for m in messages])
-    out, pos = [marked[0]], len(marked[0])
     if not real.startswith(marked[0]):
-        return [marked[0], *(int(x) if k % 2 else x for k, x in enumerate(marked[1:], 1))]
+        return as_sent
+    out, pos = [marked[0]], len(marked[0])
     for k in range(1, len(marked), 2):
         i, after = int(marked[k]), marked[k + 1]
         c = messages[i]["content"]
@@ -91,18 +93,16 @@ def _pieces(apply_template, messages: list[dict]) -> list:
                 out += [(i, cand), after]
                 pos += len(cand) + len(after)
                 break
-        else:
-            out += [(i, c), after]
-            pos = -1
-            break
-    if pos == -1:  # the template did something else with a content: as sent, where the placeholders were
-        out = [marked[0], *((int(x), messages[int(x)]["content"]) if k % 2 else x for k, x in enumerate(marked[1:], 1))]
+        else:  # the template did something else with this content
+            return as_sent
     return out
 
 
-def prompt(apply_template, specials: Specials, messages: list[dict], special_in_content: bool = False) -> ChatPrompt:
-    """`apply_template([(role, content), ...]) -> str` renders; the contents come back in as text."""
-    msgs, prefill = conversation(apply_template, messages)
+def prompt(apply_template, specials: Specials, messages: list[dict], special_in_content: bool = False,
+           system_role: bool = True) -> ChatPrompt:
+    """`apply_template([(role, content), ...]) -> str` renders; the contents come back in as text.
+    `system_role`: whether the template has one (`has_system_role`)."""
+    msgs, prefill = conversation(messages, system_role)
     parts: list = []
     for piece in _pieces(apply_template, msgs):
         if isinstance(piece, str):
@@ -129,7 +129,7 @@ def _merged(parts: list) -> ChatPrompt:
     return ChatPrompt(tuple(merged))
 
 
-def render(apply_template, messages: list[dict]) -> str:
+def render(apply_template, messages: list[dict], system_role: bool = True) -> str:
     """The messages in the template as one text, contents included (what llama-server tokenizes)."""
-    msgs, prefill = conversation(apply_template, messages)
+    msgs, prefill = conversation(messages, system_role)
     return "".join(p if isinstance(p, str) else p[1] for p in _pieces(apply_template, msgs)) + (prefill or "")

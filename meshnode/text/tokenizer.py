@@ -54,6 +54,7 @@ class Tokenizer:
         self.add_bos, self.bos = lc.llama_vocab_get_add_bos(self._vocab), lc.llama_vocab_bos(self._vocab)
         special = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_USER_DEFINED | lc.LLAMA_TOKEN_ATTR_UNKNOWN
         self._template = None  # the GGUF's chat template, compiled at the first chat request
+        self._has_system = None  # whether it has a system role, probed at the first chat request
         self._specials = chat.Specials({texts[t].decode("utf-8", "replace"): t for t in range(self.n_vocab)
                                         if texts[t] and lc.llama_vocab_get_attr(self._vocab, t) & special})
 
@@ -137,12 +138,18 @@ class Tokenizer:
 
     def format_chat(self, messages: list[dict]) -> str:
         """The messages in the model's own chat template, as one text (what llama-server tokenizes)."""
-        return chat.render(self._apply_template, messages)
+        return chat.render(self._apply_template, messages, self._system_role())
 
     def chat_prompt(self, messages: list[dict], special_in_content: bool = False) -> ChatPrompt:
         """The messages in the model's chat template, its own markers as special tokens and the clients'
         content as plain text (meshnode/text/chat.py says why)."""
-        return chat.prompt(self._apply_template, self._specials, messages, special_in_content)
+        return chat.prompt(self._apply_template, self._specials, messages, special_in_content, self._system_role())
+
+    def _system_role(self) -> bool:
+        """Whether the template renders a system message (probed once)."""
+        if self._has_system is None:
+            self._has_system = chat.has_system_role(self._apply_template)
+        return self._has_system
 
     def special_prompt(self, text: str) -> ChatPrompt:
         """`text` with the vocab's special tokens it spells parsed as those tokens (llama-server's completions):
