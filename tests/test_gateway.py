@@ -594,3 +594,21 @@ def test_a_client_that_trickles_its_headers_is_closed_at_the_deadline_and_others
         gw.wait(30)
     assert closed and sent < 208, sent  # closed while its headers were still trickling in
     assert mute_closed and r.status_code == 200, r.text
+
+
+def test_a_request_that_runs_past_the_header_deadline_is_not_cut(tiny_model):
+    """The header deadline stops once the application has the request: an answer that takes 3 s or more
+    (every tick held 20 ms, 150 tokens) comes whole through a gateway whose header deadline is 1 s."""
+    port = free_tcp_port()
+    with NodeProcess(tiny_model, internal={"faults": [{"step_sleep_s": 0.02}]}) as n:
+        gw = subprocess.Popen([sys.executable, "-m", "meshnode", "gateway", "--listen", f"127.0.0.1:{port}",
+                               "--node", n.listen, "--header-timeout-s", "1"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+        try:
+            gateway_up(f"http://127.0.0.1:{port}")
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                           json={"prompt": [3, 4], "max_tokens": 150, "ignore_eos": True})
+        finally:
+            gw.terminate()
+            gw.wait(30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 150, r.text

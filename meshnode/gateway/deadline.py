@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 
 HEADER_S = 10.0  # a request's line and headers must arrive within this long of its first byte
-_WRAPPERS: dict = {}  # transport -> its Deadline, for the middleware
 
 
 class Deadline(asyncio.Protocol):
@@ -24,7 +23,6 @@ class Deadline(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        _WRAPPERS[transport] = self
         self._arm()
         self.inner.connection_made(transport)
 
@@ -38,7 +36,6 @@ class Deadline(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
-        _WRAPPERS.pop(self.transport, None)
         self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -69,7 +66,9 @@ class Deadline(asyncio.Protocol):
 
 
 def wrapper_of(transport) -> Deadline | None:
-    return _WRAPPERS.get(transport)
+    """The deadline of the connection `transport` carries: the protocol the server gave it."""
+    protocol = transport.get_protocol() if transport is not None else None
+    return protocol if isinstance(protocol, Deadline) else None
 
 
 async def serve(runner, host: str, port: int, header_s: float = HEADER_S):

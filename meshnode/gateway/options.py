@@ -2,7 +2,7 @@
 is built without it)."""
 from __future__ import annotations
 
-from ipc.transport import api_keys, exposure  # noqa: F401  (api_keys: the gateway's)
+from ipc.transport import exposure
 from meshnode.core.endpoints import host_port
 from meshnode.gateway.deadline import HEADER_S
 

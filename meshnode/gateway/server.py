@@ -18,9 +18,10 @@ import urllib.request
 from aiohttp import web
 
 from ipc import protocol as P
+from ipc.transport import api_keys
 from meshnode.core.endpoints import host_port
 from meshnode.gateway import api, deadline
-from meshnode.gateway.options import api_keys, refusal
+from meshnode.gateway.options import refusal
 from meshnode.gateway.upstream import Upstream
 
 log = logging.getLogger("meshnode.gateway")
