@@ -124,17 +124,16 @@ def _silent_sockets(endpoint: str, on, stop: threading.Event, counts: dict) -> N
     until it ends (the node closes them: at its cap, or at the handshake deadline)."""
     import socket
 
+    from ipc.transport import ipc_path
+    from meshnode.core.endpoints import host_port
+
+    path = ipc_path(endpoint)
+    where = path or host_port(endpoint[len("tcp://"):])
     held: list = []
     while not stop.is_set():
         if on.wait(0.1) and not held:
             for _ in range(SILENT_SOCKETS):
-                if endpoint.startswith("ipc://"):
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    where = endpoint[len("ipc://"):]
-                else:
-                    s = socket.socket()
-                    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-                    where = (host, int(port))
+                s = socket.socket(socket.AF_UNIX) if path else socket.socket()
                 try:
                     s.connect(where)
                 except OSError:
