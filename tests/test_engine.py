@@ -7,7 +7,7 @@ import pytest
 from helpers import generate, prompt
 from meshnode.core.costmodel import Shape, TickCost
 from meshnode.core.types import GREEDY, InvalidPlan, Keep, Plan, Sampling, SeqChunk, Share
-from meshnode.engine.drafts import Drafts
+from meshnode.engine.drafts import Lookup
 from meshnode.engine.llama import EngineConfig, LlamaEngine
 from meshnode.engine.reference import ReferenceEngine
 
@@ -25,17 +25,19 @@ def reference(tiny_model):
     return ReferenceEngine(tiny_model, n_seq_max=8)
 
 
-def test_prompt_lookup_drafts_what_followed_the_latest_pair_the_last_time_and_forgets_dropped_history():
-    d = Drafts()
-    h = [1, 2, 3, 1, 2, 4, 1]
-    assert d.propose(0, h, 7, 2) == 4  # (1, 2) was followed by 3, then by 4: the latest wins
-    assert d.propose(0, h + [2], 8, 9) == 9  # (2, 9) never came: the token itself
-    assert d.propose(1, [7], 1, 7) == 7 and d.propose(1, [], 0, 5) == 5
-    d.forget(0, keep=3)  # the sequence kept its first 3 positions (a prefix-cache Keep)
-    assert d.propose(0, [1, 2, 3, 1], 4, 2) == 3  # (1, 2) -> 4 came from the history dropped
+def test_prompt_lookup_drafts_what_followed_the_latest_longest_suffix_and_forgets_dropped_history():
+    d = Lookup()
+    h = [1, 2, 3, 1, 2, 4, 1, 2]
+    assert d.propose(0, h, 3) == [4, 1, 2]  # (1, 2) came twice, first followed by 3, then by 4: the latest
+    assert d.propose(0, h + [9], 3) == []  # (2, 9) never came: nothing to propose
+    assert d.propose(2, [5, 6, 7, 5, 6], 5) == [7, 5, 6, 7, 5]  # a repeating run repeats on through the drafts
+    assert d.propose(2, [5, 6, 7, 5, 6], 0) == [] and d.propose(1, [7], 4) == []
+    longest = Lookup()  # (3, 1, 2) came before, followed by 8; the pair (1, 2) last by 4: the longer suffix wins
+    assert longest.propose(0, [3, 1, 2, 8, 1, 2, 4, 3, 1, 2], 1) == [8]
+    d.forget(0, keep=3)  # the sequence kept its first 3 positions (a prefix-cache Keep), then went elsewhere
+    assert d.propose(0, [1, 2, 3, 1, 2], 2) == [3, 1]  # (3, 1, 2) -> 4 came from the history dropped
     d.forget(0, keep=10)  # past what was indexed: nothing to forget
-    assert d.propose(0, [1, 2, 3, 1, 2, 5], 6, 1) == 1  # (5, 1) unseen: the token; (1, 2) -> 5 now
-    assert d.propose(0, [1, 2, 3, 1, 2, 5, 1], 7, 2) == 5
+    assert d.propose(0, [1, 2, 3, 1, 2, 3, 1], 2) == [2, 3]
 
 
 def test_engine_reports_its_shape(engine):

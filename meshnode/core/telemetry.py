@@ -45,8 +45,8 @@ class Telemetry:
                     served: int = 0) -> None:
         """`gap_ms`: the engine's time between its last step and this one (from that result being
         ready to this step starting), the front + IPC cost of a tick; -1 when the engine was idle
-        and the tick is new work (a wait for clients, not us). `drafted`, `served`: rows that carried a
-        draft of their next token, and rows answered from one (meshnode/engine/drafts.py)."""
+        and the tick is new work (a wait for clients, not us). `drafted`, `served`: draft tokens verified
+        as rows, and ticks answered from right ones with no llama_decode (meshnode/engine/drafts.py)."""
         e = self.engine
         e["drafted_rows_total"] += drafted
         e["drafts_served_total"] += served

@@ -172,8 +172,8 @@ class StepResult:
     step_ms: float = 0.0
     kv_cells: int = 0  # KV cells in use after the step
     logprobs: dict = field(default_factory=dict)  # seq_id -> (sampled token's logprob, [(token, logprob)])
-    drafted: int = 0  # rows that carried a draft of their next token (engine/drafts.py)
-    served: int = 0  # rows answered from a draft the tick before had computed
+    drafted: int = 0  # draft tokens verified as rows of their sequences (engine/drafts.py)
+    served: int = 0  # tokens answered from drafts an earlier tick verified
     # seq_id -> why its response_format failed (the library's words): that session ends, the tick goes on
     failed: dict[int, str] = field(default_factory=dict)
 

@@ -1,28 +1,38 @@
-"""Draft tokens for the row deterministic mode adds beside a lone decode row.
+"""Speculative decoding in the engine: drafts verified in the tick's own llama_decode, never a changed token.
 
-A decode row alone in its run of streams gets a second row so that its matmuls take
-the same kernel as in a crowd (engine/invariant.py). That row can be the sequence's
-own next position instead of a dummy on another stream: a two-row chunk of generated
-tokens, the shape a restart already re-prefills them in, with the same bits as two
-decode rows. If the token sampled from the first row is the draft, the second row's
-logits are the next tick's, computed already: the engine answers that tick from them
-(engine/llama.py). The draft is prompt lookup: the token that followed the last time
-the sequence's two latest tokens appeared in it. A wrong draft costs what the dummy
-cost; text that repeats itself (code, quotes, lists, edits of a given text) is where
-it pays. `Drafted` is LlamaEngine's part that does it (deterministic mode, streams).
+A decoding sequence's chunk becomes its token and K drafts, rows of the same sequence at the next
+positions (on streams: one chunk, the shape a prompt or a restart's re-prefill takes). Position i is
+sampled from its own row with the draw it would have had one tick at a time (`draw + i`, penalties over
+the tokens before it), so where the drafts are right the tokens are the ones decoding one by one gives;
+in deterministic mode a row's bits do not depend on the rows beside it (engine/invariant.py), so they are
+the same bits too. The first position whose sample differs from the draft ends the run: its sample is
+still good (its row saw only right tokens), the cells after it go through the engine's one cut
+(`trim_kv`). The front asks a token a tick as before; the kept samples answer the ticks that follow
+(`Ahead`), with no llama_decode while every session in the tick is ahead.
+
+Drafts come from prompt lookup (`Lookup`: the tokens that followed the latest earlier occurrence of the
+sequence's last 2-4 tokens, prompt and output alike: llama-server's ngram-simple in small). K comes from
+the cost model (core/speculation.py) in `auto`, is the most allowed in `lookup`. A deterministic lone row
+needs a second row anyway (invariant.pads): it is always a draft (the lookup's, else the token itself).
+Not drafted: sessions with a response_format (their matcher would have to step back), prompt chunks,
+and the unified KV layout (draft cells could take cells another session was promised).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 
+from meshnode.core.speculation import MAX_DRAFTS, Acceptance, RowCost, draft_len
 from meshnode.core.types import SeqChunk, StepResult
+
+NGRAMS = (4, 3, 2)  # suffix lengths looked up, longest first
 
 
 class Ahead(NamedTuple):
-    """A sequence's next tick, computed in this one from an accepted draft: the chunk it must be
-    (one token at `pos`, `token`, draw `draw`) and what it sampled."""
+    """A tick computed already from a right draft: the chunk it must be (one token at `pos`, `token`, draw
+    `draw`) and what it sampled."""
     pos: int
     token: int
     draw: int
@@ -30,78 +40,132 @@ class Ahead(NamedTuple):
     logprobs: tuple | None
 
 
-class Drafts:
-    """Per sequence, the token that last followed each pair of tokens, indexed as the history grows."""
+class Lookup:
+    """Per sequence, where each 2-4 token run last ended (the position of the token after it), indexed as
+    the history grows."""
 
     def __init__(self):
-        self._next: dict[int, dict[tuple[int, int], int]] = {}
+        self._ends: dict[int, dict[tuple, int]] = {}
         self._upto: dict[int, int] = {}  # positions of the history indexed so far
 
-    def propose(self, seq: int, history: list[int], pos: int, token: int) -> int:
-        """The draft for position pos + 1, where `token` is the sequence's token at `pos` and `history`
-        its tokens before it (at least `pos` of them); the token itself when the pair never came before."""
-        index = self._next.setdefault(seq, {})
-        upto = self._upto.get(seq, 0)
-        for i in range(max(upto, 2), pos):
-            index[(history[i - 2], history[i - 1])] = history[i]
-        self._upto[seq] = max(upto, pos)
-        return index.get((history[pos - 1], token), token) if pos >= 1 else token
+    def propose(self, seq: int, tokens: list[int], k: int) -> list[int]:
+        """Up to k drafts to follow `tokens` (the sequence so far): what followed the latest earlier
+        occurrence of its longest indexed suffix, continued through the drafts themselves (a repeating
+        pattern repeats on); [] where no suffix came before."""
+        index = self._ends.setdefault(seq, {})
+        n = len(tokens)
+        for e in range(self._upto.get(seq, 0), n - 1):  # an end with a token after it
+            for g in NGRAMS:
+                if e + 1 >= g:
+                    index[tuple(tokens[e + 1 - g:e + 1])] = e + 1
+        self._upto[seq] = max(self._upto.get(seq, 0), n - 1)
+        q = next((index[key] for g in NGRAMS if n >= g and (key := tuple(tokens[n - g:])) in index), None)
+        if q is None or k <= 0:
+            return []
+        out: list[int] = []
+        for j in range(k):
+            i = q + j
+            out.append(tokens[i] if i < n else out[i - n])
+        return out
 
     def forget(self, seq: int, keep: int = 0) -> None:
         """The sequence's history from position `keep` on was dropped or replaced: index it again."""
-        if keep <= 0 or keep < self._upto.get(seq, 0):
-            self._next.pop(seq, None)
+        if keep <= self._upto.get(seq, 0):  # an index entry names positions up to _upto
+            self._ends.pop(seq, None)
             self._upto.pop(seq, None)
 
 
 class Drafted:
-    """The drafted row in an engine (engine/llama.py): its `_ids` (streams), `_history`, `_constraints`,
-    `n_ctx_seq`, `sample`, `_logits` and `trim_kv` (which also drops a sequence's `_ahead`)."""
+    """The drafting part of LlamaEngine (engine/llama.py): uses its `_ids` (streams), `_history`,
+    `_constraints`, `n_ctx_seq`, `n_batch`, `eog`, `sample`, `_logits` and `trim_kv` (which also drops a
+    sequence's `_ahead`)."""
 
-    def _init_drafts(self) -> None:
-        self._drafts, self._ahead = Drafts(), {}  # sequence -> Ahead: its next tick, computed from a draft
+    def _init_drafts(self, mode: str, k_max: int, k_min: int) -> None:
+        self.spec, self._k_max, self._k_min = mode, min(k_max, MAX_DRAFTS), k_min
+        self._lookup, self._ahead = Lookup(), {}  # sequence -> deque of Ahead: its next ticks, computed
+        self._acceptance: dict[int, Acceptance] = {}
+        self.row_cost = RowCost()
+        self._every_row: dict[int, SeqChunk] = {}  # this tick's drafted chunks: each of their rows is sampled
+        self._rows = 0  # rows the tick computed (padding included): what it cost is RowCost's to learn
 
-    def _draft(self, chunks: list) -> dict[int, SeqChunk]:
-        """Deterministic mode: each decode row alone in its run of streams goes with a draft of its next
-        token, its own second row instead of a dummy on another stream (engine/drafts.py)."""
-        rows = {self._ids[c.seq_id]: c for c in chunks if len(c.tokens) == 1}  # by stream
+    def _draft(self, chunks: list, pads: int) -> dict[int, SeqChunk]:
+        """The decode chunks that carry drafts this tick, by sequence, all with the same K (on streams one
+        llama_decode call takes chunks of one length). `pads`: deterministic mode's padding rows for
+        `chunks` as they are."""
+        rows = [c for c in chunks if len(c.tokens) == 1 and c.draw >= 0]
+        if not rows or self.spec == "off" or len(rows) < len(chunks) or self._ids is None:
+            return {}
+        if any(c.seq_id in self._constraints or c.sampling is not None for c in rows):
+            return {}  # a row that cannot be ahead: no tick can be skipped
+        room = min(self.n_ctx_seq - 1 - c.pos for c in rows)
+        k_max = min(self._k_max, room, (self.n_batch - len(rows)) // len(rows))
+        seen = {c.seq_id: self._history[c.seq_id][:c.pos] + [int(c.tokens[0])] for c in rows}
+        found = {c.seq_id: self._lookup.propose(c.seq_id, seen[c.seq_id], k_max) for c in rows}
+        free = 1 if pads and len(rows) == 1 else 0
+        if self.spec == "lookup":
+            k = k_max if all(found.values()) else free
+        elif not all(found.values()):
+            k = min(free, k_max)
+        else:
+            rates = [self._acceptance.setdefault(c.seq_id, Acceptance()).rate for c in rows]
+            k = draft_len(rates, len(rows) + pads, self.row_cost, k_max, self._k_min, free)
+        if k <= 0:
+            return {}
         out = {}
-        for s, c in rows.items():
-            if s - 1 in rows or s + 1 in rows or c.draw < 0 or c.pos + 1 >= self.n_ctx_seq \
-                    or c.seq_id in self._constraints:
-                continue
-            t = int(c.tokens[0])
-            d = self._drafts.propose(c.seq_id, self._history[c.seq_id], c.pos, t)
-            out[c.seq_id] = SeqChunk(c.seq_id, c.pos, np.array([t, d], np.int32), draw=c.draw)
+        for c in rows:
+            d = (found[c.seq_id] or [])[:k]
+            d += [d[-1] if d else int(c.tokens[0])] * (k - len(d))  # a short or missing lookup: a guess
+            out[c.seq_id] = SeqChunk(c.seq_id, c.pos, np.array([int(c.tokens[0]), *d], np.int32), draw=c.draw)
         return out
 
-    def _verify(self, c: SeqChunk, row: int, res: StepResult) -> None:
-        """A drafted row's token from its first row; where it is the draft, the next tick's from the second
-        (kept for it, with its cell), else the draft's cell goes."""
-        self.sample(SeqChunk(c.seq_id, c.pos, c.tokens[:1], draw=c.draw), self._logits(row - 1), res)
-        res.drafted += 1
-        if res.tokens[c.seq_id] != c.tokens[1]:
+    def _verify(self, c: SeqChunk, first: int, res: StepResult) -> None:
+        """A drafted chunk whose rows start at batch row `first`: the samples of its positions in turn while
+        each is the next draft; the first sample into `res`, the rest kept for the ticks that ask for them,
+        the cells past the last right draft cut."""
+        toks, k = c.tokens, len(c.tokens) - 1
+        self.sample(SeqChunk(c.seq_id, c.pos, toks[:1], draw=c.draw), self._logits(first), res)
+        res.drafted += k
+        if c.seq_id not in res.tokens:  # failed (no sampler can go on): nothing to keep
             self.trim_kv(c.seq_id, c.pos + 1)
             return
-        ahead = StepResult()
-        self.sample(SeqChunk(c.seq_id, c.pos, c.tokens, draw=c.draw + 1), self._logits(row), ahead)
-        self._ahead[c.seq_id] = Ahead(c.pos + 1, int(c.tokens[1]), c.draw + 1, ahead.tokens[c.seq_id],
-                                      ahead.logprobs.get(c.seq_id))
+        kept, prev, lp = deque(), res.tokens[c.seq_id], None
+        i = 0
+        while i < k and prev == toks[i + 1] and prev not in self.eog:
+            i += 1
+            step = StepResult()
+            self.sample(SeqChunk(c.seq_id, c.pos, toks[:i + 1], draw=c.draw + i), self._logits(first + i), step)
+            prev, lp = step.tokens[c.seq_id], step.logprobs.get(c.seq_id)
+            kept.append(Ahead(c.pos + i, int(toks[i]), c.draw + i, prev, lp))
+        self._acceptance.setdefault(c.seq_id, Acceptance()).record(i, k)
+        self.trim_kv(c.seq_id, c.pos + 1 + i)
+        if kept:
+            self._ahead[c.seq_id] = kept
 
     def _answered(self, chunks: list, res: StepResult) -> list:
-        """The chunks left to compute: one that is the tick a draft computed already is answered from it;
-        a sequence that went elsewhere loses the draft's cell."""
+        """The chunks left to compute: one that is a tick a draft computed already is answered from it; a
+        sequence that went elsewhere loses the kept cells."""
         left = []
         for c in chunks:
-            a = self._ahead.pop(c.seq_id, None)
-            if a is not None and len(c.tokens) == 1 and (c.pos, int(c.tokens[0]), c.draw) == a[:3] \
-                    and c.sampling is None:
+            q = self._ahead.get(c.seq_id)
+            if q is None:
+                left.append(c)
+                continue
+            a = q[0]
+            if len(c.tokens) == 1 and (c.pos, int(c.tokens[0]), c.draw) == a[:3] and c.sampling is None:
+                q.popleft()
+                if not q:
+                    del self._ahead[c.seq_id]
                 res.tokens[c.seq_id] = a.sampled
                 if a.logprobs is not None:
                     res.logprobs[c.seq_id] = a.logprobs
                 res.served += 1
                 continue
-            if a is not None:
-                self.trim_kv(c.seq_id, a.pos)
+            self.trim_kv(c.seq_id, a.pos)
             left.append(c)
         return left
+
+    def _forget_drafts(self, seq_id: int, keep: int = 0) -> None:
+        self._ahead.pop(seq_id, None)
+        self._lookup.forget(seq_id, keep)
+        if keep <= 0:
+            self._acceptance.pop(seq_id, None)

@@ -20,6 +20,7 @@ import numpy as np
 
 from meshnode.core.costmodel import llama_calls
 from meshnode.core.endpoints import host_port
+from meshnode.core.speculation import MAX_DRAFTS, MODES as SPEC_MODES, RowCost, in_effect as spec_in_effect
 from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
 from meshnode.engine import calibration, devices, invariant, llamacpp
 from meshnode.engine.base import Engine
@@ -55,6 +56,12 @@ class EngineConfig:
     gpu_layers: int | None = None
     tensor_split: tuple[float, ...] = ()
     devices: tuple[str, ...] = ()
+    # speculative decoding (meshnode/engine/drafts.py): off, lookup (always the most drafts a lookup finds),
+    # auto (as many as the cost model expects to pay, core/speculation.py); at most draft_max drafts a
+    # sequence a tick, none where fewer than draft_min would pay (llama-server's --spec-draft-n-max/-min)
+    spec: str = "auto"
+    draft_max: int = 16
+    draft_min: int = 0
 
     @cached_property
     def deterministic_problem(self) -> str:
@@ -122,6 +129,11 @@ class EngineConfig:
                              f"got {self.n_ctx} and {self.n_batch}")
         if self.type_v in QUANTIZED_KV and self.flash == "off":
             raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on)")
+        if self.spec not in SPEC_MODES:
+            raise ValueError(f"spec: must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
+        if not 0 <= self.draft_min <= self.draft_max <= MAX_DRAFTS:
+            raise ValueError(f"draft_min and draft_max: need 0 <= draft_min <= draft_max <= {MAX_DRAFTS}, got "
+                             f"{self.draft_min} and {self.draft_max}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.deterministic is True and self.deterministic_problem:
@@ -196,7 +208,7 @@ class LlamaEngine(Drafted, Engine):
         self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
         self._ran: dict[int, int] = {}  # sequence -> the step of its last chunk (streams: who is live)
         self._step_no = 0
-        self._init_drafts()
+        self._init_drafts(spec_in_effect(cfg.spec, cfg.kv_layout)[0], cfg.draft_max, cfg.draft_min)
         self._alloc_batch(self.n_batch)
         # a lone decode row gets a dummy neighbour (engine/invariant.py), but AMX's f16 kernel gives a lone row
         # the bits it has in a crowd: where all the weights are f16 in AMX buffers, try without, as checked
@@ -254,30 +266,44 @@ class LlamaEngine(Drafted, Engine):
         return calls
 
     def step(self, plan: Plan) -> StepResult:
+        self._rows = 0
         res = super().step(plan)
         if res.served == len(plan.chunks) and res.served:  # nothing computed: no tick for the cost model
             res.step_ms = 0.0
+        elif self._rows and all(len(c.tokens) == 1 for c in plan.chunks):  # decode rows (and drafts) only
+            self.row_cost.observe(self._rows, res.step_ms)
         return res
 
     def _run(self, plan: Plan) -> StepResult:
         res = StepResult()
         chunks = self._answered(plan.chunks, res) if self._ahead else plan.chunks
-        drafts = self._draft(chunks) if self.deterministic and self.pad_lone_rows and self._ids is not None else {}
+        drafts = self._draft(chunks, self._pads(chunks)) if chunks and self.spec != "off" else {}
+        self._every_row = drafts
         for call in self._groups([drafts.get(c.seq_id, c) for c in chunks] if drafts else chunks):
             rows = self._decode(call)
             if rows is None:  # no KV slot: llama.cpp rolled this call back; its sequences lost their place
                 res.cache_miss += [c.seq_id for c in call]
                 continue
+            self._rows += self._batch.n_tokens
             for c, r in zip(call, rows):  # read before the next call overwrites the logits
                 if drafts.get(c.seq_id) is c:
-                    self._verify(c, r, res)
+                    self._verify(c, r + 1 - len(c.tokens), res)
                 elif c.draw >= 0:
                     self.sample(c, self._logits(r), res)
         return res
 
+    def _pads(self, chunks: list) -> int:
+        """Deterministic mode's padding rows for these decode rows (engine/invariant.py)."""
+        if not (self.deterministic and self.pad_lone_rows and self._ids is not None):
+            return 0
+        return len(invariant.pads([self._ids[c.seq_id] for c in chunks if len(c.tokens) == 1], self.n_seq_max))
+
     def calibrate(self) -> tuple:
-        """Ticks of known shapes, timed, before the first client (meshnode/engine/calibration.py)."""
-        return calibration.calibrate(self)
+        """Ticks of known shapes, timed, before the first client (meshnode/engine/calibration.py); the ones
+        of one call are what drafting starts from (core/speculation.py, RowCost)."""
+        out = calibration.calibrate(self)
+        self.row_cost = RowCost((rows, ms) for calls, rows, *_, sized, ms in out if calls == 1 and not sized)
+        return out
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
         """Run a plan and return copies of each sampled sequence's logits (tests, the oracle check)."""
@@ -320,6 +346,8 @@ class LlamaEngine(Drafted, Engine):
             self._seq[i:i + n] = self._phys(c.seq_id)
             i += n
             self._want[i - 1] = 1 if c.draw >= 0 else 0
+            if self._every_row.get(c.seq_id) is c:  # a drafted chunk: every position is sampled
+                self._want[i - n:i] = 1
             rows.append(i - 1)
         self._batch.n_tokens = i
         return rows
@@ -388,15 +416,13 @@ class LlamaEngine(Drafted, Engine):
 
     def release_kv(self, seq_id: int) -> None:
         self._ran.pop(seq_id, None)
-        self._ahead.pop(seq_id, None)
-        self._drafts.forget(seq_id)
+        self._forget_drafts(seq_id)
         p = seq_id if self._ids is None else self._ids.drop(seq_id)
         if p is not None:
             self._lc.llama_memory_seq_rm(self._mem, p, -1, -1)
 
     def trim_kv(self, seq_id: int, n: int) -> None:
-        self._ahead.pop(seq_id, None)  # its cell is past n: a Keep never keeps more than the sequence holds
-        self._drafts.forget(seq_id, n)
+        self._forget_drafts(seq_id, n)  # kept drafts' cells are past n: a Keep keeps no more than the sequence holds
         p = seq_id if self._ids is None else self._ids.get(seq_id)
         if p is not None:
             self._lc.llama_memory_seq_rm(self._mem, p, n, -1)

@@ -50,10 +50,12 @@ SNAPSHOT = [
     ("meshnode_engine_last_tick_seconds", "gauge", "Duration of the last engine step.", lambda t: t["engine"]["last_tick_ms"] / 1e3),
     ("meshnode_engine_wait_p50_seconds", "gauge", "Engine's median wait for its next tick (front + IPC), last 1024 ticks.",
      lambda t: t["engine"]["wait_us_p50"] / 1e6),
-    ("meshnode_engine_drafted_rows_total", "counter", "Lone decode rows that carried a draft of their next token.",
-     lambda t: t["engine"]["drafted_rows_total"]),
-    ("meshnode_engine_drafts_served_total", "counter", "Tokens answered from a draft the tick before computed.",
-     lambda t: t["engine"]["drafts_served_total"]),
+    ("meshnode_engine_drafted_rows_total", "counter", "Draft tokens verified as rows of their sequence (speculative "
+     "decoding).", lambda t: t["engine"]["drafted_rows_total"]),
+    ("meshnode_engine_drafts_served_total", "counter", "Tokens answered from drafts an earlier tick verified, with no "
+     "llama_decode.", lambda t: t["engine"]["drafts_served_total"]),
+    ("meshnode_engine_draft_acceptance_ratio", "gauge", "Drafts served over drafts verified, since start.",
+     lambda t: t["engine"]["drafts_served_total"] / max(1, t["engine"]["drafted_rows_total"])),
     ("meshnode_engine_healthy", "gauge", "1 while the engine serves, 0 in a crash loop or waiting for an RPC worker.", lambda t: int(t["engine"]["healthy"])),
     ("meshnode_engine_waiting_for_worker", "gauge", "1 while an RPC worker the engine needs does not answer.",
      lambda t: int(bool(t["engine"].get("missing")))),

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 from ipc import protocol as P
 from meshnode import __version__
+from meshnode.core import speculation
 from meshnode.front.gate import open_descriptors
 from meshnode.ops.memory import rss
 
@@ -72,6 +73,8 @@ class Report:
                 "gather_ms": n.cfg.gather_ms, "max_clients_per_host": n.cfg.max_clients_per_host,
                 "cache_type_k": n.cfg.type_k, "cache_type_v": n.cfg.type_v, "kv_bytes_per_token": n.budget.kv_bytes_per_token,
                 "devices": [asdict(d) for d in n.devices]}
+        info["spec"], info["spec_problem"] = speculation.in_effect(n.cfg.spec, n.cfg.layout)
+        info["draft_max"], info["draft_min"] = n.cfg.draft_max, n.cfg.draft_min
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
         return P.status(info, snap, snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens))
 

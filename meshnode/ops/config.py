@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
 from meshnode.core.budget import ConfigError
 from meshnode.core.prefix import SCOPES
 from meshnode.core.scheduler import GATHER_SPAN
+from meshnode.core.speculation import MAX_DRAFTS, MODES as SPEC_MODES
 from meshnode.ops import realmodel
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ  # llama.cpp's own limits, defined once
 
@@ -102,6 +103,13 @@ class NodeConfig:
                                        "workers first); unset = by free memory", example="1,1")
     device: str | None = setting(None, "offload devices by llama.cpp's names (RPC0, CUDA0, ..), or none; unset = "
                                  "all", example="RPC0,RPC1")
+    spec: str = setting("auto", "speculative decoding (docs/speculative.md): auto = prompt-lookup drafts where the cost "
+                        "model expects them to pay (none on a busy node), lookup = the most drafts a lookup finds, "
+                        "off; never changes a token in deterministic mode", choices=SPEC_MODES)
+    draft_max: int = setting(16, "most draft tokens a session carries a tick (llama-server's --spec-draft-n-max)",
+                             range=(0, MAX_DRAFTS))
+    draft_min: int = setting(0, "fewest draft tokens worth a drafted tick (llama-server's --spec-draft-n-min)",
+                             range=(0, MAX_DRAFTS))
     chat_special_in_content: bool = setting(False, "text like </s> or <|im_start|> in chat content becomes that "
                                             "special token (llama-server's way: a client can inject turns; trusted "
                                             "clients only)")
@@ -263,7 +271,8 @@ class NodeConfig:
         return EngineConfig(model_path, n_seq_max=self.n_seq_max, n_ctx=self.n_ctx, n_batch=self.n_batch,
                             n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
                             flash_attn=self.flash_attn, kv_layout=self.layout, deterministic=self.deterministic,
-                            rpc=listed(self.rpc), gpu_layers=self.gpu_layers,
+                            rpc=listed(self.rpc), gpu_layers=self.gpu_layers, spec=self.spec,
+                            draft_max=self.draft_max, draft_min=self.draft_min,
                             tensor_split=tuple(_share(x) for x in listed(self.tensor_split)), devices=listed(self.device))
 
 

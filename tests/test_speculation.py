@@ -1,0 +1,54 @@
+"""The speculative-decoding policy (core/speculation.py): how many drafts a tick carries, with no engine."""
+from meshnode.core.speculation import Acceptance, RowCost, draft_len, expected_skips, in_effect
+
+CPU = RowCost([(1, 21.0), (2, 34.0), (4, 60.0), (8, 107.0), (16, 210.0)])  # a row costs about what a decode does
+GPU = RowCost([(1, 6.0), (2, 6.1), (4, 6.2), (8, 6.5), (16, 7.0), (64, 9.0), (128, 14.0)])  # rows nearly free
+
+
+def test_right_drafts_pay_where_rows_are_nearly_free_and_wrong_ones_never_do():
+    assert draft_len([0.9], 1, GPU, 16) >= 8  # a lone session on a GPU: long drafts
+    assert draft_len([0.01], 1, GPU, 16) == 0  # drafts that are hardly ever right cost rows for nothing
+    assert draft_len([0.05], 1, GPU, 16) == 1  # right 1 time in 20: one row at 2 % more pays, a second does not
+    assert draft_len([0.9], 1, GPU, 4) == 4  # never past draft_max
+    assert draft_len([0.999], 1, GPU, 16, k_min=20) == 0  # draft_min past what is allowed: no drafts
+
+
+def test_more_right_drafts_mean_more_drafts_and_more_sessions_mean_fewer():
+    ks = [draft_len([a], 1, CPU, 16) for a in (0.3, 0.6, 0.8, 0.95, 0.999)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] >= 4, ks
+    assert draft_len([0.9] * 8, 8, CPU, 16) == 0  # 8 busy sessions on a CPU: batched throughput first
+    assert draft_len([0.8] * 8, 8, GPU, 16) > 0  # ... where rows are nearly free, drafting still pays
+    assert draft_len([0.999] * 2, 2, CPU, 16) <= draft_len([0.999], 1, CPU, 16)
+
+
+def test_a_row_that_is_paid_for_anyway_carries_a_draft():
+    """Deterministic mode pads a lone decode row with a second row: one draft costs nothing."""
+    assert draft_len([0.01], 2, CPU, 16, free=1) == 1 and draft_len([0.01], 2, CPU, 0, free=1) == 0
+
+
+def test_a_tick_is_skipped_only_where_every_session_is_ahead():
+    assert expected_skips([1.0], 3) == 3.0 and expected_skips([0.5], 2) == 0.5 + 0.25
+    assert expected_skips([0.5, 0.5], 1) == 0.25 and expected_skips([], 3) == 3.0
+
+
+def test_acceptance_follows_recent_drafts_and_row_cost_interpolates():
+    a = Acceptance()
+    assert a.rate == 0.5
+    for _ in range(5):
+        a.record(8, 8)  # a copy: every draft right
+    assert a.rate > 0.95
+    for _ in range(10):
+        a.record(0, 8)  # then new text: the first draft wrong each time
+    assert a.rate < 0.2
+    assert CPU(3) == 47.0 and CPU(32) == 210.0 + 16 * (210.0 - 107.0) / 8  # between points, and past the last two
+    assert RowCost()(5) == 5.0 and RowCost([(4, 8.0)])(2) == 4.0
+    seen = RowCost([(2, 10.0)])
+    seen.observe(2, 20.0)
+    assert 10.0 < seen(2) < 20.0  # what ticks take now moves the estimate, a step at a time
+
+
+def test_drafting_needs_per_sequence_streams():
+    assert in_effect("auto", "streams") == ("auto", "")
+    mode, why = in_effect("lookup", "unified")
+    assert mode == "off" and why.startswith("spec: off on the unified KV layout")
+    assert in_effect("off", "unified") == ("off", "")
