@@ -26,7 +26,8 @@ BENCHES = {
     "gateway": "the OpenAI HTTP gateway vs the ZeroMQ client at concurrency 1 and 8, and the mix vs llama-server's HTTP",
     "memory": "RSS per decoding session and per cached conversation, KV types as budgeted vs resident, 100 cached "
               "conversations' hit rate and lookup time",
-    "drafts": "a session decoding alone: deterministic mode's drafted row, right (ceiling), wrong, and on the model, vs off",
+    "spec": "one session alone, code-edit and chat: speculative decoding auto vs off (deterministic and not) vs "
+            "llama-server's ngram-simple and ngram-mod; 8 at once, auto vs off",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }
 
@@ -53,7 +54,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "e.g. --node-args=--no-deterministic")
     p.add_argument("--sides", help="gateway: only these sides (comma-separated, e.g. 'c8 zmq,c8 http'; default all)")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
-    p.add_argument("--llama-server", help="chat, burst, structured, gateway, scale: a llama-server binary to run side by side (README, "
+    p.add_argument("--llama-server", help="chat, burst, structured, gateway, scale, spec: a llama-server binary to run side by side (README, "
                    "Benchmarks)")
     chat = p.add_argument_group("chat workload")
     chat.add_argument("--users", type=int, default=8)

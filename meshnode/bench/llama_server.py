@@ -17,12 +17,12 @@ class Stop(Exception):
 
 
 class LlamaServer:
-    def __init__(self, binary: str, model: str, threads: int, slots: int, ctx: int):
+    def __init__(self, binary: str, model: str, threads: int, slots: int, ctx: int, extra: tuple = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.cmd = [binary, "-m", model, "-np", str(slots), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
-                    "--port", str(self.port), "--no-warmup"]
+                    "--port", str(self.port), "--no-warmup", *extra]
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while True:
