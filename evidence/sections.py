@@ -38,24 +38,29 @@ def layout() -> list[str]:
     return md + ["", "A positive cost is deterministic mode slower (docs/determinism.md reads it).", ""]
 
 
-def drafts() -> list[str]:
-    d = load("drafts-bench.json")
+def spec() -> list[str]:
+    d = load("spec-bench-smollm2.json")
     if not d:
         return []
-    names = list(d["rounds"][0])
-    md = ["## A session decoding alone: deterministic mode's drafted row (bench model)", "",
-          "`meshnode bench drafts --preset bench --rounds 3 --json evidence/drafts-bench.json`, on "
-          f"{d['build']}: through fresh nodes, one session of {d['new_tokens']} tokens at a time (3 a node, their "
-          "median), deterministic mode (the lone row's second row a draft of its next token) and off (one row); "
-          "`flat` is the bench shape with all-zero output weights (every logit equal): greedy repeats one token, "
-          "so every draft is right (the ceiling); seeded draws at random, so nearly every draft is wrong (the cost "
-          "of the row, as the dummy row it replaced).", "",
-          "| side | ms a token (rounds) | drafted rows | served from a draft |", "|---|---|---|---|"]
-    for name in names:
-        runs = [r[name] for r in d["rounds"]]
-        ms = [x["ms_per_token"] for x in runs]
-        md.append(f"| {name} | {np.median(ms):.2f} ({', '.join(f'{v:.2f}' for v in ms)}) | {runs[-1]['drafted']} | "
-                  f"{runs[-1]['served']} |")
+    sides = list(d["rounds"][0])
+    md = ["## One user alone: speculative decoding vs llama-server's (SmolLM2-135M-Instruct q8_0, a real model)", "",
+          "`meshnode bench spec --model smollm2-q8_0 --llama-server PATH --rounds 3 --json "
+          f"evidence/spec-bench-smollm2.json`, on {d['build']}: one session alone, greedy, {d['new_tokens']} new "
+          "tokens, the same rendered prompt tokens to every side (code-edit: a 40-line file asked back with one "
+          f"function renamed, {d['prompt_tokens']['code-edit']} tokens; chat: a free question, "
+          f"{d['prompt_tokens']['chat']} tokens); decode tok/s from the first token to the last; crowd: 8 "
+          "code-edit sessions at once (node only). docs/speculative.md reads it.", "",
+          "| side | code-edit tok/s (rounds) | drafted / accepted | chat tok/s (rounds) | drafted / accepted "
+          "| crowd of 8 tok/s |", "|---|---|---|---|---|---|"]
+    for side in sides:
+        cells = []
+        for task in ("code-edit", "chat"):
+            xs = [r[side][task]["tok_s"] for r in d["rounds"]]
+            last = d["rounds"][-1][side][task]
+            cells.append(f"{np.median(xs):.1f} ({', '.join(f'{x:.1f}' for x in xs)})")
+            cells.append(f"{last.get('drafted', 0)} / {last.get('accepted', 0)}")
+        crowd = [r[side]["crowd"]["tok_s"] for r in d["rounds"] if "crowd" in r[side]]
+        md.append(f"| {side} | " + " | ".join(cells) + f" | {f'{np.median(crowd):.1f}' if crowd else '-'} |")
     return md + [""] + [f"- {v}" for v in d["verdicts"]] + [""]
 
 

@@ -147,6 +147,7 @@ def main(a) -> int:
                 got[side] = node_side(path, threads, NODE_SIDES[side], work, n, crowd=True)
             else:
                 got[side] = server_side(a.llama_server, path, threads, SERVER_SIDES[side], work, n)
+            print(f"  ... {side} done", flush=True)
         rounds.append(got)
         for side in sides:
             line = "  ".join(f"{task} {got[side][task]['tok_s']:6.1f} tok/s"
