@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import msgpack
 import numpy as np
 
+from ipc import chat
 from meshnode.core import reasons as R
 from meshnode.core.types import FORMATS, ResponseFormat, Sampling
 
@@ -29,9 +30,7 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_STOP_TOKENS = 64
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 MAX_LOGPROBS = 20
-MAX_MESSAGES = 1024
 MAX_FORMAT_BYTES = 64 * 1024  # a response_format's schema, regex or grammar
-ROLES = ("system", "developer", "user", "assistant", "tool")  # a role reaches the template as is: no free text
 _UNPACK = dict(max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
                max_array_len=MAX_LIST, max_map_len=64, max_ext_len=0, strict_map_key=True, raw=False,
                use_list=True)
@@ -66,9 +65,11 @@ class Submit:
     ignore_eos: bool = False
     recipe: str | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the decoded text
-    messages: list[dict] | None = None  # [{role, content}], formatted with the model's chat template
+    # [{role, content}] (+ tool_calls, tool_call_id, name: ipc/chat.py), formatted with the model's chat template
+    messages: list[dict] | None = None
     response_format: ResponseFormat | None = None  # constrained output (json schema, regex, grammar)
     special: bool = False  # `text` spells special tokens (<|im_start|>): parse them, as llama-server's completions
+    tools: list[dict] | None = None  # functions the chat template lists ([{name, description, parameters}]: ipc/chat.py)
 
 
 @dataclass
@@ -136,7 +137,7 @@ def _sampling(v, id, logprobs: int) -> Sampling:
 
 def _response_format(v, id) -> ResponseFormat | None:
     """{"type": "json_schema", "schema": {...}} | {"type": "json_object"} | {"type": "regex", "pattern": ".."}
-    | {"type": "grammar", "gbnf": ".."}: shape and size only; the constraint library judges the content."""
+    | {"type": "grammar", "gbnf": ".."} | {"type": "lark", "lark": ".."}: shape and size only; the constraint library judges the content."""
     if v is None:
         return None
     _check(isinstance(v, dict) and v.get("type") in FORMATS,
@@ -144,7 +145,7 @@ def _response_format(v, id) -> ResponseFormat | None:
     kind = v["type"]
     if kind == "json_object":
         return ResponseFormat(kind)
-    key = {"json_schema": "schema", "regex": "pattern", "grammar": "gbnf"}[kind]
+    key = {"json_schema": "schema", "regex": "pattern", "grammar": "gbnf", "lark": "lark"}[kind]
     spec = v.get(key)
     if kind == "json_schema":
         _check(isinstance(spec, (dict, bool)), "response_format.schema must be a JSON schema (a map)", id)
@@ -161,15 +162,11 @@ def _stop_strings(v, id) -> list[str]:
     return list(v)
 
 
-def _messages(v, id) -> list[dict]:
-    _check(isinstance(v, list) and 1 <= len(v) <= MAX_MESSAGES and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v),
-        f"messages must be a list of 1 to {MAX_MESSAGES} maps with string role and content", id)
-    _check(sum(len(m["content"]) + len(m["role"]) for m in v) <= MAX_TEXT_BYTES,
-           f"messages hold more than {MAX_TEXT_BYTES} characters", id)
-    bad = next((m["role"] for m in v if m["role"] not in ROLES), None)
-    _check(bad is None, f"role {bad!r} is not one of {', '.join(ROLES)}", id)
-    return [{"role": m["role"], "content": m["content"]} for m in v]
+def _chat(parse, v, id) -> list[dict]:
+    try:
+        return parse(v, MAX_TEXT_BYTES)
+    except ValueError as e:
+        raise ProtocolError(R.BAD_REQUEST, str(e), id) from None
 
 
 def request_id(frames: list[bytes]) -> str | None:
@@ -248,13 +245,15 @@ def decode_request(frames: list[bytes], n_vocab: int):
     recipe = msg.get("recipe")
     _check(recipe is None or (isinstance(recipe, str) and len(recipe) <= 256), "recipe must be a string", id)
     stops = _stop_strings(msg.get("stop") or [], id)
-    messages = _messages(msg["messages"], id) if has_msgs else None
+    messages = _chat(chat.messages, msg["messages"], id) if has_msgs else None
+    tools = _chat(chat.tools, msg["tools"], id) if msg.get("tools") is not None else None
+    _check(tools is None or has_msgs, "tools go with messages", id)
     fmt = _response_format(msg.get("response_format"), id)
     _check(fmt is None or not ignore_eos, "ignore_eos cannot be combined with response_format: a constrained "
            "answer ends when it is complete", id)
     special = msg.get("special", False)
     _check(isinstance(special, bool) and (not special or has_text), "special must be a bool, and only with text", id)
-    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special)
+    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special, tools)
 
 
 def encode_request(req) -> list[bytes]:
@@ -279,7 +278,7 @@ def _format_wire(f: ResponseFormat) -> dict:
         return {"type": f.kind}
     if f.kind == "json_schema":
         return {"type": f.kind, "schema": json.loads(f.spec)}
-    return {"type": f.kind, {"regex": "pattern", "grammar": "gbnf"}[f.kind]: f.spec}
+    return {"type": f.kind, {"regex": "pattern", "grammar": "gbnf", "lark": "lark"}[f.kind]: f.spec}
 
 
 # -- node events ----------------------------------------------------------------------

@@ -2,6 +2,7 @@
 Instruct): calls that always parse and validate against each function's schema, OpenAI's shapes streamed and
 not, the history given back, and the pure parts (gateway/tools.py) on their own."""
 import json
+import os
 
 import jsonschema
 import openai
@@ -125,3 +126,60 @@ def test_the_schema_and_the_answer_forms():
     content, calls = tools.answer(json.dumps(good))
     assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
     assert tools.answer('{"response": "hi"}') == ("hi", None) and tools.answer('{"tool_') == ('{"tool_', None)
+
+
+# -- a template's own tool format (Qwen2.5's hermes, Llama 3.1's JSON) on the tiny BPE demo model ---------
+@pytest.fixture(scope="module", params=["qwen2.5", "llama-3.1"])
+def native(request, tmp_path_factory):
+    """A gateway over a node whose model carries that family's template (random weights: what the tests
+    judge is the form, which the constraint holds whatever the weights)."""
+    from test_gateway import gateway_up
+
+    from meshnode.ops.models import make_model
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "templates", f"{request.param}.jinja")) as f:
+        source = f.read()
+    model = str(make_model(tmp_path_factory.mktemp("native") / "m.gguf", "tiny-bpe", 0, chat_template=source))
+    port = free_tcp_port()
+    with NodeProcess(model, "--http", f"127.0.0.1:{port}", "--max-active", "4") as node, node.client() as c:
+        gateway_up(f"http://127.0.0.1:{port}")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        yield request.param, c.status()["node"]["tool_format"], client
+        client.close()
+
+
+def test_a_templates_own_tool_format_is_used_and_its_calls_always_parse_and_validate(native):
+    label, form, oa = native
+    assert form == {"qwen2.5": "hermes", "llama-3.1": "llama3"}[label]
+    for seed in range(5):
+        r = oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=300)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        assert len(valid_calls(r.choices[0].message)) == 1
+    named = oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], temperature=1.0, seed=9,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                       max_tokens=300)
+    assert [c.function.name for c in valid_calls(named.choices[0].message)] == ["get_time"]
+    history = ASK + [named.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": named.choices[0].message.tool_calls[0].id, "name": "get_time",
+                      "content": "12:00"}]
+    after = oa.chat.completions.create(model="m", messages=history, tools=[WEATHER, TIME], temperature=0,
+                                       max_tokens=20)  # the template renders the call and its result its own way
+    assert after.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    assert after.usage.prompt_tokens > named.usage.prompt_tokens
+
+
+def test_the_native_forms_parse_what_their_grammars_allow():
+    hermes = tools.parse({"tools": [WEATHER, TIME], "tool_choice": "auto"}, "hermes")
+    assert hermes.constraint().kind == "lark" and "<tool_call>" in hermes.constraint().spec
+    two = '<tool_call>\n{"name":"get_time","arguments":{"zone":"UTC"}}\n</tool_call>\n<tool_call>\n' \
+          '{"name":"get_weather","arguments":{"city":"Oslo","unit":"celsius"}}\n</tool_call>'
+    content, calls = tools.answer(two, "hermes")
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert tools.answer("It is noon.", "hermes") == ("It is noon.", None)
+    content, calls = tools.answer('{"name":"get_time","parameters":{"zone":"UTC"}}', "llama3")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"zone": "UTC"}
+    assert tools.answer('{"name":"get_ti', "llama3") == ('{"name":"get_ti', None)  # cut short: the text as it is
+    wire = tools.history({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}, "hermes")
+    assert wire == {"content": "", "tool_calls": [{"id": "c1", "name": "get_time", "arguments": '{"zone": "UTC"}'}]}

@@ -4,7 +4,8 @@ node to (its templates must give the same tokens as llama-server's default, Jinj
 
 For SmolLM2-135M-Instruct (the real model the dev extra installs) and for the tiny BPE demo model carrying
 the templates in tests/data/templates/ (Llama 3.1, Qwen2.5, Mistral Nemo, Gemma 2), each conversation in
-tests/data/chat-conversations.json goes through llama-server's /apply-template, and the prompt through its
+tests/data/chat-conversations.json (and, for templates with a tool format of their own, each of
+tests/data/chat-conversations-tools.json, tools included) goes through llama-server's /apply-template, and the prompt through its
 /tokenize with special tokens parsed and BOS added where the vocab wants it: what its /v1/chat/completions
 tokenizes. Usage (llama-server built as the README says):
 
@@ -25,6 +26,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 DATA = os.path.join(ROOT, "tests", "data")
+NATIVE_TOOLS = ("qwen2.5", "llama-3.1")  # templates whose own tool format the node uses
 
 
 def models(tmp: str) -> dict[str, str]:
@@ -63,8 +65,9 @@ def record(server: str, model: str, conversations: dict) -> dict:
                 time.sleep(0.1)
         out = {}
         for shape, messages in conversations.items():
+            body = messages if isinstance(messages, dict) else {"messages": messages}  # {messages, tools}
             try:
-                prompt = post(port, "/apply-template", {"messages": messages})["prompt"]
+                prompt = post(port, "/apply-template", body)["prompt"]
             except urllib.error.HTTPError:  # the template refused the conversation: so must the node
                 out[shape] = None
                 continue
@@ -82,8 +85,11 @@ def main() -> int:
     a = p.parse_args()
     with open(os.path.join(DATA, "chat-conversations.json")) as f:
         conversations = json.load(f)
+    with open(os.path.join(DATA, "chat-conversations-tools.json")) as f:
+        with_tools = json.load(f)  # for the templates with a tool format of their own (meshnode/text/jinja.py)
     with tempfile.TemporaryDirectory() as tmp:
-        ref = {label: record(a.llama_server, path, conversations) for label, path in models(tmp).items()}
+        ref = {label: record(a.llama_server, path, conversations | (with_tools if label in NATIVE_TOOLS else {}))
+               for label, path in models(tmp).items()}
     version = subprocess.run([a.llama_server, "--version"], capture_output=True, text=True)
     ref = {"llama_server": (version.stdout + version.stderr).strip().splitlines()[0],
            "date": time.strftime("%Y-%m-%d"), "tokens": ref}  # templates print today's date (Llama 3.1)

@@ -49,7 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
                    "also unified)")
     p.add_argument("--levels", help="scale: only these concurrency levels beside llama-server (comma-separated), "
-                   "nothing else")
+                   "nothing else; overhead: the concurrency levels to run (default 8)")
     p.add_argument("--node-args", default="", help="scale --levels: more `meshnode serve` arguments for the node, "
                    "e.g. --node-args=--no-deterministic")
     p.add_argument("--sides", help="gateway: only these sides (comma-separated, e.g. 'c8 zmq,c8 http'; default all)")

@@ -29,7 +29,8 @@ from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
 from meshnode.dev.drive import run_to_completion
 from meshnode.dev.nodeproc import NodeProcess
-from meshnode.engine.llama import EngineConfig, LlamaEngine
+from meshnode.engine.llama import LlamaEngine
+from meshnode.ops.config import NodeConfig
 
 CONCURRENCY, N_JOBS = 8, 16
 # One round per order of the three sides (six), since single runs swing by 10-30% on a shared 2-core
@@ -56,9 +57,13 @@ class _Timed:
         return res
 
 
-def in_process(path: str, threads: int, work) -> dict:
-    engine = LlamaEngine(EngineConfig(path, n_seq_max=8, n_ctx=4096, n_threads=threads))
-    sched = Scheduler(NodeBudget.from_engine(engine, max_active=CONCURRENCY, max_queue=N_JOBS), engine.eog)
+def in_process(path: str, threads: int, work, concurrency: int = CONCURRENCY) -> dict:
+    """The engine as a node configures it by default (`meshnode serve --ctx 4096`: streams, deterministic
+    where it holds, speculation), driven by the same scheduler in this process."""
+    cfg = NodeConfig(model=path, ctx=4096, threads=threads, max_active=concurrency)
+    engine = LlamaEngine(cfg.engine_config(path))
+    sched = Scheduler(NodeBudget.from_engine(engine, max_active=concurrency, max_queue=N_JOBS), engine.eog,
+                      deterministic=engine.deterministic)
     timed = _Timed(engine)
     t0 = time.perf_counter()
     for sid, toks, n in work:
@@ -71,8 +76,9 @@ def in_process(path: str, threads: int, work) -> dict:
             "gen_tok_s": sum(map(len, out.values())) / wall}
 
 
-def through_node(path: str, threads: int, work, depth: int = 2, extra: tuple = (), python: str | None = None) -> dict:
-    args = ["--max-active", str(CONCURRENCY), "--max-queue", str(len(work)), "--threads", str(threads),
+def through_node(path: str, threads: int, work, depth: int = 2, extra: tuple = (), python: str | None = None,
+                 concurrency: int = CONCURRENCY) -> dict:
+    args = ["--max-active", str(concurrency), "--max-queue", str(len(work)), "--threads", str(threads),
             "--ctx", "4096", "--log-level", "WARNING", "--pipeline-depth", str(depth), *extra]
     with NodeProcess(path, *args, python=python) as node, node.client(timeout_s=600) as c:
         c.generate("warm", tokens=[3, 4, 5], max_tokens=2)  # page weights in, like the in-process engine
@@ -105,19 +111,26 @@ def _ratio_all(runs: list[dict], base: list[dict]) -> float:
 
 
 def main(a) -> int:
+    levels = [int(x) for x in (a.levels or str(CONCURRENCY)).split(",")]
+    for c in levels:
+        level(a, c, len(levels) > 1)
+    return 0
+
+
+def level(a, concurrency: int, several: bool) -> None:
     path = model_path(a)
     threads = a.threads or os.cpu_count()
     work = jobs(a.tokens)
-    sides = {"in-process": lambda: in_process(path, threads, work),
-             "node": lambda: through_node(path, threads, work, depth=2),
-             "lockstep": lambda: through_node(path, threads, work, depth=1)}
+    sides = {"in-process": lambda: in_process(path, threads, work, concurrency),
+             "node": lambda: through_node(path, threads, work, depth=2, concurrency=concurrency),
+             "lockstep": lambda: through_node(path, threads, work, depth=1, concurrency=concurrency)}
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for order in ORDERS:
         for k in order:
             runs[k].append(sides[k]())
     ips, nds, lss = runs["in-process"], runs["node"], runs["lockstep"]
     print(f"model {os.path.basename(path)}  {N_JOBS} jobs, prompts 4-100, {a.tokens} new tokens, "
-          f"concurrency {CONCURRENCY}, threads {threads}; {llama_build()}")
+          f"concurrency {concurrency}, threads {threads}; {llama_build()}")
     print("tok/s: in-process, node (pipelined, the default), node in lockstep (--pipeline-depth 1).")
     print("engine wait = the engine's time between two steps, from one result being ready to the next step "
           "starting, measured in the engine: the front + IPC cost per tick.")
@@ -151,8 +164,8 @@ def main(a) -> int:
           f"front + IPC per tick, median of the runs' p50 {wait:.0f} us "
           f"(target < 150 us: {'met' if wait < 150 else 'NOT met'})")
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"model": path, "llama_build": llama_build(), "runs": figures, "ratio_all_runs": ratio,
-                       "ratio_all_runs_lockstep": ratio_ls, "engine_wait_us_median": wait,
+        name = a.json.replace(".json", f"-c{concurrency}.json") if several else a.json
+        with open(name, "w") as fh:
+            json.dump({"model": path, "llama_build": llama_build(), "concurrency": concurrency, "runs": figures,
+                       "ratio_all_runs": ratio, "ratio_all_runs_lockstep": ratio_ls, "engine_wait_us_median": wait,
                        "lockstep_wait_us_median": wait_ls}, fh, indent=2)
-    return 0

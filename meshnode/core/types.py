@@ -42,13 +42,13 @@ class FatalEngineError(EngineError):
     fatal = True
 
 
-FORMATS = ("json_schema", "json_object", "regex", "grammar")  # response_format types (docs/protocol.md)
+FORMATS = ("json_schema", "json_object", "regex", "grammar", "lark")  # response_format types (docs/protocol.md)
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """What a session's output must match: `kind` one of FORMATS; `spec` the schema as JSON text, the regex, or
-    the GBNF grammar ("" for json_object). Checked by the constraint library before admission."""
+    """What a session's output must match: `kind` one of FORMATS; `spec` the schema as JSON text, the regex, the
+    GBNF grammar or an llguidance Lark grammar ("" for json_object). Checked by the constraint library before admission."""
 
     kind: str
     spec: str = ""

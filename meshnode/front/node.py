@@ -109,7 +109,8 @@ class Front:
         self.events = Events(self.tok, latency=self.exposition)
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
                                      self.notifier, self.budget, self.recipe, self.listen, self.telemetry_ep,
-                                     self.fd_limit, self.sched.deterministic, self.link.info.devices))
+                                     self.fd_limit, self.sched.deterministic, self.link.info.devices,
+                                     self.tok.tool_format))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
                                  special_in_content=cfg.chat_special_in_content)
         self.poller = zmq.Poller()

@@ -40,6 +40,7 @@ class Sources:
     fd_limit: int
     deterministic: bool  # in effect (the engine's start-up check may have turned it off)
     devices: tuple = ()  # core Device: where the first incarnation's llama.cpp put the model
+    tool_format: str = "generic"  # how the chat template has the model call tools (text/jinja.py)
 
 
 class Report:
@@ -74,7 +75,7 @@ class Report:
                 "cache_type_k": n.cfg.type_k, "cache_type_v": n.cfg.type_v, "kv_bytes_per_token": n.budget.kv_bytes_per_token,
                 "devices": [asdict(d) for d in n.devices]}
         info["spec"], info["spec_problem"] = speculation.in_effect(n.cfg.spec, n.cfg.layout)
-        info["draft_max"], info["draft_min"] = n.cfg.draft_max, n.cfg.draft_min
+        info["draft_max"], info["draft_min"], info["tool_format"] = n.cfg.draft_max, n.cfg.draft_min, n.tool_format
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
         return P.status(info, snap, snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens))
 

@@ -106,7 +106,7 @@ class Requests:
         prompt = self.tok.special_prompt(req.text) if req.special else req.text
         if req.messages is not None:
             try:
-                prompt = self.tok.chat_prompt(req.messages, self.special_in_content)
+                prompt = self.tok.chat_prompt(req.messages, self.special_in_content, req.tools)
             except ValueError as e:
                 return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
         d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe))

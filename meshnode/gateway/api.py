@@ -61,15 +61,16 @@ class Request:
     tools: tools.ToolUse | None = None  # the functions the answer may call (gateway/tools.py)
 
 
-def parse(body, chat: bool, model: str, new_id) -> Request:
-    """A /v1/chat/completions or /v1/completions body -> Request; ApiError(400) for what cannot be served."""
+def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") -> Request:
+    """A /v1/chat/completions or /v1/completions body -> Request; ApiError(400) for what cannot be served.
+    `tool_format`: how the node's chat template has the model call tools (gateway/tools.py)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for key in UNSUPPORTED:
         if body.get(key):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
     try:
-        use = tools.parse(body) if chat else None
+        use = tools.parse(body, tool_format) if chat else None
     except tools.ToolError as e:
         raise ApiError(400, str(e), param=e.param) from None
     if not chat and body.get("tools"):
@@ -95,15 +96,19 @@ def parse(body, chat: bool, model: str, new_id) -> Request:
                         body.get("presence_penalty", 0.0), body.get("frequency_penalty", 0.0),
                         0 if top is None else max(1, top))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    text, tokens, messages = None, None, None
+    text, tokens, messages, listed = None, None, None, None
     fmt = _response_format(body)
     if chat:
-        messages = _messages(body.get("messages"))
+        messages = _messages(body.get("messages"), tool_format)
         if use is not None:
             if fmt is not None:
                 raise ApiError(400, "response_format cannot be combined with tools: a tools answer has its own form",
                                param="response_format")
-            messages, fmt = with_tools(messages, use), ResponseFormat("json_schema", json.dumps(use.schema()))
+            fmt = use.constraint()
+            if use.form in tools.NATIVE:
+                listed = use.wire()  # the template lists them its own way
+            else:
+                messages = with_tools(messages, use)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -117,7 +122,7 @@ def parse(body, chat: bool, model: str, new_id) -> Request:
     # ignore_eos: llama-server's extension (benchmarks, load tests)
     # a completions prompt is the client's own template: special tokens it spells are parsed, as llama-server does
     submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
-                      _stop(body.get("stop")), messages, fmt, special=text is not None)
+                      _stop(body.get("stop")), messages, fmt, special=text is not None, tools=listed)
     return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model, use)
 
 
@@ -147,7 +152,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return top
 
 
-def _messages(v) -> list[dict]:
+def _messages(v, tool_format: str) -> list[dict]:
     if not isinstance(v, list) or not v:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
     out = []
@@ -155,15 +160,15 @@ def _messages(v) -> list[dict]:
         if not isinstance(m, dict):
             raise ApiError(400, "each message must be an object with role and content", param="messages")
         try:
-            earlier = tools.history(m)  # an earlier turn's tool calls or tool result, as the model sees them
+            earlier = tools.history(m, tool_format)  # an earlier turn's tool calls or tool result
         except tools.ToolError as e:
             raise ApiError(400, str(e), param=e.param) from None
-        content = m.get("content") if earlier is None else earlier
+        content = m.get("content") if earlier is None else earlier.pop("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise ApiError(400, "only text content parts are supported", param="messages")
             content = "".join(p["text"] for p in content)
-        out.append({"role": m.get("role"), "content": "" if content is None else content})
+        out.append({"role": m.get("role"), "content": "" if content is None else content, **(earlier or {})})
     return out
 
 
@@ -307,7 +312,8 @@ class Answer:
         """A tools answer, parsed once whole: `tool_calls` (finish `tool_calls`) or the response's text.
         Streamed as OpenAI streams calls: per call its index, id, type and name first, then its arguments in
         fragments."""
-        content, calls = tools.answer("".join(self.text)) if finish != "length" else ("".join(self.text), None)
+        text = "".join(self.text)
+        content, calls = tools.answer(text, self.req.tools.form) if finish != "length" else (text, None)
         finish = "tool_calls" if calls else finish
         if not self.req.stream:
             msg = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}

@@ -30,9 +30,9 @@ BODY_S = 60.0  # a request's body must arrive within this long of its headers (4
 
 class Gateway:
     def __init__(self, up: Upstream, model: str, piece=None, keys: set[bytes] | None = None, metrics_from: str = "",
-                 recipe: str = ""):
+                 recipe: str = "", tool_format: str = "generic"):
         self.up, self.model, self.piece, self.keys, self.metrics_from = up, model, piece, keys or set(), metrics_from
-        self.recipe = recipe
+        self.recipe, self.tool_format = recipe, tool_format
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_deadline, self._auth], client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
@@ -69,7 +69,7 @@ class Gateway:
             raise api.ApiError(400, "the request body is not JSON") from None
         except RecursionError:
             raise api.ApiError(400, "the request body nests deeper than this server reads") from None
-        req = api.parse(body, chat, self.model, lambda: secrets.token_hex(12))
+        req = api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format)
         if req.top_logprobs is not None and self.piece is None:
             raise api.ApiError(400, "logprobs need the model's vocabulary, which this gateway cannot read (run it "
                                     "where the model file is, or give --model)", param="logprobs")
@@ -179,13 +179,14 @@ async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
         from meshnode.text.tokenizer import Tokenizer
 
         piece = Tokenizer(path).piece
-    gw = Gateway(up, os.path.basename(node["model"]), piece, keys, a.metrics_from or "", node.get("recipe", ""))
+    gw = Gateway(up, os.path.basename(node["model"]), piece, keys, a.metrics_from or "", node.get("recipe", ""),
+                 node.get("tool_format", "generic"))
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     host, port = host_port(a.listen)
     server = await deadline.serve(runner, host, port, a.header_timeout_s)
-    log.info("meshnode gateway ready: http://%s/v1 node=%s model=%s logprobs=%s keys=%d", a.listen, endpoint,
-             gw.model, "yes" if piece else "no (no vocab)", len(keys))
+    log.info("meshnode gateway ready: http://%s/v1 node=%s model=%s logprobs=%s keys=%d tools=%s", a.listen,
+             endpoint, gw.model, "yes" if piece else "no (no vocab)", len(keys), gw.tool_format)
     stop = asyncio.Event()
     for sig in ("SIGTERM", "SIGINT"):
         asyncio.get_running_loop().add_signal_handler(getattr(__import__("signal"), sig), stop.set)

@@ -1,20 +1,31 @@
-"""OpenAI tool calling in the node's terms, with no I/O: the tools go into the system turn, the answer is
-constrained from its first token to a JSON form that is either tool calls whose arguments match each
-function's JSON schema or (with `tool_choice: auto`) a plain response, and the finished text becomes
-OpenAI's `tool_calls`.
+"""OpenAI tool calling in the node's terms, with no I/O: the tools are shown to the model, its answer is
+constrained from its first token to calls whose arguments match each function's JSON schema or (with
+`tool_choice: auto`) plain text, and the finished text becomes OpenAI's `tool_calls`.
 
-The form is this gateway's own generic one (llama-server's generic handler is the model: a JSON object,
-the tools listed in the system turn), used for every model: a template's own tool syntax differs from
-family to family, while a constrained JSON answer parses on any model, a 135M one included:
+Where the model's chat template has its own tool format (the node's `status.node.tool_format`, told by
+meshnode/text/jinja.py), that format is used, as llama-server does: the tools, earlier calls and results go
+to the template as structured data and it lists them its own way, and the answer is constrained to the
+format the model was trained on (an llguidance Lark grammar with the functions' schemas inline):
+  hermes (Qwen2.5, Hermes 2 Pro):  <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>  (one or more)
+  llama3 (Llama 3.1-3.3):          {"name": "f", "parameters": {...}}                               (one)
+Elsewhere the form is this gateway's own generic one (llama-server's generic handler is the model), the
+tools listed in the system turn, a JSON answer that parses on any model, a 135M one included:
   {"tool_calls": [{"name": "<function>", "arguments": {...}}, ...]}    or    {"response": "<text>"}
-Earlier turns are given back in the same form: an assistant message's `tool_calls` as that JSON, a `tool`
+with earlier turns given back in that form: an assistant message's `tool_calls` as that JSON, a `tool`
 message's result as {"tool_response": {"tool_call_id", "name", "content"}}.
 """
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
+
+from meshnode.core.types import ResponseFormat
+
+NATIVE = {"hermes": "arguments", "llama3": "parameters"}  # the key a format's call holds its arguments under
+NO_WHITESPACE = {"x-guidance": {"whitespace_flexible": False}}  # compact JSON, as text/constraints.py asks
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 class ToolError(ValueError):
@@ -30,15 +41,37 @@ class ToolUse:
     functions: tuple  # ({name, description, parameters}, ...)
     choice: str  # "auto", "required", or the one function's name
     parallel: bool
+    form: str = "generic"  # the template's tool format (module docstring)
+
+    def _call(self, key: str = "arguments") -> dict:
+        """The JSON schema of one call of an allowed function, its arguments under `key`."""
+        allowed = [f for f in self.functions if self.choice in ("auto", "required") or f["name"] == self.choice]
+        items = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+                  "required": ["name", key], "additionalProperties": False} for f in allowed]
+        return items[0] if len(items) == 1 else {"anyOf": items}
+
+    def constraint(self) -> ResponseFormat:
+        """What the answer is held to, from its first token."""
+        if self.form not in NATIVE:
+            return ResponseFormat("json_schema", json.dumps(self.schema()))
+        call = json.dumps({**self._call(NATIVE[self.form]), **NO_WHITESPACE})
+        if self.form == "hermes":
+            rules = [f"call: \"<tool_call>\\n\" %json {call} \"\\n</tool_call>\"",
+                     "calls: call (\"\\n\" call)*" if self.parallel else "calls: call", "TEXT: /[^<](?s:.)*/"]
+        else:  # llama3: one call, a bare JSON object
+            rules = [f"calls: %json {call}", "TEXT: /[^{](?s:.)*/"]
+        start = "start: calls | TEXT" if self.choice == "auto" else "start: calls"
+        return ResponseFormat("lark", "\n".join([start, *rules]))
+
+    def wire(self) -> list[dict]:
+        """The functions as the node's submit carries them for the template (ipc/chat.py)."""
+        return [{"name": f["name"], **({} if f["description"] is None else {"description": f["description"]}),
+                 "parameters": json.dumps(f["parameters"])} for f in self.functions]
 
     def schema(self) -> dict:
-        """The JSON schema every answer of this request matches."""
-        allowed = [f for f in self.functions if self.choice in ("auto", "required") or f["name"] == self.choice]
-        items = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                   "arguments": f["parameters"]},
-                  "required": ["name", "arguments"], "additionalProperties": False} for f in allowed]
+        """The JSON schema every answer of this request matches (the generic form)."""
         calls = {"type": "object", "properties": {"tool_calls": {
-            "type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1,
+            "type": "array", "items": self._call(), "minItems": 1,
             **({} if self.parallel else {"maxItems": 1})}}, "required": ["tool_calls"], "additionalProperties": False}
         if self.choice != "auto":
             return calls
@@ -47,7 +80,7 @@ class ToolUse:
         return {"anyOf": [calls, text]}
 
     def system_text(self) -> str:
-        listed = json.dumps([{"name": f["name"], "description": f.get("description", ""),
+        listed = json.dumps([{"name": f["name"], "description": f["description"] or "",
                               "parameters": f["parameters"]} for f in self.functions], ensure_ascii=False)
         how = ('To call tools, answer with JSON only: {"tool_calls": [{"name": "<tool name>", "arguments": '
                '{<arguments matching its parameters>}}]}.')
@@ -58,8 +91,9 @@ class ToolUse:
         return f"You can call the following tools: {listed}\n{how}"
 
 
-def parse(body: dict) -> ToolUse | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request; None where no tool may be called."""
+def parse(body: dict, form: str = "generic") -> ToolUse | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of a chat request; None where no tool may be called.
+    `form`: the template's tool format (the node says which)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -75,7 +109,10 @@ def parse(body: dict) -> ToolUse | None:
         params = f.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ToolError(f"tool {f['name']}: parameters must be a JSON schema object", "tools")
-        functions.append({"name": f["name"], "description": str(f.get("description") or ""), "parameters": params})
+        desc = f.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise ToolError(f"tool {f['name']}: description must be a string", "tools")
+        functions.append({"name": f["name"], "description": desc, "parameters": params})
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise ToolError("tool names must be unique", "tools")
@@ -83,18 +120,19 @@ def parse(body: dict) -> ToolUse | None:
     if not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if choice in (None, "auto", "required", "none"):
-        return None if choice == "none" else ToolUse(tuple(functions), choice or "auto", parallel)
+        return None if choice == "none" else ToolUse(tuple(functions), choice or "auto", parallel, form)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         else None
     if named not in names:
         raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                         '{"name": <one of the tools>}}', "tool_choice")
-    return ToolUse(tuple(functions), named, parallel)
+    return ToolUse(tuple(functions), named, parallel, form)
 
 
-def history(message: dict) -> str | None:
-    """An earlier turn's tool calls or tool result as the text the model sees (the generic form); None for
-    a message that has neither."""
+def history(message: dict, form: str = "generic") -> dict | None:
+    """An earlier turn's tool calls or tool result as the node gets it: in the generic form, its content as the
+    text the model sees; in a template's own format, the fields the template reads (ipc/chat.py's wire shape).
+    None for a message that has neither."""
     if message.get("role") == "assistant" and message.get("tool_calls"):
         calls = []
         for c in message["tool_calls"]:
@@ -105,26 +143,52 @@ def history(message: dict) -> str | None:
                 args = json.loads(f.get("arguments") or "{}")
             except (TypeError, ValueError):
                 raise ToolError(f"tool call {f['name']}: arguments must be a JSON string", "messages") from None
-            calls.append({"name": f["name"], "arguments": args})
-        return json.dumps({"tool_calls": calls}, ensure_ascii=False)
+            calls.append({"id": str(c.get("id") or ""), "name": f["name"], "arguments": args})
+        if form in NATIVE:
+            return {"content": message.get("content") or "", "tool_calls": [
+                {**c, "arguments": json.dumps(c["arguments"], ensure_ascii=False)} for c in calls]}
+        return {"content": json.dumps({"tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in calls]},
+                                      ensure_ascii=False)}
     if message.get("role") == "tool":
-        return json.dumps({"tool_response": {"tool_call_id": message.get("tool_call_id", ""),
-                                             "name": message.get("name", ""), "content": message.get("content")}},
-                          ensure_ascii=False)
+        if form in NATIVE:
+            return {"content": message.get("content"), **{k: str(message[k]) for k in ("tool_call_id", "name")
+                                                          if message.get(k) is not None}}
+        return {"content": json.dumps({"tool_response": {"tool_call_id": message.get("tool_call_id", ""),
+                                                         "name": message.get("name", ""),
+                                                         "content": message.get("content")}}, ensure_ascii=False)}
     return None
 
 
-def answer(text: str) -> tuple[str | None, list[dict] | None]:
+def answer(text: str, form: str = "generic") -> tuple[str | None, list[dict] | None]:
     """A finished, constrained answer -> (content, None) or (None, OpenAI's tool_calls); (text, None) where it
     is not the form (cut short by max_tokens)."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return text, None
-    if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
-        return None, [{"id": "call_" + secrets.token_hex(12), "type": "function",
-                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                      for c in obj["tool_calls"]]
+    if form == "hermes":
+        found = [_loaded(x) for x in _HERMES_CALL.findall(text)]
+        calls = [(c["name"], c["arguments"]) for c in found if _is_call(c, "arguments")]
+        return (None, _openai(calls)) if calls and len(calls) == len(found) else (text, None)
+    if form == "llama3":
+        c = _loaded(text.strip()) if text.lstrip().startswith("{") else None
+        return (None, _openai([(c["name"], c["parameters"])])) if _is_call(c, "parameters") else (text, None)
+    obj = _loaded(text)
+    if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list) \
+            and all(_is_call(c, "arguments") for c in obj["tool_calls"]):
+        return None, _openai([(c["name"], c["arguments"]) for c in obj["tool_calls"]])
     if isinstance(obj, dict) and isinstance(obj.get("response"), str):
         return obj["response"], None
     return text, None
+
+
+def _loaded(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _is_call(c, key: str) -> bool:
+    return isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get(key), dict)
+
+
+def _openai(calls: list[tuple[str, dict]]) -> list[dict]:
+    return [{"id": "call_" + secrets.token_hex(12), "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}} for name, args in calls]

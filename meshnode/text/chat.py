@@ -12,6 +12,7 @@ llama-server's. `special_in_content` is llama-server's behaviour, for a node who
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ def conversation(messages: list[dict], system_role: bool = True) -> tuple[list[d
       message, or nothing where it stands alone;
     - a conversation ending with an assistant message is a prefill: the others are rendered with the
       assistant's turn opened and that message's content follows as it is, to be continued."""
-    msgs = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+    msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
     if msgs and msgs[0]["role"] == "system" and not system_role:
         head = msgs.pop(0)
         if msgs:
@@ -67,7 +68,7 @@ def has_system_role(apply_template) -> bool:
     keeps the answer)."""
     probe = "\ue002system probe\ue003"
     try:
-        return probe in apply_template([("system", probe), ("user", "x")])
+        return probe in apply_template([{"role": "system", "content": probe}, {"role": "user", "content": "x"}])
     except ValueError:
         return False
 
@@ -77,9 +78,9 @@ def _pieces(apply_template, messages: list[dict]) -> list:
     The template runs twice: with a placeholder for each content, to find where contents go, and with the
     contents themselves, to take each as the template wrote it (Llama 3's trims it, as llama-server then
     does); where the two cannot be lined up, every content goes in as the client sent it."""
-    marked = _PLACEHOLDERS.split(apply_template([(m["role"], PLACEHOLDER.format(i)) for i, m in enumerate(messages)]))
+    marked = _PLACEHOLDERS.split(apply_template([{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(messages)]))
     as_sent = [(int(x), messages[int(x)]["content"]) if k % 2 else x for k, x in enumerate(marked)]
-    real = apply_template([(m["role"], m["content"]) for m in messages])
+    real = apply_template(messages)
     if not real.startswith(marked[0]):
         return as_sent
     out, pos = [marked[0]], len(marked[0])
@@ -99,9 +100,18 @@ def _pieces(apply_template, messages: list[dict]) -> list:
 
 
 def prompt(apply_template, specials: Specials, messages: list[dict], special_in_content: bool = False,
-           system_role: bool = True) -> ChatPrompt:
-    """`apply_template([(role, content), ...]) -> str` renders; the contents come back in as text.
-    `system_role`: whether the template has one (`has_system_role`)."""
+           system_role: bool = True, tools: list | None = None) -> ChatPrompt:
+    """`apply_template([{role, content, ...}, ...]) -> str` renders; the contents come back in as text.
+    `system_role`: whether the template has one (`has_system_role`). Tool calls, tool results' ids and the
+    tools the template lists are its text, searched for special tokens: one that spells a special token is
+    refused (unless `special_in_content`), as a content spelling one would be a turn of its own."""
+    if not special_in_content and specials.pattern is not None:
+        spelled = specials.pattern.search(json.dumps([tools, [{k: v for k, v in m.items() if k != "content"}
+                                                              for m in messages]], ensure_ascii=False))
+        if spelled:
+            raise ValueError(f"a tool, tool call or tool result id spells the special token {spelled.group(0)!r}, "
+                             "which the template's text would turn into that token; this node keeps clients' "
+                             "text literal (chat_special_in_content)")
     msgs, prefill = conversation(messages, system_role)
     parts: list = []
     for piece in _pieces(apply_template, msgs):

@@ -60,6 +60,8 @@ class Constraints:
                 text = M.grammar_from_json_schema(JSON_OBJECT, defaults=JSON_OPTIONS)
             elif fmt.kind == "regex":
                 text = M.grammar_from_regex(fmt.spec)
+            elif fmt.kind == "lark":
+                text = M.grammar_from_lark(fmt.spec)
             else:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 

@@ -19,6 +19,22 @@ from datetime import datetime
 now = datetime.now  # the clock the template's dates come from (tests set the day a reference was recorded)
 
 
+TOOL_FORMATS = ("generic", "hermes", "llama3")
+
+
+def tool_format(source: str) -> str:
+    """How a template has its model call tools, told by what it writes (llama-server's chat handlers tell them
+    the same way): `hermes` (Qwen2.5, Hermes 2 Pro: `<tool_call>{"name", "arguments"}</tool_call>`), `llama3`
+    (Llama 3.1-3.3: a JSON object `{"name", "parameters"}`), else `generic` (the gateway's own JSON form, the
+    tools in the system turn: gateway/tools.py), which also serves templates whose calls open with a control
+    token (Mistral's `[TOOL_CALLS]`)."""
+    if "<tool_call>" in source and "tools" in source:
+        return "hermes"
+    if "<|python_tag|>" in source or ("ipython" in source and '"parameters"' in source and "tools" in source):
+        return "llama3"
+    return "generic"
+
+
 class TemplateError(ValueError):
     """The template could not render these messages (its own `raise_exception`, or a Jinja error): the
     request is refused with these words, never guessed at."""

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterator
 
 from meshnode.engine import llamacpp
-from meshnode.text import chat
+from meshnode.text import chat, jinja
 from meshnode.text.chat import ChatPrompt
 from meshnode.text.jinja import ChatTemplate
 
@@ -140,10 +140,18 @@ class Tokenizer:
         """The messages in the model's own chat template, as one text (what llama-server tokenizes)."""
         return chat.render(self._apply_template, messages, self._system_role())
 
-    def chat_prompt(self, messages: list[dict], special_in_content: bool = False) -> ChatPrompt:
+    def chat_prompt(self, messages: list[dict], special_in_content: bool = False,
+                    tools: list | None = None) -> ChatPrompt:
         """The messages in the model's chat template, its own markers as special tokens and the clients'
-        content as plain text (meshnode/text/chat.py says why)."""
-        return chat.prompt(self._apply_template, self._specials, messages, special_in_content, self._system_role())
+        content as plain text (meshnode/text/chat.py says why); `tools` (ipc/chat.py's shape) listed by it."""
+        return chat.prompt(lambda msgs: self._apply_template(msgs, tools), self._specials, messages,
+                           special_in_content, self._system_role(), tools)
+
+    @property
+    def tool_format(self) -> str:
+        """How the model's template has it call tools (meshnode/text/jinja.py, `tool_format`)."""
+        src = self._lc.llama_model_chat_template(self._model, None)
+        return jinja.tool_format(src.decode("utf-8", "replace") if src else "")
 
     def _system_role(self) -> bool:
         """Whether the template renders a system message (probed once)."""
@@ -156,9 +164,9 @@ class Tokenizer:
         for a client that templates its own prompts, where every character of it is its own."""
         return chat.parsed(self._specials, text)
 
-    def _apply_template(self, messages: list[tuple[str, str]]) -> str:
-        """The GGUF's own `tokenizer.chat_template` run over (role, content) pairs, the assistant's turn
-        opened (meshnode/text/jinja.py). ValueError, in a sentence, when there is none or it fails."""
+    def _apply_template(self, messages: list[dict], tools: list | None = None) -> str:
+        """The GGUF's own `tokenizer.chat_template` run over the messages, the assistant's turn opened
+        (meshnode/text/jinja.py). ValueError, in a sentence, when there is none or it fails."""
         if self._template is None:
             src = self._lc.llama_model_chat_template(self._model, None)
             if not src:
@@ -166,7 +174,7 @@ class Tokenizer:
             self._template = ChatTemplate(src.decode("utf-8", "replace"), self._special_text(self.bos),
                                           self._special_text(self._lc.llama_vocab_eos(self._vocab)), self.add_bos,
                                           self._lc.llama_vocab_get_add_eos(self._vocab))
-        return self._template.render([{"role": r, "content": c} for r, c in messages])
+        return self._template.render(messages, tools)
 
     def _special_text(self, token: int) -> str:
         """A control token's own text (<|im_start|>, <s>), as the template's bos_token / eos_token."""
