@@ -14,8 +14,8 @@ CHATML = "<|im_start|>{role}\n{content}<|im_end|>\n"
 SPECIALS = Specials({"<s>": 1, "</s>": 2, "<|im_start|>": 500, "<|im_end|>": 501})
 
 
-def apply_chatml(pairs):
-    return "".join(CHATML.format(role=r, content=c) for r, c in pairs) + "<|im_start|>assistant\n"
+def apply_chatml(messages):
+    return "".join(CHATML.format(**m) for m in messages) + "<|im_start|>assistant\n"
 
 
 class Tok:
@@ -25,7 +25,7 @@ class Tok:
     def min_tokens(self, p):
         return max(1, len(p) // 4)
 
-    def chat_prompt(self, messages, special_in_content=False):
+    def chat_prompt(self, messages, special_in_content=False, tools=None):
         return chat_prompt(apply_chatml, SPECIALS, messages, special_in_content)
 
 
@@ -149,9 +149,9 @@ def test_an_over_limit_payload_is_answered_with_its_own_id(field, value):
 def test_a_template_that_changes_around_a_content_gets_the_contents_as_sent():
     """Where the rendering with the contents cannot be lined up with the one with placeholders (here the
     template's head depends on the first content), every content goes in as the client sent it, as text."""
-    def heads(pairs):
-        head = "<s>" if pairs[0][1] == "hi" else ""
-        return head + "".join(CHATML.format(role=r, content=c) for r, c in pairs)
+    def heads(messages):
+        head = "<s>" if messages[0]["content"] == "hi" else ""
+        return head + "".join(CHATML.format(**m) for m in messages)
 
     got = chat_prompt(heads, SPECIALS, [{"role": "user", "content": "hi"}])
     assert got.parts == (500, "user\nhi", 501, "\n")
