@@ -129,7 +129,8 @@ def main() -> int:
                f"Llama.generate serialized: {peers['serial_tok_s']:.1f} tok/s; the node at concurrency 8: "
                f"{peers['node_tok_s']:.1f} tok/s: **{peers['ratio']:.2f}x** (target >= 2.0x). "
                f"Greedy tokens identical for {peers['identical_jobs']}/{peers['jobs']} jobs.", ""]
-    md += sections.burst() + sections.ticks() + sections.layout() + sections.spec() + sections.chat() + sections.sampling()
+    md += sections.burst() + sections.ticks() + sections.layout() + sections.spec() + sections.chat()
+    md += sections.sampling()
     md += sections.abuse()
     md += sections.rpc()
     md += sections.structured()

@@ -109,12 +109,16 @@ def node_side(path: str, threads: int, args: tuple, work: dict, n: int, crowd: b
                          "accepted": e["drafts_served_total"] - before["drafts_served_total"]}
         if crowd:
             keys = [k for k in work if k.startswith("crowd")]
+            before = c.status()["telemetry"]["engine"]
             t0 = time.monotonic()
             for k in keys:
                 c.submit(k, tokens=work[k], max_tokens=n, ignore_eos=True)
             got = c.collect(keys)
+            e = c.status()["telemetry"]["engine"]
             out["crowd"] = {"tok_s": sum(len(g.tokens) for g in got.values()) / (time.monotonic() - t0),
-                            "tokens": [got[k].tokens for k in keys]}
+                            "tokens": [got[k].tokens for k in keys],
+                            "drafted": e["drafted_rows_total"] - before["drafted_rows_total"],
+                            "accepted": e["drafts_served_total"] - before["drafts_served_total"]}
     return out
 
 
@@ -154,7 +158,8 @@ def main(a) -> int:
                              + (f" (drafted {got[side][task]['drafted']}, accepted {got[side][task]['accepted']})"
                                 if got[side][task].get("drafted") else "")
                              for task in ("code-edit", "chat"))
-            crowd = f"  crowd of 8 {got[side]['crowd']['tok_s']:6.1f} tok/s" if "crowd" in got[side] else ""
+            cr = got[side].get("crowd")
+            crowd = f"  crowd of 8 {cr['tok_s']:6.1f} tok/s (drafted {cr.get('drafted', 0)})" if cr else ""
             print(f"  round {r + 1} {side:<27} {line}{crowd}", flush=True)
     verdicts = summary(rounds, sides)
     for line in verdicts:
