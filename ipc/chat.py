@@ -50,15 +50,14 @@ def messages(v, max_chars: int) -> list[dict]:
 def tools(v, max_chars: int) -> list[dict]:
     out, chars = [], 0
     for t in _listed(v, MAX_TOOLS, "tools"):
-        name, params, desc = t.get("name"), t.get("parameters", "{}"), t.get("description")
-        if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS and isinstance(desc, (str, type(None)))):
+        name, params, desc = t.get("name"), t.get("parameters", "{}"), t.get("description", "")
+        if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS and isinstance(desc, str)):
             raise ValueError(f"each tool needs a name of 1 to {MAX_NAME_CHARS} characters and a string description")
         schema = _json(params, f"tool {name}: parameters")
         if not isinstance(schema, dict):
             raise ValueError(f"tool {name}: parameters must be a JSON schema object")
-        chars += len(name) + len(desc or "") + len(params)
-        described = {} if desc is None else {"description": desc}  # absent stays absent, as the client sent it
-        out.append({"type": "function", "function": {"name": name, **described, "parameters": schema}})
+        chars += len(name) + len(desc) + len(params)  # an absent description is "", as llama-server lists it
+        out.append({"type": "function", "function": {"name": name, "description": desc, "parameters": schema}})
     if chars > max_chars:
         raise ValueError(f"tools hold more than {max_chars} characters")
     names = [t["function"]["name"] for t in out]

@@ -65,8 +65,8 @@ class ToolUse:
 
     def wire(self) -> list[dict]:
         """The functions as the node's submit carries them for the template (ipc/chat.py)."""
-        return [{"name": f["name"], **({} if f["description"] is None else {"description": f["description"]}),
-                 "parameters": json.dumps(f["parameters"])} for f in self.functions]
+        return [{"name": f["name"], "description": f["description"] or "", "parameters": json.dumps(f["parameters"])}
+                for f in self.functions]
 
     def schema(self) -> dict:
         """The JSON schema every answer of this request matches (the generic form)."""

@@ -77,8 +77,11 @@ def _pieces(apply_template, messages: list[dict]) -> list:
     """The rendered conversation as template text (str) and contents ((message index, text)), in order.
     The template runs twice: with a placeholder for each content, to find where contents go, and with the
     contents themselves, to take each as the template wrote it (Llama 3's trims it, as llama-server then
-    does); where the two cannot be lined up, every content goes in as the client sent it."""
-    marked = _PLACEHOLDERS.split(apply_template([{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(messages)]))
+    does; Llama 3.1 writes a tool result `tojson`, escaped); where the two cannot be lined up, every content
+    goes in as the client sent it. An empty content stays empty: templates test it (Qwen2.5 opens a turn of
+    tool calls with a newline only where there is text)."""
+    marked = _PLACEHOLDERS.split(apply_template([{**m, "content": PLACEHOLDER.format(i) if m["content"] else ""}
+                                                 for i, m in enumerate(messages)]))
     as_sent = [(int(x), messages[int(x)]["content"]) if k % 2 else x for k, x in enumerate(marked)]
     real = apply_template(messages)
     if not real.startswith(marked[0]):
@@ -88,7 +91,7 @@ def _pieces(apply_template, messages: list[dict]) -> list:
         i, after = int(marked[k]), marked[k + 1]
         c = messages[i]["content"]
         last = k + 2 >= len(marked)
-        for cand in dict.fromkeys((c, c.strip(), c.rstrip(), c.lstrip())):
+        for cand in dict.fromkeys((c, c.strip(), c.rstrip(), c.lstrip(), json.dumps(c, ensure_ascii=False)[1:-1])):
             rest = real[pos + len(cand):]
             if real.startswith(cand, pos) and (rest == after if last else rest.startswith(after)):
                 out += [(i, cand), after]
