@@ -285,6 +285,37 @@ def test_speculative_drafts_right_or_wrong_leave_a_session_bitwise_the_same_alon
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["greedy", "seeded"])
+def test_a_draft_models_drafts_leave_a_session_bitwise_the_same(models, problems, how):
+    """A q8_0 copy drafting for the f32 model (llama-server's -md): its guesses are checked like any draft,
+    so the session is the one it is with speculation off, alone and in a crowd across a restart."""
+    holding(problems, "f32", models)
+    cfg = EngineConfig(models["f32"], n_seq_max=8, n_ctx=4096, n_batch=512, n_threads=1, kv_layout="streams",
+                       deterministic=True, draft_model=models["q8_0"], spec="draft", draft_max=4)
+    with LlamaEngine(cfg) as e:
+        q, answer = history(e)
+        p = q + answer
+        served = Counter()
+        step = e.step
+        e.step = lambda plan: (r := step(plan), served.update(n=r.served, drafted=r.drafted))[0]
+        e.spec = "off"
+        off = scenario(e, p, SAMPLINGS[how])
+        assert served["drafted"] == 0
+        e.spec = "draft"
+        for got in (scenario(e, p, SAMPLINGS[how]), scenario(e, p, SAMPLINGS[how], crowd=2, restart_after=5)):
+            assert got["tokens"] == off["tokens"] and got["logprobs"] == off["logprobs"]
+    assert served["n"] >= 10 and served["drafted"] >= 4 * 39, served  # a q8_0 copy guesses the f32 model well
+
+
+def test_a_draft_model_with_another_vocab_is_refused_in_one_line(models, tmp_path):
+    other = str(make_model(tmp_path / "bpe.gguf", "tiny-bpe", 0))
+    with pytest.raises(FatalEngineError, match="cannot draft for this model: token 0 is .* there, '<unk>' here"):
+        LlamaEngine(EngineConfig(models["f32"], n_seq_max=2, n_ctx=512, kv_layout="streams", draft_model=other))
+    with pytest.raises(ValueError, match="spec: draft needs a draft model"):
+        EngineConfig(models["f32"], kv_layout="streams", spec="draft").validate()
+
+
+@pytest.mark.slow
 def test_without_deterministic_mode_speculation_keeps_the_sampler_and_its_draws(models, monkeypatch):
     """Off deterministic mode a drafted chunk's rows may differ in their last bits from one-at-a-time decoding
     (llama.cpp's kernels), so a seeded session may part where a draw lands within rounding of a boundary; the

@@ -26,6 +26,7 @@ BENCHES = {
     "gateway": "the OpenAI HTTP gateway vs the ZeroMQ client at concurrency 1 and 8, and the mix vs llama-server's HTTP",
     "memory": "RSS per decoding session and per cached conversation, KV types as budgeted vs resident, 100 cached "
               "conversations' hit rate and lookup time",
+    "rows": "what a tick of one sequence's 1-48 rows costs (the price of K drafts), deterministic and not",
     "spec": "one session alone, code-edit and chat: speculative decoding auto vs off (deterministic and not) vs "
             "llama-server's ngram-simple and ngram-mod; 8 at once, auto vs off",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
@@ -52,7 +53,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "nothing else; overhead: the concurrency levels to run (default 8)")
     p.add_argument("--node-args", default="", help="scale --levels: more `meshnode serve` arguments for the node, "
                    "e.g. --node-args=--no-deterministic")
-    p.add_argument("--sides", help="gateway: only these sides (comma-separated, e.g. 'c8 zmq,c8 http'; default all)")
+    p.add_argument("--sides", help="gateway, spec: only these sides (comma-separated, e.g. 'c8 zmq,c8 http'; default all)")
+    p.add_argument("--draft-model", help="spec: a draft model (a GGUF or a packaged name) for the node's and "
+                   "llama-server's draft sides")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
     p.add_argument("--llama-server", help="chat, burst, structured, gateway, scale, spec: a llama-server binary to run side by side (README, "
                    "Benchmarks)")

@@ -142,15 +142,25 @@ def main(a) -> int:
     print(f"bench spec: {os.path.basename(path)}, one session alone, greedy, {n} new tokens; code-edit prompt "
           f"{len(work['code-edit'])} tokens, chat {len(work['chat'])}; threads {threads}, {a.rounds} rounds; "
           f"{llama_build()}", flush=True)
-    sides = list(NODE_SIDES) + (list(SERVER_SIDES) if a.llama_server else [])
+    node_sides, server_sides = dict(NODE_SIDES), dict(SERVER_SIDES)
+    if a.draft_model:  # the model's draft (llama-server's -md) beside the lookup
+        from meshnode.ops import realmodel
+
+        draft = str(realmodel.real_model(a.draft_model)) if a.draft_model in realmodel.NAMES else a.draft_model
+        node_sides["node det, draft model"] = ("--spec", "draft", "--draft-model", draft)
+        node_sides["node det, auto + draft model"] = ("--spec", "auto", "--draft-model", draft)
+        server_sides["llama-server, draft model"] = ("-md", draft, "--spec-type", "draft-simple")
+    sides = list(node_sides) + (list(server_sides) if a.llama_server else [])
+    if a.sides:
+        sides = [s for s in sides if s in a.sides.split(",")]
     rounds = []
     for r in range(a.rounds):
         got = {}
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:
-            if side in NODE_SIDES:
-                got[side] = node_side(path, threads, NODE_SIDES[side], work, n, crowd=True)
+            if side in node_sides:
+                got[side] = node_side(path, threads, node_sides[side], work, n, crowd=not a.sides)
             else:
-                got[side] = server_side(a.llama_server, path, threads, SERVER_SIDES[side], work, n)
+                got[side] = server_side(a.llama_server, path, threads, server_sides[side], work, n)
             print(f"  ... {side} done", flush=True)
         rounds.append(got)
         for side in sides:
@@ -174,27 +184,36 @@ def main(a) -> int:
 
 
 def summary(rounds: list[dict], sides: list[str]) -> list[str]:
+    """The ratios the issue's goals name, for the sides this run had."""
     med = lambda side, task: float(np.median([rd[side][task]["tok_s"] for rd in rounds]))  # noqa: E731
     ratio = lambda a, b, task: [rd[a][task]["tok_s"] / rd[b][task]["tok_s"] for rd in rounds]  # noqa: E731
     fmt = lambda xs: f"{np.median(xs):.2f}x (rounds {', '.join(f'{x:.2f}' for x in xs)})"  # noqa: E731
+    same = lambda a, b, task: all(rd[a][task]["tokens"] == rd[b][task]["tokens"] for rd in rounds)  # noqa: E731
+    tasks = ("code-edit", "chat")
     out = []
-    for mode in ("det", "no-det"):
-        on, off = f"node {mode}, spec auto", f"node {mode}, spec off"
-        same = {t: all(rd[on][t]["tokens"] == rd[off][t]["tokens"] for rd in rounds) for t in ("code-edit", "chat")}
-        out.append(f"node {mode}: spec auto / off: code-edit {fmt(ratio(on, off, 'code-edit'))}, chat "
-                   f"{fmt(ratio(on, off, 'chat'))}, crowd of 8 {fmt(ratio(on, off, 'crowd'))}; tokens identical to "
-                   f"spec off: code-edit {same['code-edit']}, chat {same['chat']}, crowd "
-                   f"{all(rd[on]['crowd']['tokens'] == rd[off]['crowd']['tokens'] for rd in rounds)}")
+    pairs = [(f"node {m}, spec auto", f"node {m}, spec off") for m in ("det", "no-det")]
+    pairs += [(f"node det, {d}", "node det, spec off") for d in ("draft model", "auto + draft model")]
+    for on, off in pairs:
+        if on not in sides or off not in sides:
+            continue
+        line = f"{on} / spec off: " + ", ".join(f"{t} {fmt(ratio(on, off, t))}" for t in tasks)
+        if "crowd" in rounds[0][on]:
+            line += f", crowd of 8 {fmt(ratio(on, off, 'crowd'))}"
+        acc = [f"{t} {sum(rd[on][t]['accepted'] for rd in rounds)}/{sum(rd[on][t]['drafted'] for rd in rounds)}"
+               for t in tasks]
+        out.append(line + "; tokens identical to spec off: " + ", ".join(
+            f"{t} {same(on, off, t)}" for t in (*tasks, *(["crowd"] if "crowd" in rounds[0][on] else []))) +
+            "; drafts accepted " + ", ".join(acc))
     if "llama-server, none" in sides:
-        best = max(("llama-server, ngram-simple", "llama-server, ngram-mod"), key=lambda s: med(s, "code-edit"))
-        for node in ("node det, spec auto", "node no-det, spec auto"):
-            out.append(f"{node} / {best} (llama-server's best on code-edit): {fmt(ratio(node, best, 'code-edit'))} "
-                       "(goal >= 1.5x)")
+        best = max([s for s in ("llama-server, ngram-simple", "llama-server, ngram-mod") if s in sides],
+                   key=lambda s: med(s, "code-edit"), default=None)
+        for node in [s for s in ("node det, spec auto", "node no-det, spec auto") if s in sides]:
+            if best:
+                out.append(f"{node} / {best} (llama-server's best on code-edit): "
+                           f"{fmt(ratio(node, best, 'code-edit'))} (goal >= 1.5x)")
             out.append(f"{node} / llama-server, none on chat: {fmt(ratio(node, 'llama-server, none', 'chat'))} "
                        "(goal >= 1.0x)")
-        for s in SERVER_SIDES:
-            same = all(rd[s][t]["tokens"] == rd["llama-server, none"][t]["tokens"] for rd in rounds
-                       for t in ("code-edit", "chat"))
+        for s in [s for s in sides if s.startswith("llama-server")]:
             out.append(f"{s}: code-edit {med(s, 'code-edit'):.1f} tok/s, chat {med(s, 'chat'):.1f} tok/s; tokens "
-                       f"identical to its own none: {same}")
+                       f"identical to its own none: {all(same(s, 'llama-server, none', t) for t in tasks)}")
     return out

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from meshnode.core.costmodel import TILE_ROWS
 
-MODES = ("off", "lookup", "auto")
+MODES = ("off", "lookup", "draft", "auto")
 MAX_DRAFTS = TILE_ROWS - 2  # a drafted chunk stays below the flash-attention tile: a decode row's kernel
 PRIOR = (1.0, 1.0)  # an unknown session's drafts: (right, wrong) pseudo-counts
 DECAY = 0.5  # what a verdict weighs a drafted tick later: prompt lookup is right in runs (a copy) and wrong in runs
@@ -91,18 +91,19 @@ def expected_skips(rates: list[float], k: int) -> float:
 
 
 def draft_len(rates: list[float], base_rows: int, cost: RowCost, k_max: int, k_min: int = 1,
-              free: int = 0) -> int:
+              free: int = 0, per_draft_ms: float = 0.0) -> int:
     """The drafts per session for a tick of len(rates) decoding sessions that all may draft: the K in
     [k_min, k_max] (or 0) with the most tokens per ms over a drafted tick and the ticks it answers.
     `base_rows`: the rows the tick computes without drafts (deterministic mode's padding included), `free`:
-    drafts that cost nothing (a lone row's padding row is a draft instead): at least that many."""
+    drafts that cost nothing (a lone row's padding row is a draft instead): at least that many.
+    `per_draft_ms`: what making one draft costs (a draft model's decode step; prompt lookup's is nothing)."""
     r = len(rates)
     if r == 0 or k_max <= 0:
         return 0
     best_k, best = 0, 1.0 / cost(base_rows)
     for k in range(max(1, k_min), k_max + 1):
         skips = expected_skips(rates, k)
-        rate = (1.0 + skips) / (cost(r * (k + 1)) + skips * SERVED_MS)
+        rate = (1.0 + skips) / (cost(r * (k + 1)) + skips * SERVED_MS + k * per_draft_ms)
         if rate > best:
             best_k, best = k, rate
     return max(best_k, min(free, k_max))

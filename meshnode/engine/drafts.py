@@ -80,10 +80,13 @@ class Drafted:
     `_constraints`, `n_ctx_seq`, `n_batch`, `eog`, `sample`, `_logits` and `trim_kv` (which also drops a
     sequence's `_ahead`)."""
 
-    def _init_drafts(self, mode: str, k_max: int, k_min: int) -> None:
+    def _init_drafts(self, mode: str, k_max: int, k_min: int, model=None) -> None:
+        """`model`: a DraftModel (engine/draftmodel.py), the source where the lookup finds nothing, or the
+        only one in `draft` mode."""
         self.spec, self._k_max, self._k_min = mode, min(k_max, MAX_DRAFTS), k_min
         self._lookup, self._ahead = Lookup(), {}  # sequence -> deque of Ahead: its next ticks, computed
-        self._acceptance: dict[int, Acceptance] = {}
+        self._model_drafts, self._source = model, "lookup"
+        self._acceptance: dict[tuple[int, str], Acceptance] = {}  # (sequence, source) -> its record
         self.row_cost = RowCost()
         self._every_row: dict[int, SeqChunk] = {}  # this tick's drafted chunks: each of their rows is sampled
         self._rows = 0  # rows the tick computed (padding included): what it cost is RowCost's to learn
@@ -102,13 +105,19 @@ class Drafted:
         seen = {c.seq_id: self._history[c.seq_id][:c.pos] + [int(c.tokens[0])] for c in rows}
         found = {c.seq_id: self._lookup.propose(c.seq_id, seen[c.seq_id], k_max) for c in rows}
         free = 1 if pads and len(rows) == 1 else 0
-        if self.spec == "lookup":
-            k = k_max if all(found.values()) else free
-        elif not all(found.values()):
+        model = self._model_drafts is not None and (self.spec == "draft" or not all(found.values()))
+        source = "model" if model else "lookup"
+        self._source = source
+        if self.spec in ("lookup", "draft"):
+            k = k_max if model or all(found.values()) else free
+        elif not model and not all(found.values()):
             k = min(free, k_max)
         else:
-            rates = [self._acceptance.setdefault(c.seq_id, Acceptance()).rate for c in rows]
-            k = draft_len(rates, len(rows) + pads, self.row_cost, k_max, self._k_min, free)
+            rates = [self._acceptance.setdefault((c.seq_id, source), Acceptance()).rate for c in rows]
+            per_draft = (self._model_drafts.step_ms or self.row_cost(len(rows))) if model else 0.0
+            k = draft_len(rates, len(rows) + pads, self.row_cost, k_max, self._k_min, free, per_draft)
+        if k > 0 and model:
+            found = self._model_drafts.propose(seen, k) or {s: [] for s in seen}
         if k <= 0:
             return {}
         out = {}
@@ -136,7 +145,7 @@ class Drafted:
             self.sample(SeqChunk(c.seq_id, c.pos, toks[:i + 1], draw=c.draw + i), self._logits(first + i), step)
             prev, lp = step.tokens[c.seq_id], step.logprobs.get(c.seq_id)
             kept.append(Ahead(c.pos + i, int(toks[i]), c.draw + i, prev, lp))
-        self._acceptance.setdefault(c.seq_id, Acceptance()).record(i, k)
+        self._acceptance.setdefault((c.seq_id, self._source), Acceptance()).record(i, k)
         self.trim_kv(c.seq_id, c.pos + 1 + i)
         if kept:
             self._ahead[c.seq_id] = kept
@@ -167,5 +176,8 @@ class Drafted:
     def _forget_drafts(self, seq_id: int, keep: int = 0) -> None:
         self._ahead.pop(seq_id, None)
         self._lookup.forget(seq_id, keep)
+        if self._model_drafts is not None:
+            self._model_drafts.forget(seq_id, keep)
         if keep <= 0:
-            self._acceptance.pop(seq_id, None)
+            for source in ("lookup", "model"):
+                self._acceptance.pop((seq_id, source), None)

@@ -60,6 +60,7 @@ class EngineConfig:
     # auto (as many as the cost model expects to pay, core/speculation.py); at most draft_max drafts a
     # sequence a tick, none where fewer than draft_min would pay (llama-server's --spec-draft-n-max/-min)
     spec: str = "auto"
+    draft_model: str = ""  # a GGUF with this model's tokenizer that drafts (engine/draftmodel.py)
     draft_max: int = 16
     draft_min: int = 0
 
@@ -131,6 +132,10 @@ class EngineConfig:
             raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on)")
         if self.spec not in SPEC_MODES:
             raise ValueError(f"spec: must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
+        if self.spec == "draft" and not self.draft_model:
+            raise ValueError("spec: draft needs a draft model (draft_model, --draft-model PATH)")
+        if need_file and self.draft_model and not os.path.isfile(self.draft_model):
+            raise FileNotFoundError(f"draft model file not found: {self.draft_model}")
         if not 0 <= self.draft_min <= self.draft_max <= MAX_DRAFTS:
             raise ValueError(f"draft_min and draft_max: need 0 <= draft_min <= draft_max <= {MAX_DRAFTS}, got "
                              f"{self.draft_min} and {self.draft_max}")
@@ -208,7 +213,13 @@ class LlamaEngine(Drafted, Engine):
         self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
         self._ran: dict[int, int] = {}  # sequence -> the step of its last chunk (streams: who is live)
         self._step_no = 0
-        self._init_drafts(spec_in_effect(cfg.spec, cfg.kv_layout)[0], cfg.draft_max, cfg.draft_min)
+        spec = spec_in_effect(cfg.spec, cfg.kv_layout)[0]
+        drafter = None
+        if cfg.draft_model and spec != "off":
+            from meshnode.engine.draftmodel import DraftModel
+
+            drafter = DraftModel(cfg.draft_model, vocab, self.n_seq_max, self.n_ctx_seq, threads)
+        self._init_drafts(spec, cfg.draft_max, cfg.draft_min, drafter)
         self._alloc_batch(self.n_batch)
         # a lone decode row gets a dummy neighbour (engine/invariant.py), but AMX's f16 kernel gives a lone row
         # the bits it has in a crowd: where all the weights are f16 in AMX buffers, try without, as checked
@@ -301,7 +312,11 @@ class LlamaEngine(Drafted, Engine):
     def calibrate(self) -> tuple:
         """Ticks of known shapes, timed, before the first client (meshnode/engine/calibration.py); the ones
         of one call are what drafting starts from (core/speculation.py, RowCost)."""
-        out = calibration.calibrate(self)
+        spec, self.spec = self.spec, "off"  # the shapes as they are, no drafts beside them
+        try:
+            out = calibration.calibrate(self)
+        finally:
+            self.spec = spec
         self.row_cost = RowCost((rows, ms) for calls, rows, *_, sized, ms in out if calls == 1 and not sized)
         return out
 
@@ -446,6 +461,9 @@ class LlamaEngine(Drafted, Engine):
         return 0 if p is None else int(self._lc.llama_state_seq_get_size(self._ctx, p))
 
     def close(self) -> None:
+        if getattr(self, "_model_drafts", None) is not None:
+            self._model_drafts.close()
+            self._model_drafts = None
         if getattr(self, "_ctx", None):
             self._lc.llama_free(self._ctx)
             self._ctx = None

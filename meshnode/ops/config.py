@@ -103,9 +103,13 @@ class NodeConfig:
                                        "workers first); unset = by free memory", example="1,1")
     device: str | None = setting(None, "offload devices by llama.cpp's names (RPC0, CUDA0, ..), or none; unset = "
                                  "all", example="RPC0,RPC1")
-    spec: str = setting("auto", "speculative decoding (docs/speculative.md): auto = prompt-lookup drafts where the cost "
-                        "model expects them to pay (none on a busy node), lookup = the most drafts a lookup finds, "
-                        "off; never changes a token in deterministic mode", choices=SPEC_MODES)
+    spec: str = setting("auto", "speculative decoding (docs/speculative.md): auto = drafts where the cost model "
+                        "expects them to pay (none on a busy node; prompt lookup, else the draft model), lookup = the "
+                        "most drafts a lookup finds, draft = the draft model's always, off; never changes a token "
+                        "in deterministic mode", choices=SPEC_MODES)
+    draft_model: str | None = setting(None, "a GGUF with the model's tokenizer that drafts tokens (llama-server's -md), "
+                                      "or a packaged model's name; unset = prompt lookup only",
+                                      aliases=("-md",), example="smollm2")
     draft_max: int = setting(16, "most draft tokens a session carries a tick (llama-server's --spec-draft-n-max)",
                              range=(0, MAX_DRAFTS))
     draft_min: int = setting(0, "fewest draft tokens worth a drafted tick (llama-server's --spec-draft-n-min)",
@@ -191,13 +195,15 @@ class NodeConfig:
             if (getattr(self, key) or 0) > self.n_seq_max:
                 raise ConfigError(f"{key}: {getattr(self, key)} is more than n_seq_max ({self.n_seq_max}) sequence "
                                   f"slots; raise n_seq_max or leave it unset (it follows {key})")
-        if self.model in realmodel.NAMES:  # a real model a package ships, by name (meshnode/ops/realmodel.py)
-            try:
-                self.model = str(realmodel.real_model(self.model))
-            except (LookupError, RuntimeError) as e:
-                raise ConfigError(f"model: {e}") from None
-        if self.model is not None and not os.path.isfile(self.model):
-            raise ConfigError(f"model: no such file {self.model}")
+        for key in ("model", "draft_model"):
+            path = getattr(self, key)
+            if path in realmodel.NAMES:  # a real model a package ships, by name (meshnode/ops/realmodel.py)
+                try:
+                    setattr(self, key, path := str(realmodel.real_model(path)))
+                except (LookupError, RuntimeError) as e:
+                    raise ConfigError(f"{key}: {e}") from None
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{key}: no such file {path}")
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
             raise ConfigError("curve_secret_key and curve_allow_dir must be given together")
         if self.curve_secret_key is not None and not os.path.isfile(self.curve_secret_key):
@@ -272,6 +278,7 @@ class NodeConfig:
                             n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
                             flash_attn=self.flash_attn, kv_layout=self.layout, deterministic=self.deterministic,
                             rpc=listed(self.rpc), gpu_layers=self.gpu_layers, spec=self.spec,
+                            draft_model=self.draft_model or "",
                             draft_max=self.draft_max, draft_min=self.draft_min,
                             tensor_split=tuple(_share(x) for x in listed(self.tensor_split)), devices=listed(self.device))
 

@@ -1,0 +1,144 @@
+"""A draft model in the engine process: a second, smaller llama.cpp context that proposes the drafts.
+
+llama-server's `-md`: a model with the same tokenizer guesses the next K tokens of every drafting sequence,
+the target verifies them as rows of its own tick (engine/drafts.py), so the output is the target's whatever
+the draft says. Its context mirrors the target's sequences: each sequence's cells hold the tokens the
+target confirmed (`synced` of them); a proposal first feeds what the target confirmed since (its prompt,
+the first time), then decodes K tokens greedily, all drafting sequences in one llama_decode a step. What
+the target did not keep is cut before the next proposal. A draft whose vocab differs from the target's
+cannot propose the target's tokens: refused at start, in one line.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from meshnode.core.types import FatalEngineError
+from meshnode.engine import llamacpp
+
+MAX_CELLS = 16384  # the draft's KV, shared by all sequences: where it is full, drafts stop until it is cleared
+BATCH = 512  # rows of one draft llama_decode: a long prompt is fed in several
+
+
+class DraftModel:
+    def __init__(self, path: str, target_vocab, n_seq_max: int, n_ctx_seq: int, threads: int):
+        import llama_cpp as lc
+
+        self._lc = lc
+        mp = lc.llama_model_default_params()
+        self._model = lc.llama_model_load_from_file(path.encode(), mp)
+        if not self._model:
+            raise FatalEngineError(f"draft_model: llama.cpp could not load {path}: {llamacpp.last_errors()}")
+        why = _vocab_difference(lc, lc.llama_model_get_vocab(self._model), target_vocab)
+        if why:
+            self.close()
+            raise FatalEngineError(f"draft_model: {path} cannot draft for this model: {why}; a draft model must "
+                                   "share the model's tokenizer (the same family, another size or quantization)")
+        cp = lc.llama_context_default_params()
+        cp.n_seq_max, cp.kv_unified = n_seq_max, True
+        cp.n_ctx = min(n_seq_max * n_ctx_seq, MAX_CELLS)
+        cp.n_batch = cp.n_ubatch = min(cp.n_ctx, BATCH)
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.no_perf = True
+        self._ctx = lc.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise FatalEngineError(f"draft_model: no context: {llamacpp.last_errors() or 'no reason given'}")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
+        self._cap = cp.n_batch
+        self._batch = lc.llama_batch_init(self._cap, 0, 1)
+        self.synced: dict[int, int] = {}  # sequence -> its first positions the draft context holds
+        self.step_ms = 0.0  # what the last proposal's decodes took, per drafted token (the cost model's price)
+
+    def propose(self, seqs: dict[int, list[int]], k: int) -> dict[int, list[int]]:
+        """k greedy drafts to follow each sequence's confirmed tokens; {} where the context cannot take them."""
+        t0 = time.perf_counter()
+        backlog = {}
+        for s, toks in seqs.items():
+            have = min(self.synced.get(s, 0), len(toks) - 1)  # at least the last token is fed: its logits
+            self._lc.llama_memory_seq_rm(self._mem, s, have, -1)
+            backlog[s] = (have, toks[have:])
+        nxt: dict[int, int] = {}
+        while backlog:  # a long prompt's first feed takes several calls
+            feed, room = {}, self._cap
+            for s, (p, rest) in list(backlog.items()):
+                if room == 0:
+                    break
+                piece = rest[:room]
+                feed[s], room = (p, piece, len(piece) == len(rest)), room - len(piece)
+                del backlog[s]
+                if len(piece) < len(rest):
+                    backlog[s] = (p + len(piece), rest[len(piece):])
+            got = self._decode(feed)
+            if got is None:
+                self.forget_all()
+                return {}
+            nxt |= got
+        out = {s: [t] for s, t in nxt.items()}
+        pos = {s: len(toks) for s, toks in seqs.items()}
+        for _ in range(k - 1):
+            got = self._decode({s: (pos[s], [out[s][-1]], True) for s in seqs})
+            if got is None:
+                self.forget_all()
+                return {}
+            for s, t in got.items():
+                out[s].append(t)
+            pos = {s: p + 1 for s, p in pos.items()}
+        for s, toks in seqs.items():
+            self.synced[s] = len(toks)  # the drafts' cells are cut at the next proposal
+        self.step_ms = (time.perf_counter() - t0) * 1e3 / max(1, k)
+        return out
+
+    def _decode(self, feeds: dict) -> dict[int, int] | None:
+        """One llama_decode of each sequence's tokens from its position ({seq: (pos, tokens, last)}); the
+        greedy next token of each whose feed is `last`; None where llama.cpp could not take the call."""
+        b, i, rows = self._batch, 0, {}
+        for s, (pos, toks, last) in feeds.items():
+            for j, t in enumerate(toks):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = t, pos + j, 1, s
+                b.logits[i] = last and j == len(toks) - 1
+                if b.logits[i]:
+                    rows[s] = i
+                i += 1
+        b.n_tokens = i
+        if self._lc.llama_decode(self._ctx, b) != 0:
+            return None
+        out = {}
+        for s, r in rows.items():
+            ptr = self._lc.llama_get_logits_ith(self._ctx, r)
+            out[s] = int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+        return out
+
+    def forget(self, seq: int, keep: int = 0) -> None:
+        """The target's sequence kept its first `keep` positions (0: released)."""
+        if seq in self.synced:
+            self.synced[seq] = min(self.synced[seq], keep)
+            self._lc.llama_memory_seq_rm(self._mem, seq, keep, -1)
+
+    def forget_all(self) -> None:
+        self.synced.clear()
+        self._lc.llama_memory_clear(self._mem, True)
+
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            self._lc.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            self._lc.llama_model_free(self._model)
+            self._model = None
+
+
+def _vocab_difference(lc, draft, target) -> str:
+    """Why the draft's tokens are not the target's ("" when they are): sizes, then every token's text."""
+    n, m = lc.llama_vocab_n_tokens(draft), lc.llama_vocab_n_tokens(target)
+    if n != m:
+        return f"its vocab has {n} tokens, the model's {m}"
+    text = lambda v, t: (lc.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")  # noqa: E731
+    bad = next((t for t in range(n) if text(draft, t) != text(target, t)), None)
+    return "" if bad is None else f"token {bad} is {text(draft, bad)!r} there, {text(target, bad)!r} here"
+
