@@ -6,7 +6,7 @@ import sys
 
 import httpx
 
-from helpers import curve_keys, wait_until
+from helpers import curve_keys, serve, wait_until
 from ipc.transport import free_tcp_port
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
@@ -120,3 +120,28 @@ def test_a_standalone_gateway_reaches_a_curve_node_and_serves_its_metrics_and_mo
     assert r["choices"][0]["text"] == ref.done["text"]
     assert len(r["choices"][0]["logprobs"]["tokens"]) == len(ref.tokens)  # named: the vocab came from --model
     assert "meshnode_requests_running" in scraped
+
+
+def test_spec_flags_reach_the_engine_and_status_says_what_runs(tiny_model, tmp_path):
+    """--spec lookup --draft-max 3 on a flat model (every greedy token the same: every draft right): drafts
+    of 3 tokens, so most tokens come from them; on the unified layout the mode is off and status says why;
+    --spec draft without a draft model, or a draft model of another vocab, is refused at start in one line."""
+    from meshnode.ops.models import make_model
+
+    flat = str(make_model(tmp_path / "flat.gguf", "tiny", 0, flat=True))
+    with NodeProcess(flat, "--spec", "lookup", "--draft-max", "3") as n, n.client() as c:
+        r = c.generate("x", tokens=PROMPT, max_tokens=41, ignore_eos=True)
+        node, engine = c.status()["node"], c.status()["telemetry"]["engine"]
+    assert (node["spec"], node["spec_problem"], node["draft_max"]) == ("lookup", "", 3)
+    assert len(r.tokens) == 41 and engine["drafts_served_total"] >= 25, engine  # 3 of every 4 from drafts
+    assert engine["drafted_rows_total"] <= 3 * 14, engine
+    with NodeProcess(flat, "--kv-layout", "unified", "--no-deterministic") as n, n.client() as c:
+        node = c.status()["node"]
+    assert node["spec"] == "off" and node["spec_problem"].startswith("spec: off on the unified KV layout")
+    out = serve(flat, "--spec", "draft", "--listen", f"ipc://{tmp_path}/a.sock")
+    assert out.returncode == 2 and "spec: draft needs a draft model" in out.stderr, out.stderr
+    other = str(make_model(tmp_path / "bpe.gguf", "tiny-bpe", 0))
+    out = serve(flat, "--draft-model", other, "--listen", f"ipc://{tmp_path}/b.sock",
+                "--telemetry", f"ipc://{tmp_path}/t.sock")
+    lines = [ln for ln in out.stderr.splitlines() if "cannot draft for this model" in ln]
+    assert out.returncode == 2 and len(lines) == 1 and "token 0 is" in lines[0], out.stderr

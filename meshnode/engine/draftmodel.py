@@ -30,11 +30,10 @@ class DraftModel:
         self._model = lc.llama_model_load_from_file(path.encode(), mp)
         if not self._model:
             raise FatalEngineError(f"draft_model: llama.cpp could not load {path}: {llamacpp.last_errors()}")
-        why = _vocab_difference(lc, lc.llama_model_get_vocab(self._model), target_vocab)
+        why = llamacpp.vocab_difference(lc.llama_model_get_vocab(self._model), target_vocab)
         if why:
             self.close()
-            raise FatalEngineError(f"draft_model: {path} cannot draft for this model: {why}; a draft model must "
-                                   "share the model's tokenizer (the same family, another size or quantization)")
+            raise FatalEngineError(llamacpp.cannot_draft(path, why))
         cp = lc.llama_context_default_params()
         cp.n_seq_max, cp.kv_unified = n_seq_max, True
         cp.n_ctx = min(n_seq_max * n_ctx_seq, MAX_CELLS)
@@ -131,14 +130,3 @@ class DraftModel:
         if getattr(self, "_model", None):
             self._lc.llama_model_free(self._model)
             self._model = None
-
-
-def _vocab_difference(lc, draft, target) -> str:
-    """Why the draft's tokens are not the target's ("" when they are): sizes, then every token's text."""
-    n, m = lc.llama_vocab_n_tokens(draft), lc.llama_vocab_n_tokens(target)
-    if n != m:
-        return f"its vocab has {n} tokens, the model's {m}"
-    text = lambda v, t: (lc.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")  # noqa: E731
-    bad = next((t for t in range(n) if text(draft, t) != text(target, t)), None)
-    return "" if bad is None else f"token {bad} is {text(draft, bad)!r} there, {text(target, bad)!r} here"
-

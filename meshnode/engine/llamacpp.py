@@ -213,3 +213,20 @@ def recipe(model_path: str, type_k: str, type_v: str, flash_attn: str, n_batch: 
     if amx:
         parts.append("amx")
     return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def vocab_difference(draft, target) -> str:
+    """Why one llama_vocab's tokens are not another's ("" when they are): sizes, then every token's text."""
+    import llama_cpp as lc
+
+    n, m = lc.llama_vocab_n_tokens(draft), lc.llama_vocab_n_tokens(target)
+    if n != m:
+        return f"its vocab has {n} tokens, the model's {m}"
+    text = lambda v, t: (lc.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")  # noqa: E731
+    bad = next((t for t in range(n) if text(draft, t) != text(target, t)), None)
+    return "" if bad is None else f"token {bad} is {text(draft, bad)!r} there, {text(target, bad)!r} here"
+
+
+def cannot_draft(path: str, why: str) -> str:
+    return (f"draft_model: {path} cannot draft for this model: {why}; a draft model must share the model's "
+            "tokenizer (the same family, another size or quantization)")

@@ -25,7 +25,7 @@ from ipc import link as wire
 from ipc.shm import TokenArena, clean_stale
 from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
-from meshnode.core.budget import NodeBudget
+from meshnode.core.budget import ConfigError, NodeBudget
 from meshnode.core.costmodel import Shape, TickTarget
 from meshnode.core.health import READY, EngineHealth
 from meshnode.core.pipeline import TickPipeline
@@ -43,6 +43,7 @@ from meshnode.front.gateway_child import GatewayChild
 from meshnode.front.reaper import Reaper
 from meshnode.front.report import Report, Sources
 from meshnode.front.requests import Action, Answer, Opened, Requests
+from meshnode.engine import llamacpp
 from meshnode.ops.config import NodeConfig
 from meshnode.ops.sdnotify import Notifier
 from meshnode.text.jobs import TextJobs
@@ -91,6 +92,9 @@ class Front:
                 self.reaper.claim(self._locks[-1].path)
                 self.reaper.claim(self._locks[-1].path + ".lock")
         self.tok = Tokenizer(cfg.model)
+        why = self.tok.vocab_difference(cfg.draft_model) if cfg.draft_model else ""
+        if why:
+            raise ConfigError(llamacpp.cannot_draft(cfg.draft_model, why))
         self.texts = TextJobs(self.tok.prompt_slices, decoding=lambda: self.sched is not None and bool(self.sched.running))
         self.zctx = zmq.Context()
         self.exposition = Exposition()

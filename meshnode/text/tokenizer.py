@@ -147,6 +147,15 @@ class Tokenizer:
         return chat.prompt(lambda msgs: self._apply_template(msgs, tools), self._specials, messages,
                            special_in_content, self._system_role(), tools)
 
+    def vocab_difference(self, path: str) -> str:
+        """Why another GGUF's tokens are not this model's ("" when they are): a draft model's check, before
+        the engine loads anything (engine/draftmodel.py checks again where it drafts)."""
+        other = Tokenizer(path)
+        try:
+            return llamacpp.vocab_difference(other._vocab, self._vocab)
+        finally:
+            other.close()
+
     @property
     def tool_format(self) -> str:
         """How the model's template has it call tools (meshnode/text/jinja.py, `tool_format`)."""
