@@ -124,9 +124,4 @@ class DraftModel:
         if getattr(self, "_batch", None) is not None:
             self._lc.llama_batch_free(self._batch)
             self._batch = None
-        if getattr(self, "_ctx", None):
-            self._lc.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            self._lc.llama_model_free(self._model)
-            self._model = None
+        llamacpp.free(self)

@@ -464,12 +464,7 @@ class LlamaEngine(Drafted, Engine):
         if getattr(self, "_model_drafts", None) is not None:
             self._model_drafts.close()
             self._model_drafts = None
-        if getattr(self, "_ctx", None):
-            self._lc.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            self._lc.llama_model_free(self._model)
-            self._model = None
+        llamacpp.free(self)
 
     def __enter__(self):
         return self

@@ -230,3 +230,15 @@ def vocab_difference(draft, target) -> str:
 def cannot_draft(path: str, why: str) -> str:
     return (f"draft_model: {path} cannot draft for this model: {why}; a draft model must share the model's "
             "tokenizer (the same family, another size or quantization)")
+
+
+def free(owner) -> None:
+    """An engine's or draft model's llama.cpp context, then its model, freed once (each set to None)."""
+    import llama_cpp as lc
+
+    if getattr(owner, "_ctx", None):
+        lc.llama_free(owner._ctx)
+        owner._ctx = None
+    if getattr(owner, "_model", None):
+        lc.llama_model_free(owner._model)
+        owner._model = None
