@@ -157,8 +157,8 @@ def level(a, concurrency: int, several: bool) -> None:
     wait = sorted(f["engine_wait_us_p50"] for f in figures)[len(figures) // 2]
     wait_ls = sorted(f["lockstep_wait_us_p50"] for f in figures)[len(figures) // 2]
     print(f"tokens identical to in-process: node {[f['same_tokens'] for f in figures]}, lockstep "
-          f"{[f['same_tokens_lockstep'] for f in figures]} (llama.cpp is not batch-invariant; ticks compose "
-          f"differently when submits arrive over the wire)")
+          f"{[f['same_tokens_lockstep'] for f in figures]} (in deterministic mode they must be; without it ticks "
+          f"compose differently when submits arrive over the wire, and llama.cpp is not batch-invariant)")
     print(f"lockstep node: node/in-process {ratio_ls:.3f}, engine wait p50 {wait_ls:.0f} us")
     print(f"all runs: node/in-process {ratio:.3f} (target >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
           f"front + IPC per tick, median of the runs' p50 {wait:.0f} us "
