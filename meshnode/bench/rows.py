@@ -3,7 +3,7 @@
 Speculative decoding verifies K drafts as K more rows of the sequence's chunk (docs/speculative.md): it
 pays where a tick of K + 1 rows costs much less than K + 1 ticks of one, as on a GPU, and barely where a
 row costs about what a decode does. In process, deterministic mode and not, a sequence is filled to
-`--tokens` x 8 positions (default 256), then a chunk of n rows at its end is computed and cut again, five
+`--tokens` x 16 positions (default 512), then a chunk of n rows at its end is computed and cut again, five
 times each; the fastest of the five is printed, with the ratio to one row's.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def costs(path: str, threads: int, deterministic: bool, depth: int) -> dict[int,
         for n in ROWS:
             ms = []
             for _ in range(5):
-                res = e.step(Plan([SeqChunk(0, depth, toks(n, 7), draw=1)]))
+                res = e.step(Plan([SeqChunk(0, depth, toks(n, 7), draw=1, sampling=GREEDY)]))
                 ms.append(res.step_ms)
                 e.step(Plan([], [], [Keep(0, depth)]))
             out[n] = min(ms)
@@ -43,7 +43,7 @@ def costs(path: str, threads: int, deterministic: bool, depth: int) -> dict[int,
 def main(a) -> int:
     path = model_path(a)
     threads = a.threads or os.cpu_count()
-    depth = a.tokens * 8
+    depth = a.tokens * 16
     print(f"bench rows: {os.path.basename(path)}, one sequence at depth {depth}, threads {threads}; {llama_build()}")
     got = {}
     for det in (True, False):
