@@ -70,11 +70,12 @@ def plots(sweeps: dict) -> list[str]:
     return made
 
 
-def overhead_section(o: dict | None, name: str, intro: str = "") -> list[str]:
+def overhead_section(o: dict | None, name: str, intro: str = "", what: str = "bench model, 16 jobs, concurrency 8",
+                     args: str = "--preset bench") -> list[str]:
     if not o:
         return []
-    md = [f"## Node vs engine in-process (bench model, 16 jobs, concurrency 8){', no OpenMP' if intro else ''}", "",
-          f"{intro}`meshnode bench overhead --preset bench --json evidence/{name}`"
+    md = [f"## Node vs engine in-process ({what}){', no OpenMP' if intro else ''}", "",
+          f"{intro}`meshnode bench overhead {args} --json evidence/{name}`"
           f" ({o.get('llama_build', 'llama.cpp build not recorded')})", "",
           "| run | in-process tok/s | node tok/s | ratio | lockstep node tok/s | ratio | engine wait p50 us | "
           "p90 | mean | lockstep p50 | lockstep mean |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -123,6 +124,10 @@ def main() -> int:
     md += overhead_section(overhead, "overhead-bench.json")
     md += overhead_section(load("overhead-bench-no-openmp.json"), "overhead-bench-no-openmp.json",
                            "The same, on a llama.cpp built without OpenMP (README, Set-up): ")
+    for c in (1, 8):  # the real model, the engine as a node configures it (deterministic, speculation)
+        md += overhead_section(load(f"overhead-bench-smollm2-c{c}.json"), "overhead-bench-smollm2.json",
+                               what=f"SmolLM2-135M-Instruct q8_0, a real model, 16 jobs, concurrency {c}",
+                               args="--model smollm2-q8_0 --levels 1,8")
     if peers:
         md += ["## Peer: llama-cpp-python serving one request at a time (bench model, 16 jobs)", "",
                "`meshnode bench peers --preset bench --json evidence/peers-bench.json`", "",

@@ -39,13 +39,35 @@ def layout() -> list[str]:
 
 
 def spec() -> list[str]:
-    d = load("spec-bench-smollm2.json")
+    return _spec("spec-bench-smollm2.json", "speculative decoding vs llama-server's (SmolLM2-135M-Instruct q8_0, "
+                 "a real model)", "--model smollm2-q8_0 --llama-server PATH --rounds 3") + _spec(
+        "spec-draft-bench-smollm2.json", "a draft model (SmolLM2 Q4_1 drafting for its f16 copy, a real model)",
+        "--model smollm2-f16 --draft-model smollm2 --llama-server PATH --sides ... --rounds 3") + _rows()
+
+
+def _rows() -> list[str]:
+    d = load("rows-bench-smollm2.json")
+    if not d:
+        return []
+    md = ["### What K drafts cost: a tick of one sequence's n rows (SmolLM2-135M-Instruct q8_0)", "",
+          f"`meshnode bench rows --model smollm2-q8_0 --json evidence/rows-bench-smollm2.json`, on {d['build']}: in "
+          f"process, one sequence at depth {d['depth']}, the fastest of 5 ticks, ms (x one row's).", "",
+          "| mode | " + " | ".join(f"{n} rows" for n in next(iter(d["ms"].values()))) + " |",
+          "|---|" + "---|" * len(next(iter(d["ms"].values())))]
+    for mode, ms in d["ms"].items():
+        one = ms["1"]
+        md.append(f"| {mode} | " + " | ".join(f"{v:.1f} ({v / one:.2f}x)" for v in ms.values()) + " |")
+    return md + [""]
+
+
+def _spec(name: str, title: str, args: str) -> list[str]:
+    d = load(name)
     if not d:
         return []
     sides = list(d["rounds"][0])
-    md = ["## One user alone: speculative decoding vs llama-server's (SmolLM2-135M-Instruct q8_0, a real model)", "",
-          "`meshnode bench spec --model smollm2-q8_0 --llama-server PATH --rounds 3 --json "
-          f"evidence/spec-bench-smollm2.json`, on {d['build']}: one session alone, greedy, {d['new_tokens']} new "
+    md = [f"## One user alone: {title}", "",
+          f"`meshnode bench spec {args} --json evidence/{name}`, on {d['build']}: one session alone, greedy, "
+          f"{d['new_tokens']} new "
           "tokens, the same rendered prompt tokens to every side (code-edit: a 40-line file asked back with one "
           f"function renamed, {d['prompt_tokens']['code-edit']} tokens; chat: a free question, "
           f"{d['prompt_tokens']['chat']} tokens); decode tok/s from the first token to the last; crowd: 8 "

@@ -53,7 +53,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "nothing else; overhead: the concurrency levels to run (default 8)")
     p.add_argument("--node-args", default="", help="scale --levels: more `meshnode serve` arguments for the node, "
                    "e.g. --node-args=--no-deterministic")
-    p.add_argument("--sides", help="gateway, spec: only these sides (comma-separated, e.g. 'c8 zmq,c8 http'; default all)")
+    p.add_argument("--sides", help="gateway, spec: only these sides (gateway: comma-separated, e.g. 'c8 zmq,c8 http'; "
+                   "spec: semicolon-separated, e.g. 'node det, spec off;llama-server, none'; default all)")
     p.add_argument("--draft-model", help="spec: a draft model (a GGUF or a packaged name) for the node's and "
                    "llama-server's draft sides")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")

@@ -152,7 +152,7 @@ def main(a) -> int:
         server_sides["llama-server, draft model"] = ("-md", draft, "--spec-type", "draft-simple")
     sides = list(node_sides) + (list(server_sides) if a.llama_server else [])
     if a.sides:
-        sides = [s for s in sides if s in a.sides.split(",")]
+        sides = [s for s in sides if s in a.sides.split(";")]  # the names hold commas
     rounds = []
     for r in range(a.rounds):
         got = {}

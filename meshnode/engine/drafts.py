@@ -115,7 +115,9 @@ class Drafted:
         else:
             rates = [self._acceptance.setdefault((c.seq_id, source), Acceptance()).rate for c in rows]
             per_draft = (self._model_drafts.step_ms or self.row_cost(len(rows))) if model else 0.0
-            k = draft_len(rates, len(rows) + pads, self.row_cost, k_max, self._k_min, free, per_draft)
+            k = draft_len(rates, len(rows) + pads, self.row_cost, k_max, self._k_min, 0, per_draft)
+            model = model and k > 0  # a free row alone is not worth a draft model's step: a guess fills it
+            k, self._source = max(k, min(free, k_max)), "model" if model else "lookup"
         if k > 0 and model:
             found = self._model_drafts.propose(seen, k) or {s: [] for s in seen}
         if k <= 0:
