@@ -83,7 +83,14 @@ def _spec(name: str, title: str, args: str) -> list[str]:
             cells.append(f"{last.get('drafted', 0)} / {last.get('accepted', 0)}")
         crowd = [r[side]["crowd"]["tok_s"] for r in d["rounds"] if "crowd" in r[side]]
         md.append(f"| {side} | " + " | ".join(cells) + f" | {f'{np.median(crowd):.1f}' if crowd else '-'} |")
-    return md + [""] + [f"- {v}" for v in d["verdicts"]] + [""]
+    peers = [p for p in sides if p.startswith("llama-server")]
+    ratios = []
+    for side in [s for s in sides if s.startswith("node") and "spec off" not in s]:
+        for peer in peers:  # per round, side by side
+            per = {t: [r[side][t]["tok_s"] / r[peer][t]["tok_s"] for r in d["rounds"]] for t in ("code-edit", "chat")}
+            ratios.append(f"- {side} / {peer}: " + ", ".join(
+                f"{t} {np.median(v):.2f}x ({', '.join(f'{x:.2f}' for x in v)})" for t, v in per.items()))
+    return md + [""] + [f"- {v}" for v in d["verdicts"]] + ratios + [""]
 
 
 def chat() -> list[str]:
