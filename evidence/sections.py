@@ -42,7 +42,10 @@ def spec() -> list[str]:
     return _spec("spec-bench-smollm2.json", "speculative decoding vs llama-server's (SmolLM2-135M-Instruct q8_0, "
                  "a real model)", "--model smollm2-q8_0 --llama-server PATH --rounds 3") + _spec(
         "spec-draft-bench-smollm2.json", "a draft model (SmolLM2 Q4_1 drafting for its f16 copy, a real model)",
-        "--model smollm2-f16 --draft-model smollm2 --llama-server PATH --sides ... --rounds 3") + _rows()
+        "--model smollm2-f16 --draft-model smollm2 --llama-server PATH --sides ... --rounds 3") + _spec(
+        "spec-f16-bench-smollm2.json", "the f16 target, prompt lookup and the draft model vs llama-server's ngram "
+        "(SmolLM2-135M-Instruct f16, a real model)",
+        "--model smollm2-f16 --draft-model smollm2 --llama-server PATH --sides ... --rounds 2") + _rows()
 
 
 def _rows() -> list[str]:
