@@ -69,7 +69,7 @@ class Submit:
     messages: list[dict] | None = None
     response_format: ResponseFormat | None = None  # constrained output (json schema, regex, grammar)
     special: bool = False  # `text` spells special tokens (<|im_start|>): parse them, as llama-server's completions
-    tools: list[dict] | None = None  # functions the chat template lists ([{name, description, parameters}]: ipc/chat.py)
+    tools: list[dict] | None = None  # functions the template lists ({name, description, parameters}: ipc/chat.py)
 
 
 @dataclass
@@ -137,7 +137,8 @@ def _sampling(v, id, logprobs: int) -> Sampling:
 
 def _response_format(v, id) -> ResponseFormat | None:
     """{"type": "json_schema", "schema": {...}} | {"type": "json_object"} | {"type": "regex", "pattern": ".."}
-    | {"type": "grammar", "gbnf": ".."} | {"type": "lark", "lark": ".."}: shape and size only; the constraint library judges the content."""
+    | {"type": "grammar", "gbnf": ".."} | {"type": "lark", "lark": ".."}: shape and size only; the constraint
+    library judges the content."""
     if v is None:
         return None
     _check(isinstance(v, dict) and v.get("type") in FORMATS,

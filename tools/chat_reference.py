@@ -5,9 +5,9 @@ node to (its templates must give the same tokens as llama-server's default, Jinj
 For SmolLM2-135M-Instruct (the real model the dev extra installs) and for the tiny BPE demo model carrying
 the templates in tests/data/templates/ (Llama 3.1, Qwen2.5, Mistral Nemo, Gemma 2), each conversation in
 tests/data/chat-conversations.json (and, for templates with a tool format of their own, each of
-tests/data/chat-conversations-tools.json, tools included) goes through llama-server's /apply-template, and the prompt through its
-/tokenize with special tokens parsed and BOS added where the vocab wants it: what its /v1/chat/completions
-tokenizes. Usage (llama-server built as the README says):
+tests/data/chat-conversations-tools.json, tools included) goes through llama-server's /apply-template, and the
+prompt through its /tokenize with special tokens parsed and BOS added where the vocab wants it: what its
+/v1/chat/completions tokenizes. Usage (llama-server built as the README says):
 
     python tools/chat_reference.py --llama-server PATH   # writes tests/data/chat-reference.json
 """

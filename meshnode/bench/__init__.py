@@ -58,7 +58,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="spec: a draft model (a GGUF or a packaged name) for the node's and "
                    "llama-server's draft sides")
     p.add_argument("--id-gaps", action="store_true", help="layout: also time packed vs gapped streams")
-    p.add_argument("--llama-server", help="chat, burst, structured, gateway, scale, spec: a llama-server binary to run side by side (README, "
+    p.add_argument("--llama-server", help="chat, burst, structured, gateway, scale, spec: a llama-server binary to "
+                   "run side by side (README, "
                    "Benchmarks)")
     chat = p.add_argument_group("chat workload")
     chat.add_argument("--users", type=int, default=8)

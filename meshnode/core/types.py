@@ -48,7 +48,8 @@ FORMATS = ("json_schema", "json_object", "regex", "grammar", "lark")  # response
 @dataclass(frozen=True)
 class ResponseFormat:
     """What a session's output must match: `kind` one of FORMATS; `spec` the schema as JSON text, the regex, the
-    GBNF grammar or an llguidance Lark grammar ("" for json_object). Checked by the constraint library before admission."""
+    GBNF grammar or an llguidance Lark grammar ("" for json_object). Checked by the constraint library before
+    admission."""
 
     kind: str
     spec: str = ""

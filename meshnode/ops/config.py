@@ -107,8 +107,8 @@ class NodeConfig:
                         "expects them to pay (none on a busy node; prompt lookup, else the draft model), lookup = the "
                         "most drafts a lookup finds, draft = the draft model's always, off; never changes a token "
                         "in deterministic mode", choices=SPEC_MODES)
-    draft_model: str | None = setting(None, "a GGUF with the model's tokenizer that drafts tokens (llama-server's -md), "
-                                      "or a packaged model's name; unset = prompt lookup only",
+    draft_model: str | None = setting(None, "a GGUF with the model's tokenizer that drafts tokens (llama-server's "
+                                      "-md), or a packaged model's name; unset = prompt lookup only",
                                       aliases=("-md",), example="smollm2")
     draft_max: int = setting(16, "most draft tokens a session carries a tick (llama-server's --spec-draft-n-max)",
                              range=(0, MAX_DRAFTS))
