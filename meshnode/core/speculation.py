@@ -82,12 +82,21 @@ class RowCost:
 def expected_skips(rates: list[float], k: int) -> float:
     """Ticks after a drafted one that need no llama_decode: the j-th does where every session had its first
     j drafts right (sessions independent, each position right with its session's rate)."""
-    total, run = 0.0, 1.0
-    for _ in range(k):
-        for a in rates:
-            run *= a
+    return _skips(rates, k)[-1] if k > 0 else 0.0
+
+
+def _skips(rates: list[float], k_max: int) -> list[float]:
+    """expected_skips for every K from 1 to k_max, in one pass: the j-th term is the j-th power of the
+    product of the rates."""
+    every = 1.0
+    for a in rates:
+        every *= a
+    out, run, total = [], 1.0, 0.0
+    for _ in range(k_max):
+        run *= every
         total += run
-    return total
+        out.append(total)
+    return out
 
 
 def draft_len(rates: list[float], base_rows: int, cost: RowCost, k_max: int, k_min: int = 1,
@@ -101,8 +110,9 @@ def draft_len(rates: list[float], base_rows: int, cost: RowCost, k_max: int, k_m
     if r == 0 or k_max <= 0:
         return 0
     best_k, best = 0, 1.0 / cost(base_rows)
-    for k in range(max(1, k_min), k_max + 1):
-        skips = expected_skips(rates, k)
+    for k, skips in enumerate(_skips(rates, k_max), 1):
+        if k < k_min:
+            continue
         rate = (1.0 + skips) / (cost(r * (k + 1)) + skips * SERVED_MS + k * per_draft_ms)
         if rate > best:
             best_k, best = k, rate

@@ -77,8 +77,8 @@ class Lookup:
 
 class Drafted:
     """The drafting part of LlamaEngine (engine/llama.py): uses its `_ids` (streams), `_history`,
-    `_constraints`, `n_ctx_seq`, `n_batch`, `eog`, `sample`, `_logits` and `trim_kv` (which also drops a
-    sequence's `_ahead`)."""
+    `_constraints`, `n_ctx_seq`, `n_batch`, `eog`, `sample`, `_logits`, `_pads` and `trim_kv` (which also
+    drops a sequence's `_ahead`)."""
 
     def _init_drafts(self, mode: str, k_max: int, k_min: int, model=None) -> None:
         """`model`: a DraftModel (engine/draftmodel.py), the source where the lookup finds nothing, or the
@@ -91,10 +91,9 @@ class Drafted:
         self._every_row: dict[int, SeqChunk] = {}  # this tick's drafted chunks: each of their rows is sampled
         self._rows = 0  # rows the tick computed (padding included): what it cost is RowCost's to learn
 
-    def _draft(self, chunks: list, pads: int) -> dict[int, SeqChunk]:
+    def _draft(self, chunks: list) -> dict[int, SeqChunk]:
         """The decode chunks that carry drafts this tick, by sequence, all with the same K (on streams one
-        llama_decode call takes chunks of one length). `pads`: deterministic mode's padding rows for
-        `chunks` as they are."""
+        llama_decode call takes chunks of one length)."""
         rows = [c for c in chunks if len(c.tokens) == 1 and c.draw >= 0]
         if not rows or self.spec == "off" or len(rows) < len(chunks) or self._ids is None:
             return {}
@@ -104,6 +103,7 @@ class Drafted:
         k_max = min(self._k_max, room, (self.n_batch - len(rows)) // len(rows))
         seen = {c.seq_id: self._history[c.seq_id][:c.pos] + [int(c.tokens[0])] for c in rows}
         found = {c.seq_id: self._lookup.propose(c.seq_id, seen[c.seq_id], k_max) for c in rows}
+        pads = self._pads(rows)  # deterministic mode's padding rows for the rows as they are
         free = 1 if pads and len(rows) == 1 else 0
         model = self._model_drafts is not None and (self.spec == "draft" or not all(found.values()))
         source = "model" if model else "lookup"

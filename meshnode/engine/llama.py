@@ -288,7 +288,7 @@ class LlamaEngine(Drafted, Engine):
     def _run(self, plan: Plan) -> StepResult:
         res = StepResult()
         chunks = self._answered(plan.chunks, res) if self._ahead else plan.chunks
-        drafts = self._draft(chunks, self._pads(chunks)) if chunks and self.spec != "off" else {}
+        drafts = self._draft(chunks)
         self._every_row = drafts
         for call in self._groups([drafts.get(c.seq_id, c) for c in chunks] if drafts else chunks):
             rows = self._decode(call)
