@@ -115,7 +115,7 @@ def main() -> int:
         md += ["![throughput and occupancy vs concurrency](sweep.png)", ""]
     if engine:
         e = engine["engine"]
-        md += ["## Engine batch scaling (bench model, in-process)", "", "`meshnode bench engine --preset bench "
+        md += ["## Engine batch scaling (bench model, in-process)", "", "`python -m benchmarks engine --preset bench "
                "--json evidence/engine-bench.json`", "", "| | decode tok/s | vs batch 1 |", "|---|---|---|",
                f"| Llama.generate, serial | {engine['llama_generate_serial']:.1f} | "
                f"{engine['llama_generate_serial'] / e['1']:.2f} |"]
@@ -146,7 +146,7 @@ def main() -> int:
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:
         md += ["## Engine death: SIGKILL to the first token of the restarted engine, and what follows", ""]
-        md += [f"- {k}: `meshnode bench restart --preset {k} --json evidence/restart-{k}.json`: "
+        md += [f"- {k}: `python -m benchmarks restart --preset {k} --json evidence/restart-{k}.json`: "
                + ", ".join(f"{w:.2f} s" for w in v["waits_s"]) for k, v in restarts.items()]
         cont = {k: v for k, v in restarts.items() if "first_difference" in v}
         if cont:
@@ -162,9 +162,9 @@ def main() -> int:
     ipc_path = os.path.join(HERE, "ipc.txt")
     if os.path.exists(ipc_path):
         md += ["## Engine-link transport round trip (diagnostic)", "",
-               "`meshnode bench ipc > evidence/ipc.txt`", "", "```", open(ipc_path).read().rstrip(), "```", ""]
+               "`python -m benchmarks ipc > evidence/ipc.txt`", "", "```", open(ipc_path).read().rstrip(), "```", ""]
     if soak:
-        md += ["## Soak (tiny model)", "", f"`meshnode bench soak --preset tiny --minutes {soak['minutes']:g} "
+        md += ["## Soak (tiny model)", "", f"`python -m benchmarks soak --preset tiny --minutes {soak['minutes']:g} "
                f"--kill-every {soak['kill_every_s']:g} --json evidence/soak-tiny.json`", "",
                f"submitted {soak['submitted']}, admitted {soak['admitted']}, completed {soak['completed']}, "
                f"rejected {soak['rejected']}, **lost {soak['lost']}**; engine kills {soak['kills']}, restarts "

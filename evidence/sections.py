@@ -23,7 +23,7 @@ def layout() -> list[str]:
     units = {"mix": "tok/s", "decode": "tok/s", "burst": "last first token s", "chat": "wall s", "lone": "ms/token"}
     modes = list(d["rounds"])
     md = ["## Deterministic mode vs not (bench model)", "",
-          "`meshnode bench layout --preset bench --rounds 3 --json evidence/layout-bench.json`, on "
+          "`python -m benchmarks layout --preset bench --rounds 3 --json evidence/layout-bench.json`, on "
           f"{d.get('build', 'the stock build')}: through fresh nodes, the modes' order rotating per round, "
           "the mix (16 jobs, prompts 4-100, 32 new, concurrency 8), pure decode (8 sessions x 128 tokens), the "
           "prefill burst (4 decoding, 4 x 1,000-token prompts), multi-turn chat (8 users x 3 turns, prefix "
@@ -53,7 +53,7 @@ def _rows() -> list[str]:
     if not d:
         return []
     md = ["### What K drafts cost: a tick of one sequence's n rows (SmolLM2-135M-Instruct q8_0)", "",
-          f"`meshnode bench rows --model smollm2-q8_0 --json evidence/rows-bench-smollm2.json`, on {d['build']}: in "
+          f"`python -m benchmarks rows --model smollm2-q8_0 --json evidence/rows-bench-smollm2.json`, on {d['build']}: in "
           f"process, one sequence at depth {d['depth']}, the fastest of 5 ticks, ms (x one row's).", "",
           "| mode | " + " | ".join(f"{n} rows" for n in next(iter(d["ms"].values()))) + " |",
           "|---|" + "---|" * len(next(iter(d["ms"].values())))]
@@ -69,7 +69,7 @@ def _spec(name: str, title: str, args: str) -> list[str]:
         return []
     sides = list(d["rounds"][0])
     md = [f"## One user alone: {title}", "",
-          f"`meshnode bench spec {args} --json evidence/{name}`, on {d['build']}: one session alone, greedy, "
+          f"`python -m benchmarks spec {args} --json evidence/{name}`, on {d['build']}: one session alone, greedy, "
           f"{d['new_tokens']} new "
           "tokens, the same rendered prompt tokens to every side (code-edit: a 40-line file asked back with one "
           f"function renamed, {d['prompt_tokens']['code-edit']} tokens; chat: a free question, "
@@ -102,7 +102,7 @@ def chat() -> list[str]:
         return []
     w = d["workload"]
     md = ["## Multi-turn chat: prefix cache on vs off vs llama-server (bench model)", "",
-          "`meshnode bench chat --preset bench --rounds 3 --llama-server PATH --json evidence/chat-bench.json`: "
+          "`python -m benchmarks chat --preset bench --rounds 3 --llama-server PATH --json evidence/chat-bench.json`: "
           f"{w['users']} users x {w['turns']} turns, a {w['system']}-token system prompt shared by all, "
           f"+{w['new']} tokens a turn, {w['gen']} generated; every turn re-sends the conversation. llama-server: "
           "built from the same vendored llama.cpp, one slot per user, prompt caching on.", "",
@@ -180,7 +180,7 @@ def ticks() -> list[str]:
         return []
     m, r = d["median_ms"], d["ratios"]
     md = ["## What a tick costs by shape (bench model, engine alone)", "",
-          f"`meshnode bench ticks --preset bench --rounds {d['rounds']} --json evidence/tick-shapes.json`: streams "
+          f"`python -m benchmarks ticks --preset bench --rounds {d['rounds']} --json evidence/tick-shapes.json`: streams "
           "layout, each shape timed once a round, interleaved; medians over rounds.", "",
           f"| prompt chunk | at position 0, ms | per row | at position {d['deep']}, ms | per row |", "|---|---|---|---|---|"]
     for n in (32, 63, 64, 128, 146, 192):
@@ -204,7 +204,7 @@ def sampling() -> list[str]:
         return []
     m, a = d["step_ms_median"], d["sampling_alone_ms"]
     return ["## Sampling options' cost (bench model)", "",
-            "`meshnode bench sampling --preset bench --rounds 3 --json evidence/sampling-bench.json`: a decode tick "
+            "`python -m benchmarks sampling --preset bench --rounds 3 --json evidence/sampling-bench.json`: a decode tick "
             f"of {d['batch']} sequences, greedy vs every option on (temperature, top-k 40, top-p, min-p, the three "
             "penalties over 64 tokens, logprobs 5), rounds alternating.", "",
             f"Engine step (median of rounds): greedy **{m['greedy']:.2f} ms**, all options **{m['everything']:.2f} "
@@ -217,7 +217,7 @@ def rpc() -> list[str]:
     if not d:
         return []
     md = ["## One model over ggml RPC workers (bench model)", "",
-          "`meshnode bench rpc --preset bench --rounds 3 --json evidence/rpc-bench.json`, on "
+          "`python -m benchmarks rpc --preset bench --rounds 3 --json evidence/rpc-bench.json`, on "
           f"{d['build']}: through fresh nodes, the sides' order rotating per round; the workers are "
           "`meshnode rpc-worker` processes on this same host (their compute shares its cores with the node's), "
           "the delays a Python proxy holding each chunk half the round trip each way (no netem in this kernel). "
@@ -238,7 +238,7 @@ def structured() -> list[str]:
             continue
         if not md:
             md = ["## Structured output: a decode tick with JSON-schema rows, vs llama-server's json_schema", "",
-                  f"`meshnode bench structured --preset PRESET --rounds 3 --llama-server PATH --json evidence/...`, on "
+                  f"`python -m benchmarks structured --preset PRESET --rounds 3 --llama-server PATH --json evidence/...`, on "
                   f"{d['build']}: through a node (deterministic mode, its default), a node with `--no-deterministic` "
                   "and llama-server built from the same llama.cpp, the order rotating per round; every session "
                   f"{d['new_tokens']} tokens at temperature 1, the constrained ones to an array-of-objects schema that "
@@ -431,7 +431,7 @@ def abuse() -> list[str]:
             continue
         if not md:
             md = ["## Abuse: the largest valid requests of every kind against 4 streams", "",
-                  "`evidence/abuse.sh` runs `meshnode bench abuse --rounds 3` on this tree and on the node before "
+                  "`evidence/abuse.sh` runs `python -m benchmarks abuse --rounds 3` on this tree and on the node before "
                   "issue 23 (commit 144f411, with this tree's bench laid over it: the same load). Abusers: 256 KiB "
                   "texts and chat messages of tabs (ten chat identities), 65,536-token prompts, status floods, "
                   "unknown cancels, /metrics scrapes, a client that stops reading; a one-pool node of 65,536 cells, "

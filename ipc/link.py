@@ -12,12 +12,12 @@ tokens and the front has read its samples.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from ipc import seqpacket
 from ipc.protocol import pack, unpack
-from meshnode.core.types import (Constrained, Device, EngineInfo, Grammar, Keep, Plan, Release, Sampling, SeqChunk, Share,
-                                 StepResult)
+from meshnode.core.types import (Constrained, Device, EngineInfo, Grammar, Keep, Logprob, Plan, Release, Sampling,
+                                 SeqChunk, Share, StepResult)
 
 HALVES = 2
 MAX_GRAMMAR_BYTES = seqpacket.MAX_MESSAGE - 4096  # a compiled grammar and its message's other fields
@@ -76,36 +76,20 @@ class Aborted:
 
 @dataclass(frozen=True)
 class TickDone:
-    """Tick `tick` ran; its sampled tokens are in the arena. `gap_ms`: the engine's time between the
-    previous tick's step and this one's (-1 for a fresh tick). The memory figures are the engine
-    process's latest (re-read at most every 0.25 s)."""
+    """Tick `tick` ran: the engine's StepResult, whole but for its sampled tokens, which are in the arena
+    (`with_tokens` puts them back). `gap_ms`: the engine's time between the previous tick's step and this
+    one's (-1 for a fresh tick). The memory figures are the engine process's latest (re-read at most every
+    0.25 s)."""
 
     tick: int
-    cache_miss: tuple[int, ...] = ()
-    step_ms: float = 0.0
-    kv_cells: int = 0
+    result: StepResult = field(default_factory=StepResult)
     gap_ms: float = -1.0
     rss: int = 0
     mem_available: int = 0
     mem_total: int = 0
-    logprobs: tuple = ()  # (seq, sampled token's logprob, ((token, logprob), ...)) for sessions that asked
-    drafted: int = 0  # StepResult's
-    served: int = 0
-    failed: tuple = ()  # (seq, why): StepResult's, sessions whose response_format failed (no sample in the arena)
 
-    @classmethod
-    def of(cls, tick: int, res: StepResult, gap_ms: float, rss: int = 0, mem_available: int = 0,
-           mem_total: int = 0) -> TickDone:
-        """An engine step's wire form, with the engine process's memory figures; its tokens go to the arena."""
-        lps = tuple((s, lp, tuple(top)) for s, (lp, top) in res.logprobs.items()) if res.logprobs else ()
-        return cls(tick, tuple(res.cache_miss), res.step_ms, res.kv_cells, gap_ms, rss, mem_available, mem_total, lps,
-                   res.drafted, res.served, tuple(res.failed.items()))
-
-    def result(self, tokens: dict[int, int]) -> StepResult:
-        """The step as the engine returned it, with its tokens read back from the arena."""
-        return StepResult(tokens, list(self.cache_miss), self.step_ms, self.kv_cells,
-                          {s: (lp, list(top)) for s, lp, top in self.logprobs}, self.drafted, self.served,
-                          dict(self.failed))
+    def with_tokens(self, tokens: dict[int, int]) -> StepResult:
+        return replace(self.result, tokens=tokens)
 
 
 @dataclass(frozen=True)
@@ -152,8 +136,8 @@ class EngineProcessConfig:
     arena_name: str
     arena_input: int
     arena_output: int
-    engine_kind: str  # "llama" (the engine's EngineConfig fields in engine_params) or "fake" (tests)
-    engine_params: dict
+    engine_kind: str  # "llama" or "fake" (tests)
+    engine: object  # llama: its meshnode.engine.config.EngineConfig (pickled with the spawn); fake: FakeEngine's keywords
     log_level: str = "WARNING"
     faults: dict | None = None  # tests only: what `wrapper` injects into this incarnation
     wrapper: str = ""  # tests only: "module:callable" that wraps the engine with the faults (named by the caller)
@@ -210,9 +194,12 @@ def encode(msg: Message, arena=None) -> bytes:
     if isinstance(msg, GrammarText):
         return pack({"kind": "grammar", "key": msg.grammar.key, "text": msg.grammar.text, "forget": list(msg.forget)})
     if isinstance(msg, TickDone):
-        return pack({"kind": "done", **asdict(msg), "cache_miss": list(msg.cache_miss),
-                     "logprobs": [[s, lp, [list(t) for t in top]] for s, lp, top in msg.logprobs],
-                     "failed": [list(f) for f in msg.failed]})
+        r = msg.result
+        return pack({"kind": "done", "tick": msg.tick, "gap_ms": msg.gap_ms, "rss": msg.rss,
+                     "mem_available": msg.mem_available, "mem_total": msg.mem_total,
+                     "cache_miss": list(r.cache_miss), "step_ms": r.step_ms, "kv_cells": r.kv_cells,
+                     "logprobs": [[s, lp.logprob, [list(t) for t in lp.top]] for s, lp in r.logprobs.items()],
+                     "drafted": r.drafted, "served": r.served, "failed": [list(f) for f in r.failed.items()]})
     kind = {Stop: "stop", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
 
@@ -254,10 +241,11 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
             raise MalformedTick(m["tick"] if isinstance(m.get("tick"), int) else 0, f"malformed tick: {e}") from None
     try:
         if kind == "done":
-            return TickDone(int(m["tick"]), tuple(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
-                            int(m["kv_cells"]), float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
-                            int(m["mem_total"]), _logprobs(m.get("logprobs", [])), int(m.get("drafted", 0)),
-                            int(m.get("served", 0)), tuple((int(q), str(why)) for q, why in m.get("failed", [])))
+            result = StepResult({}, list(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
+                                int(m["kv_cells"]), _logprobs(m.get("logprobs", [])), int(m.get("drafted", 0)),
+                                int(m.get("served", 0)), {int(q): str(why) for q, why in m.get("failed", [])})
+            return TickDone(int(m["tick"]), result, float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
+                            int(m["mem_total"]))
         if kind == "refused":
             return TickRefused(m["tick"], bool(m["fatal"]), str(m["detail"]))
         if kind == "hello":
@@ -281,11 +269,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
     raise ValueError(f"unknown engine link message kind {kind!r}")
 
 
-def _logprobs(v) -> tuple:
-    out = []
-    for seq, lp, top in v:
-        out.append((int(seq), float(lp), tuple((int(t), float(p)) for t, p in top)))
-    return tuple(out)
+def _logprobs(v) -> dict[int, Logprob]:
+    return {int(seq): Logprob(float(lp), tuple((int(t), float(p)) for t, p in top)) for seq, lp, top in v}
 
 
 def _ints(v, name: str) -> list[int]:

@@ -1,6 +1,6 @@
 """Every client-link message, with its validation, in one place.
 
-Client link (shared/protocol.md, version 1): two frames `[b"MN1", msgpack map]`.
+Client link (docs/protocol.md, version 1): two frames `[b"MN1", msgpack map]`.
 The engine link's messages are in ipc/link.py.
 
 Decoding never trusts input: msgpack runs with explicit size limits and no ext
@@ -22,7 +22,7 @@ from meshnode.core.types import FORMATS, ResponseFormat, Sampling
 
 VERSION = b"MN1"
 TELEMETRY_TOPIC = b"telemetry"
-MAX_MESSAGE_BYTES = 1 << 20  # also the client socket's MAXMSGSIZE
+MAX_MESSAGE_BYTES = 1 << 20  # the largest payload served; the socket takes up to 2x (TOO_LARGE), then drops
 MAX_ID_CHARS = 128
 MAX_LIST = 1 << 16  # tokens in one prompt, entries in one list
 MAX_TEXT_BYTES = 256 * 1024
@@ -298,8 +298,8 @@ def status(node: dict, telemetry: dict, capacity: dict) -> list[bytes]:
 def tokens(id: str, toks: list[int], text: str, logprobs: list | None = None) -> list[bytes]:
     if logprobs is None:
         return event("tokens", id=id, tokens=toks, text=text)
-    lps = [{"token": t, "logprob": lp, "top": [{"token": a, "logprob": b} for a, b in top]}
-           for t, (lp, top) in zip(toks, logprobs)]
+    lps = [{"token": t, "logprob": lp.logprob, "top": [{"token": a, "logprob": b} for a, b in lp.top]}
+           for t, lp in zip(toks, logprobs)]
     return event("tokens", id=id, tokens=toks, text=text, logprobs=lps)
 
 

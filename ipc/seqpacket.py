@@ -3,7 +3,7 @@
 Not ZeroMQ, on purpose. A zmq send wakes the sender's I/O thread, which wakes
 the receiver's I/O thread, which wakes the receiver: with llama.cpp's threads
 busy, that chain cost more than the whole rest of a tick's hand-over
-(docs/architecture.md has the figures; `meshnode bench ipc` measures the bare
+(docs/architecture.md has the figures; `python -m benchmarks ipc` measures the bare
 round trip). A SEQPACKET socket keeps message boundaries, and a send wakes the
 receiving thread directly.
 

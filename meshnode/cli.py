@@ -4,57 +4,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import sys
 
 
-def _serve_args(p: argparse.ArgumentParser) -> None:
-    from meshnode.ops import config
-
-    p.add_argument("--config", help="TOML file with any serve setting; flags override it")
-    config.add_flags(p)  # every setting, from the one list of them
-
-
 def cmd_config_example(a) -> int:
-    from meshnode.ops.config import example_file
+    from meshnode.ops.flags import example_file
 
     sys.stdout.write(example_file())
     return 0
 
 
 def cmd_serve(a) -> int:
+    from meshnode.front.command import serve_node
+
     return serve_node(a)
-
-
-def serve_node(a, internal: dict | None = None) -> int:
-    """`meshnode serve`; `internal` settings (an engine kind, faults) come only from meshnode/dev/serve.py."""
-    from meshnode.front import signals
-
-    signals.install()  # before the heavy imports below: a signal during start-up is a clean stop
-    from meshnode.core.budget import ConfigError
-    from meshnode.front.node import serve
-    from meshnode.ops import config
-
-    keys = set(config.public_keys()) - {"model"}
-    overrides = {k: getattr(a, k) for k in keys if hasattr(a, k)}
-    overrides["model"] = a.model
-    overrides.update(internal or {})
-    try:
-        cfg = config.load(a.config, overrides, os.environ)
-    except ValueError as e:
-        print(f"meshnode serve: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("meshnode.llama").setLevel(logging.WARNING)
-    try:
-        return serve(cfg)
-    except ConfigError as e:  # a setting that turned out not to work once tried (a port in use)
-        logging.getLogger("meshnode").error("cannot serve: %s", e)
-        return 2
-    except Exception as e:  # start-up failures: one clear line, not a traceback
-        logging.getLogger("meshnode").error("cannot serve: %s", e)
-        return 1
 
 
 def cmd_make_model(a) -> int:
@@ -142,6 +106,26 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
 
 
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    from meshnode.core.types import Sampling
+
+    p.add_argument("--connect", help="node endpoint (default: the default serve endpoint)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--text")
+    g.add_argument("--tokens", help="comma-separated token ids")
+    g.add_argument("--messages", help="a JSON file: [{\"role\": ..., \"content\": ...}], in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--stop", action="append", help="a stop string (repeat for up to 8)")
+    p.add_argument("--logprobs", type=int, default=0, help="print each token's logprob and this many alternatives")
+    for f in dataclasses.fields(Sampling):  # the sampling fields and their defaults, from their one home
+        if f.name != "logprobs":
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--curve-server-key", help="the node's public certificate, for a CURVE node")
+    p.add_argument("--curve-client-cert", help="this client's secret certificate, for a CURVE node")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from meshnode.ops.models import PRESETS, QUANTS
 
@@ -155,31 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=sorted(QUANTS), help="quantize with llama.cpp's own quantizer")
     p.set_defaults(fn=cmd_make_model)
 
+    from meshnode.front.command import add_args as serve_args
     p = sub.add_parser("serve", help="run a node (front + engine process)")
-    _serve_args(p)
+    serve_args(p)
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("config-example", help="print every serve setting as a commented TOML file")
     p.set_defaults(fn=cmd_config_example)
 
     p = sub.add_parser("generate", help="stream one generation from a node")
-    p.add_argument("--connect", help="node endpoint (default: the default serve endpoint)")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--text")
-    g.add_argument("--tokens", help="comma-separated token ids")
-    g.add_argument("--messages", help="a JSON file: [{\"role\": ..., \"content\": ...}], in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--stop", action="append", help="a stop string (repeat for up to 8)")
-    p.add_argument("--logprobs", type=int, default=0, help="print each token's logprob and this many alternatives")
-    from meshnode.core.types import Sampling
-
-    for f in dataclasses.fields(Sampling):  # the sampling fields and their defaults, from their one home
-        if f.name != "logprobs":
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--curve-server-key", help="the node's public certificate, for a CURVE node")
-    p.add_argument("--curve-client-cert", help="this client's secret certificate, for a CURVE node")
+    _generate_args(p)
     p.set_defaults(fn=cmd_generate)
 
     from meshnode.ops.top import add_args as top_args
@@ -203,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_sweep)
 
     from meshnode.bench import add_args as bench_args
-    p = sub.add_parser("bench", help="benchmarks: engine, overhead, peers, burst, soak")
+    p = sub.add_parser("bench", help="benchmark harnesses: overhead, peers, burst, scale, gateway, memory")
     bench_args(p)
     p.set_defaults(fn=cmd_bench)
     return ap

@@ -16,7 +16,7 @@ from meshnode.core.session import Session
 from meshnode.core.types import GREEDY, InvalidPlan, Plan, Release, SeqChunk, StepResult
 from meshnode.dev.clients import deaf_client  # noqa: F401  (re-exported for the tests)
 from meshnode.dev.drive import run_tick, run_to_completion  # noqa: F401
-from meshnode.engine.fake import FakeEngine
+from meshnode.dev.fake import FakeEngine
 from meshnode.engine.followups import AWAITING_RESYNC, Followups
 
 
@@ -39,18 +39,18 @@ class Clock:
         return self.t
 
 
-def scheduler(engine=None, clock=None, depth=1, prefix_cache="off", pool_cells=0, **budget):
+def scheduler(engine=None, clock=None, prefix_cache="off", pool_cells=0, **budget):
     """(engine, scheduler) over a fake engine unless one is given; `budget` overrides NodeBudget fields."""
     e = engine or FakeEngine(n_seq_max=8, n_ctx=4096)
     kw = {"clock": clock} if clock else {}
     s = Scheduler(NodeBudget.from_engine(e, **budget), e.eog, recipe=e.recipe_fingerprint,
-                  pipeline=TickPipeline(depth), prefix_cache=prefix_cache, pool_cells=pool_cells, **kw)
+                  prefix_cache=prefix_cache, pool_cells=pool_cells, **kw)
     return e, s
 
 
 def step(sched, engine, tick):
     """Run one planned tick on the engine and apply its answer (lockstep)."""
-    return sched.apply(sched.pipeline.answer(tick.t), engine.step(tick.plan))
+    return sched.apply(tick, engine.step(tick.plan))
 
 
 def done_reasons(events):
@@ -113,15 +113,17 @@ class Pipelined:
     llama_decode finds no KV slot (every sequence of the tick is lost, as with rc=1).
     """
 
-    def __init__(self, sched, engine, refuse=(), miss=()):
+    def __init__(self, sched, engine, refuse=(), miss=(), depth=2):
         self.sched, self.engine, self.followups = sched, engine, Followups()
+        self.pipeline = TickPipeline(depth)  # the front's tick driver's (front/ticks.py), without the process
         self.refuse, self.miss = set(refuse), set(miss)
         self.sent: list = []  # ticks sent to the engine, not run yet
         self.follows = 0
         self.refused: list = []  # plans refused for themselves, not for awaiting a resync
 
     def fill(self):
-        while (tick := self.sched.plan()) is not None:
+        while not self.pipeline.full and (tick := self.sched.plan()) is not None:
+            self.pipeline.push(tick)
             self.follows += sum(c.follow for c in tick.plan.chunks)
             self.sent.append(tick)
 
@@ -139,12 +141,12 @@ class Pipelined:
             if not (tick.t in self.refuse or (tick.discard and str(e) == AWAITING_RESYNC)):
                 raise
             self.followups.refused()
-            answered = self.sched.pipeline.answer(tick.t)
+            answered = self.pipeline.answer(tick.t)
             if answered is None:
                 return []
             self.refused.append(tick.plan)
-            return self.sched.refused(answered, "ENGINE_ERROR")
-        answered = self.sched.pipeline.answer(tick.t)
+            return self.sched.refused(answered, "ENGINE_ERROR", self.pipeline.refused())
+        answered = self.pipeline.answer(tick.t)
         return [] if answered is None else self.sched.apply(answered, res)
 
     def run_to_completion(self, max_ticks=10_000):
@@ -174,9 +176,17 @@ def promised(model_path: str) -> bool:
     """Whether docs/determinism.md promises deterministic mode for this model on this CPU: where it does, a
     node or engine without the mode is a failure, never a skip (engine/invariant.py, `promised`)."""
     from meshnode.engine import invariant, llamacpp
-    from meshnode.engine.llama import EngineConfig
 
-    return invariant.promised(EngineConfig(model_path).weight_types, llamacpp.system_info())
+    return invariant.promised(llamacpp.matmul_weight_types(model_path), llamacpp.system_info())
+
+
+def engine_config(model: str, **settings):
+    """An engine as the node builds one (NodeConfig's names and checks: meshnode/ops/config.py), with what the
+    engine tests were written for unless a test says otherwise: one unified KV pool of 4096 cells, not
+    deterministic."""
+    from meshnode.ops import config
+
+    return config.engine_config(model, **{"kv_layout": "unified", "deterministic": False, "ctx": 4096, **settings})
 
 
 def deterministic_node(c, model_path: str) -> bool:

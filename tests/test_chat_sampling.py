@@ -5,10 +5,10 @@ import signal
 import numpy as np
 import pytest
 
-from helpers import assert_consistent, deterministic_node, prompt
+from helpers import engine_config, assert_consistent, deterministic_node, prompt
 from meshnode.core import reasons as R
 from meshnode.core.types import GREEDY, Plan, Sampling, SeqChunk
-from meshnode.engine.llama import EngineConfig, LlamaEngine
+from meshnode.engine.llama import LlamaEngine
 from meshnode.engine.sampling import penalize, sample
 from meshnode.ops.models import make_model
 from meshnode.text.stops import StopText
@@ -96,7 +96,7 @@ def test_every_mode_draws_in_proportion_and_never_a_forbidden_token(monkeypatch,
 # -- the engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1)) as e:
         yield e
 
 

@@ -8,7 +8,7 @@ from meshnode.core.capacity import capacity
 from meshnode.core.costmodel import (Shape, TickCost, TickTarget, attention, fill, fill_deterministic, prefill_room,
                                      shape, sized, within_target)
 from meshnode.core.session import Session
-from meshnode.engine.fake import FakeEngine
+from meshnode.dev.fake import FakeEngine
 
 BASE, PER_ROW, PER_CELL = 30.0, 2.0, 0.002  # ms; a unified KV: every row attends to every cell in use
 
@@ -47,7 +47,7 @@ class Node:
         self.clock.t += res.step_ms / 1e3
         decode = sum(len(c.tokens) == 1 and c.draw >= 0 for c in tick.plan.chunks)
         self.tick_ms.append((decode, tick.plan.n_tokens - decode, res.step_ms))
-        for ev in self.sched.apply(self.sched.pipeline.answer(tick.t), res):
+        for ev in self.sched.apply(tick, res):
             if ev.kind == "tokens":
                 self.first.setdefault(ev.session.key, self.clock.t)
 

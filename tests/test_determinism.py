@@ -14,12 +14,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from helpers import history, logprob_entries, promised, scenario, serve
+from helpers import engine_config, history, logprob_entries, promised, scenario, serve
 from meshnode.core import reasons as R
 from meshnode.core.types import GREEDY, FatalEngineError, Plan, Sampling, SeqChunk
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine import invariant, llamacpp
-from meshnode.engine.llama import AMX_MAX_ROWS, EngineConfig, LlamaEngine
+from meshnode.engine.config import AMX_MAX_ROWS
+from meshnode.engine.llama import LlamaEngine
 from meshnode.ops.models import make_model
 
 CASES = [("f32", "tiny", None), ("f16", "tiny-f16", None), ("q8_0", "tiny-f16", "q8_0"),
@@ -55,7 +56,7 @@ def holding(problems, name, models):
 
 
 def engine(path, deterministic=True, n_seq_max=8):
-    return LlamaEngine(EngineConfig(path, n_seq_max=n_seq_max, n_ctx=4096, n_batch=512, n_threads=1,
+    return LlamaEngine(engine_config(path, n_seq_max=n_seq_max, ctx=4096, n_batch=512, threads=1,
                                     kv_layout="unified" if deterministic is False else "streams",
                                     deterministic=deterministic))
 
@@ -119,7 +120,7 @@ def test_extra_weight_buffers_only_where_numbers_hold_and_never_quantized_ones_o
     monkeypatch.setattr(llamacpp, "amx_crashes", lambda: amx)
 
     def cfg(name, det, n=AMX_MAX_ROWS):
-        return EngineConfig(models[name], n_seq_max=n, kv_layout="streams", deterministic=det)
+        return engine_config(models[name], n_seq_max=n, kv_layout="streams", deterministic=det)
     got = {(n, det): cfg(n, det).extra_buffers for n, _, _ in CASES for det in (True, False)}
     assert got == {(n, det): (n in ("f32", "f16")) if amx else not det for n, _, _ in CASES for det in (True, False)}
     assert cfg("f16", False, AMX_MAX_ROWS + 1).extra_buffers is not amx
@@ -198,7 +199,7 @@ def test_left_to_the_engine_the_mode_is_on_where_it_holds_and_off_with_the_reaso
     with engine(models["q4_k_m"], deterministic=None) as e:
         assert e.deterministic == (e.deterministic_problem == "")
         assert e.deterministic or not promised(models["q4_k_m"]), e.deterministic_problem
-        cfg = EngineConfig(models["q4_k_m"], kv_layout="streams", deterministic=None)
+        cfg = engine_config(models["q4_k_m"], kv_layout="streams", deterministic=None)
         assert e.recipe_fingerprint == cfg.recipe(e.deterministic) != cfg.recipe(not e.deterministic)
     q4_0 = str(make_model(tmp_path / "q4_0.gguf", "tiny-f16", 0, "q4_0"))
     with engine(q4_0, deterministic=None) as e:
@@ -294,7 +295,7 @@ def test_a_draft_models_drafts_leave_a_session_bitwise_the_same(models, problems
     """A q8_0 copy drafting for the f32 model (llama-server's -md): its guesses are checked like any draft,
     so the session is the one it is with speculation off, alone and in a crowd across a restart."""
     holding(problems, "f32", models)
-    cfg = EngineConfig(models["f32"], n_seq_max=8, n_ctx=4096, n_batch=512, n_threads=1, kv_layout="streams",
+    cfg = engine_config(models["f32"], n_seq_max=8, ctx=4096, n_batch=512, threads=1, kv_layout="streams",
                        deterministic=True, draft_model=models["q8_0"], spec="draft", draft_max=4)
     with LlamaEngine(cfg) as e:
         q, answer = history(e)
@@ -314,9 +315,9 @@ def test_a_draft_models_drafts_leave_a_session_bitwise_the_same(models, problems
 def test_a_draft_model_with_another_vocab_is_refused_in_one_line(models, tmp_path):
     other = str(make_model(tmp_path / "bpe.gguf", "tiny-bpe", 0))
     with pytest.raises(FatalEngineError, match="cannot draft for this model: token 0 is .* there, '<unk>' here"):
-        LlamaEngine(EngineConfig(models["f32"], n_seq_max=2, n_ctx=512, kv_layout="streams", draft_model=other))
+        LlamaEngine(engine_config(models["f32"], n_seq_max=2, ctx=512, kv_layout="streams", draft_model=other))
     with pytest.raises(ValueError, match="spec: draft needs a draft model"):
-        EngineConfig(models["f32"], kv_layout="streams", spec="draft").validate()
+        engine_config(models["f32"], kv_layout="streams", spec="draft").validate()
 
 
 @pytest.mark.slow
@@ -327,7 +328,7 @@ def test_without_deterministic_mode_speculation_keeps_the_sampler_and_its_draws(
     begin as they do with speculation off (at temperature 1 over a random model's broad distribution, about
     one in thirty tokens part on the bits: f16 flash attention), where a draw taken out of turn would part
     nearly all of them at their first token answered from a draft."""
-    cfg = EngineConfig(models["f32"], n_seq_max=8, n_ctx=4096, n_batch=512, n_threads=1, kv_layout="streams")
+    cfg = engine_config(models["f32"], n_seq_max=8, ctx=4096, n_batch=512, threads=1, kv_layout="streams")
     p = [3 + (k * 13) % 500 for k in range(40)]
     same = served = 0
     with LlamaEngine(cfg) as e:

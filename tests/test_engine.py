@@ -4,19 +4,19 @@ import logging
 import numpy as np
 import pytest
 
-from helpers import generate, prompt
+from helpers import engine_config, generate, prompt
 from meshnode.core.costmodel import Shape, TickCost
 from meshnode.core.types import GREEDY, InvalidPlan, Keep, Plan, Sampling, SeqChunk, Share
 from meshnode.engine.drafts import Lookup
-from meshnode.engine.llama import EngineConfig, LlamaEngine
-from meshnode.engine.reference import ReferenceEngine
+from meshnode.engine.llama import LlamaEngine
+from meshnode.dev.reference import ReferenceEngine
 
 LENGTHS = [1, 3, 7, 12, 20, 33, 50, 64]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=8, n_ctx=2048, n_threads=2)) as e:
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=8, ctx=2048, threads=2)) as e:
         yield e
 
 
@@ -110,7 +110,7 @@ def test_bad_plans_are_refused_and_the_engine_keeps_working(engine, bad, why):
 
 
 def test_rc1_no_kv_slot_comes_back_as_cache_miss(tiny_model):
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=2, n_ctx=256, n_threads=1)) as e:
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=2, ctx=256, threads=1)) as e:
         e.step(Plan([SeqChunk(0, 0, np.array(prompt(200), np.int32), 0)]))
         res = e.step(Plan([SeqChunk(1, 0, np.array(prompt(120), np.int32), 0)]))
         assert res.cache_miss == [1] and e.seq_pos_max(1) == -1
@@ -122,7 +122,7 @@ def test_kv_bytes_per_token_matches_what_llama_cpp_allocates(tiny_model, caplog)
     import re
 
     with caplog.at_level(logging.DEBUG, logger="meshnode.llama"):
-        with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
+        with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1)) as e:
             per_token = e.kv_bytes_per_token
             e.step(Plan([SeqChunk(0, 0, np.array(prompt(32), np.int32))]))
             small = e.state_seq_size(0)
@@ -143,7 +143,7 @@ def test_llama_cpp_matches_the_numpy_reference(tiny_model, reference):
     """
     prompts = {0: prompt(1, 1), 1: prompt(7, 2), 2: prompt(19, 3)}
     got, want = {}, {}
-    cfg = EngineConfig(tiny_model, n_seq_max=8, n_ctx=1024, n_threads=1, type_k="f32", type_v="f32", flash_attn="off")
+    cfg = engine_config(tiny_model, n_seq_max=8, ctx=1024, threads=1, type_k="f32", type_v="f32", flash_attn="off")
     with LlamaEngine(cfg) as engine:
         generate(engine, prompts, 6, chunk=5, together=True, logits_out=got)
     generate(reference, prompts, 6, chunk=5, together=True, logits_out=want)
@@ -204,7 +204,7 @@ def test_streams_packed_after_sessions_end_keep_their_kv(tiny_model):
     prompts = {s: np.array(prompt(40 + 7 * s, s), np.int32) for s in range(8)}
 
     def run(pack):
-        cfg = EngineConfig(tiny_model, n_seq_max=8, n_ctx=8 * 256, n_threads=1, kv_layout="streams")
+        cfg = engine_config(tiny_model, n_seq_max=8, ctx=8 * 256, threads=1, kv_layout="streams")
         with LlamaEngine(cfg) as e:
             if not pack:
                 e._ids.arrange = lambda live: []
@@ -242,7 +242,7 @@ def test_reused_kv_continues_like_a_cold_prefill(tiny_model, layout):
             step = Plan([SeqChunk(seq, pos + len(tokens) + k, tok, draw=k + 1)])
         return out
 
-    cfg = EngineConfig(tiny_model, n_seq_max=4, n_ctx=4 * 256, n_threads=1, kv_layout=layout)
+    cfg = engine_config(tiny_model, n_seq_max=4, ctx=4 * 256, threads=1, kv_layout=layout)
     with LlamaEngine(cfg) as e:
         cold = greedy(e, 3, 0, turn)
         greedy(e, 0, 0, base)
@@ -260,7 +260,7 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, 
 
     monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 1e12)  # the time bounds, tested below, out of the way:
     monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 1e12)  # the schedule is the same on a busy machine
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1)) as e:
         points = e.calibrate()
         # chunks at 0, then seq 0 filled to half its context (512) and decode rows beside it there
         # and 64-, 128- and 256-token chunks beside 2 decode rows: (calls, rows, attn, attn_small, sized, ms)
@@ -276,7 +276,7 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, 
         for p in points:
             cost.observe(Shape(*p[:4]), p[5], p[4])
         assert cost.ready and cost.predict(Shape(1, 256, 256 * 256, 0)) > cost.predict(Shape(1, 1, 0, 1))
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1, kv_layout="streams")) as e:
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1, kv_layout="streams")) as e:
         points = e.calibrate()  # 256 cells a stream: too shallow to fill; the chunk beside decode rows is a 2nd call
         assert [p[:2] for p in points[-5:]] == [(1, 2), (1, 4), (2, 66), (2, 130), (2, 257)]
         assert all(e.seq_pos_max(s) < 0 for s in range(4))
@@ -289,7 +289,7 @@ def test_calibration_stops_growing_chunks_and_stays_shallow_when_its_time_is_spe
 
     monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 0.0)
     monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 0.0)
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1)) as e:
         points = e.calibrate()
     # chunks of 1-8 rows, no deep fill, then 2 and 4 decode rows at position 0 and chunks beside 2 of them
     assert [p[1] for p in points] == [1, 2, 4, 8, 2, 4, 66, 130, 258]

@@ -17,14 +17,26 @@ ALLOWED = {
     "meshnode.engine": ["meshnode.core", "meshnode.engine"],
     "meshnode.text": ["meshnode.core", "meshnode.engine.llamacpp", "meshnode.text"],
     "ipc": ["meshnode.core", "ipc"],
-    # production never imports test helpers (meshnode.dev), and the front spawns the worker by module path
-    "meshnode.worker": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops.memory", "meshnode.worker"],
+    # production never imports test helpers (meshnode.dev), and the front spawns the worker by module path; the
+    # one exception is the engine the internal test setting engine_kind = "fake" names (tests, `bench scale`)
+    "meshnode.worker": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops.memory", "meshnode.worker",
+                        "meshnode.dev.fake"],
     "meshnode.front": ["meshnode.core", "meshnode.text", "ipc", "meshnode.ops", "meshnode.front",
                        "meshnode.__version__", "meshnode.engine.llamacpp"],
     "meshnode.ops": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops"],
     "meshnode.client": ["meshnode.core", "ipc"],
     # the HTTP gateway is a client of the front: the wire and the tokenizer (token names), never the node's insides
     "meshnode.gateway": ["meshnode.core", "ipc", "meshnode.text", "meshnode.gateway"],
+    # the top shell: every command, each importing what it runs (test_the_parser_loads_no_tool_module below)
+    "meshnode.cli": ["meshnode", "ipc"],
+    # helpers for tests, drills and benchmarks: node processes, fake and reference engines, in-process driving
+    "meshnode.dev": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops", "meshnode.client", "meshnode.dev",
+                     "meshnode.front.command"],
+    # the harnesses `meshnode bench` runs: nodes through the client, engines in-process, llama-server beside
+    "meshnode.bench": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops", "meshnode.client", "meshnode.text",
+                       "meshnode.dev", "meshnode.bench"],
+    # the experiments behind evidence/: anything of the project, nothing of it imports them
+    "benchmarks": ["meshnode", "ipc", "benchmarks"],
 }
 # third-party and stdlib modules a layer must not touch: policy has no sockets, threads or llama.cpp
 BANNED = {
@@ -44,7 +56,7 @@ def layer_of(module: str) -> str | None:
 
 
 def modules():
-    for path in sorted((ROOT / "meshnode").rglob("*.py")) + sorted((ROOT / "ipc").rglob("*.py")):
+    for path in sorted(p for top in ("meshnode", "ipc", "benchmarks") for p in (ROOT / top).rglob("*.py")):
         rel = path.relative_to(ROOT).with_suffix("")
         name = ".".join(rel.parts).removesuffix(".__init__")
         yield name, path
@@ -91,7 +103,7 @@ def test_each_module_imports_only_what_its_layer_may(name, path):
         top = mod.split(".")[0]
         if top in BANNED.get(layer, ()):
             bad.append(f"{mod} (no {top} in {layer})")
-        if top in ("meshnode", "ipc") and not any(mod == ok or mod.startswith(ok + ".") for ok in ALLOWED[layer]):
+        if top in ("meshnode", "ipc", "benchmarks") and not any(mod == ok or mod.startswith(ok + ".") for ok in ALLOWED[layer]):
             bad.append(mod)
     assert not bad, f"{name} ({layer}) imports {bad}"
 
@@ -120,3 +132,15 @@ def test_no_layer_imports_another_in_a_circle():
 
     for n in sorted(edges):
         visit(n)
+
+
+def test_the_parser_loads_no_tool_module():
+    """`meshnode serve` builds the whole parser before it serves: that must not load the test helpers
+    (meshnode.dev) or the experiments, which only the commands that run them import."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from meshnode.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m.startswith(('meshnode.dev', 'benchmarks'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

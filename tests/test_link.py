@@ -9,7 +9,7 @@ import pytest
 from ipc import link, seqpacket
 from ipc.protocol import pack
 from ipc.shm import TokenArena
-from meshnode.core.types import Constrained, EngineInfo, Grammar, Plan, Sampling, SeqChunk
+from meshnode.core.types import Constrained, EngineInfo, Grammar, Logprob, Plan, Sampling, SeqChunk, StepResult
 
 
 @pytest.fixture
@@ -60,7 +60,9 @@ def test_a_grammar_crosses_once_per_incarnation_and_ticks_name_it_by_key(arena):
 
 
 @pytest.mark.parametrize("msg", [link.Stop(), link.GrammarText(Grammar("k", "g"), ("old",)), link.HelloFailed("no model"), link.Aborted("GGML_ASSERT(x) failed"),
-                                 link.TickDone(3, (1,), 2.5, 40, 0.1, 1 << 20, 5, 9), link.TickRefused(4, True, "rc=-3"),
+                                 link.TickDone(3, StepResult({}, [1], 2.5, 40, {2: Logprob(-0.5, ((7, -0.5), (9, -1.5)))},
+                                                             3, 1, {4: "no token may come next"}), 0.1, 1 << 20, 5, 9),
+                                 link.TickRefused(4, True, "rc=-3"),
                                  link.Hello(17, EngineInfo(512, 2, (2, 5), 8, 4096, 4096, 512, 2048, 10, "mn1-x"))])
 def test_every_other_message_round_trips_typed(msg):
     assert link.decode(link.encode(msg)) == msg
@@ -128,11 +130,10 @@ def test_an_oversize_message_is_refused_before_it_is_sent():
 
 def test_a_reply_that_is_not_msgpack_marks_the_link_broken_instead_of_raising(arena, tmp_path):
     from meshnode.core.health import EngineHealth
-    from meshnode.core.pipeline import TickPipeline
     from meshnode.front.engine_link import EngineLink
 
-    engine_link = EngineLink(str(tmp_path), arena, TickPipeline(), EngineHealth(5.0), engine_kind="fake",
-                             engine_params={}, n_vocab=512, model_path="m.gguf")
+    engine_link = EngineLink(str(tmp_path), arena, EngineHealth(5.0), engine_kind="fake",
+                             engine={}, n_vocab=512, model_path="m.gguf")
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     engine_link.sock = seqpacket.LinkSocket(a)
     b.send(b"\xc1")  # never valid msgpack
@@ -146,21 +147,22 @@ def test_a_tick_is_stamped_sent_once_it_is_sent_so_a_paused_front_is_not_a_hung_
     """A front stopped (SIGSTOP, a busy machine) just before its send must not count the pause against the
     engine: the hang rule measures from `sent_at` (once: test_stall's stopped-front test failed 1 of 14)."""
     from meshnode.core.health import EngineHealth
-    from meshnode.core.pipeline import TickPipeline
+    from meshnode.core.pipeline import Tick
     from meshnode.core.types import Plan
-    from meshnode.front import engine_link as el
+    from meshnode.front import engine_link as el, ticks as tk
 
     clock = [100.0]
-    monkeypatch.setattr(el.time, "monotonic", lambda: clock[0])
-    link = el.EngineLink(str(tmp_path), arena, TickPipeline(2), EngineHealth(0.5), engine_kind="fake",
-                         engine_params={}, n_vocab=512, model_path="m.gguf")
+    monkeypatch.setattr(tk.time, "monotonic", lambda: clock[0])
+    link = el.EngineLink(str(tmp_path), arena, EngineHealth(0.5), engine_kind="fake",
+                         engine={}, n_vocab=512, model_path="m.gguf")
+    ticks = tk.Ticks(link, 2, None)
 
     class Paused:  # the front stops for 1.5 s inside the send
         def send(self, data):
             clock[0] += 1.5
 
     link.sock = Paused()
-    tick = link.pipeline.push(Plan([]), [], [])
-    link.send(tick)
+    tick = Tick(0, Plan([]))
+    ticks.send(tick)
     assert tick.sent_at == clock[0]
     assert link.health.hung(clock[0], [tick], lambda: (0, 0, 99.0)) == ""  # the engine has had it 0 s

@@ -45,7 +45,7 @@ def test_ticks_arrive_decoded_in_order_and_answers_leave_in_order(pair):
         io.done(t, StepResult({0: 100 + t, 1: 200 + t}, [], 1.0, 3), 0.5, req.plan)
     for t in (1, 2):
         msg = link.decode(front.recv())
-        assert (msg.tick, msg.step_ms, msg.kv_cells, msg.gap_ms) == (t, 1.0, 3, 0.5)
+        assert (msg.tick, msg.result.step_ms, msg.result.kv_cells, msg.gap_ms) == (t, 1.0, 3, 0.5)
         assert msg.rss > 0 and msg.mem_total > 0  # the writer adds the memory figures
         assert link.read_samples(arena, t, plan(t), n_vocab=512) == {0: 100 + t, 1: 200 + t}
 

@@ -171,7 +171,7 @@ def test_an_oversize_message_is_dropped_by_zmq_and_the_node_serves_on(node):
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(node.listen)
-    s.send_multipart([b"MN1", b"\x00" * (P.MAX_MESSAGE_BYTES + 4096)])  # over MAXMSGSIZE: dropped by zmq
+    s.send_multipart([b"MN1", b"\x00" * (2 * P.MAX_MESSAGE_BYTES + 4096)])  # over MAXMSGSIZE (2x): dropped by zmq
     s.close()
     with node.client() as c:
         assert c.generate("after", tokens=prompt(3), max_tokens=2).done["reason"] == R.LENGTH

@@ -15,9 +15,9 @@ from helpers import assert_clean, wait_until
 from ipc.shm import leftover_segments
 from ipc.transport import free_tcp_port
 from meshnode.core import reasons as R
-from meshnode.core.budget import ConfigError
+from meshnode.core.types import ConfigError
 from meshnode.dev.nodeproc import NodeProcess
-from meshnode.ops import config
+from meshnode.ops import config, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,12 +80,12 @@ def test_the_example_file_and_the_flags_come_from_the_one_list_of_settings():
     whose value overrides the file's; regenerate the file after changing a setting."""
     from meshnode.cli import build_parser
 
-    assert open(os.path.join(ROOT, "tools", "meshnode.toml.example")).read() == config.example_file()
+    assert open(os.path.join(ROOT, "tools", "meshnode.toml.example")).read() == flags.example_file()
     a = build_parser().parse_args(["serve", "--type-v", "q8_0", "--max-clients-per-host", "3", "--insecure",
                                    "--log-level", "debug"])
-    flags = {k: getattr(a, k) for k in config.public_keys()}
-    assert flags["type_v"] == "q8_0" and flags["max_clients_per_host"] == 3 and flags["insecure"] is True
-    cfg = config.load(None, {k: v for k, v in flags.items() if k != "model"})
+    given = {k: getattr(a, k) for k in config.public_keys()}
+    assert given["type_v"] == "q8_0" and given["max_clients_per_host"] == 3 and given["insecure"] is True
+    cfg = config.load(None, {k: v for k, v in given.items() if k != "model"})
     assert cfg.type_v == "q8_0" and cfg.log_level == "DEBUG" and cfg.max_queue == 64  # unset flags: defaults
     a = build_parser().parse_args(["serve", "-ctk", "q4_0", "--cache-type-v", "q8_0"])  # llama-server's names
     assert (a.type_k, a.type_v) == ("q4_0", "q8_0")

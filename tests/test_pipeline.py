@@ -13,13 +13,13 @@ from helpers import scheduler as build
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
 from meshnode.core.types import InvalidPlan, Keep, Plan, Sampling, SeqChunk, Share, StepResult
-from meshnode.engine.fake import FakeEngine
+from meshnode.dev.fake import FakeEngine
 from meshnode.engine.followups import AWAITING_RESYNC, Followups
 
 
-def scheduler(engine, depth=2, **kw):
+def scheduler(engine, **kw):
     kw = {"max_active": 5, "max_queue": 20, "max_batch_size": 3, "max_prefill_tokens_per_tick": 16, **kw}
-    return build(engine, depth=depth, **kw)[1]
+    return build(engine, **kw)[1]
 
 
 def sessions(stops=None):
@@ -39,7 +39,7 @@ def outcome(events):
 
 def lockstep(make=sessions, **kw):
     e = FakeEngine()
-    s = scheduler(e, depth=1, **kw)
+    s = scheduler(e, **kw)
     for x in make():
         s.submit(x)
     return outcome(run_to_completion(s, e))
@@ -73,7 +73,7 @@ def same_except(got, want, keys):
 
 
 def assert_clean(s, e):
-    assert not s.live and s.admission.kv_reserved_bytes == 0 and not s.pipeline
+    assert not s.live and s.admission.kv_reserved_bytes == 0
     assert e._next_pos == [0] * e.n_seq_max  # every sequence released in the engine too
 
 
@@ -107,7 +107,7 @@ def test_the_last_sample_is_never_fed_back():
     assert len(d.sent) == 1  # the prompt's tick; nothing to plan on top of it
     got = outcome(d.run_to_completion())
     assert got == lockstep(lambda: [Session("a", [3, 4, 5], 1)]) and got["a"][0] == R.LENGTH
-    assert s.pipeline._last_t == 2  # the prompt's tick and the release: no step computed a token nobody wanted
+    assert d.pipeline._last_t == 2  # the prompt's tick and the release: no step computed a token nobody wanted
 
 
 def test_cancel_while_two_ticks_are_in_flight():
@@ -213,11 +213,11 @@ def test_run_reports_dropped_sequences_as_misses():
 def test_the_next_tick_is_planned_late_in_the_running_one_and_earlier_once_the_engine_waited():
     """A request that arrives while tick N runs joins N+1 if N+1 is planned late in N (not as soon as N is
     sent); planned too late, the engine waits, and the lead grows until it does not."""
-    from meshnode.core.pipeline import PLAN_LEAD_MS, TickPipeline
+    from meshnode.core.pipeline import PLAN_LEAD_MS, Tick, TickPipeline
 
     p = TickPipeline(depth=2)
     assert p.plan_ahead_at() == 0.0  # nothing runs: plan now
-    a = p.push(Plan(), [])
+    a = p.push(Tick(0, Plan()))
     a.started_at = 100.0
     assert p.plan_ahead_at() == 0.0  # its time unknown (the cost model not ready): plan now, as before
     a.predicted_ms = 40.0
@@ -231,7 +231,7 @@ def test_the_next_tick_is_planned_late_in_the_running_one_and_earlier_once_the_e
     for _ in range(500):  # ticks on time: back to the floor
         p.engine_waited(0.05)
     assert p.lead_ms == PLAN_LEAD_MS
-    b = p.push(Plan(), [])
+    b = p.push(Tick(0, Plan()))
     b.predicted_ms = 5.0
     assert p.answer(a.t, now=100.006) is a and b.started_at == 100.006  # queued, it runs from a's answer
 
@@ -240,13 +240,13 @@ def test_each_tick_carries_the_cost_models_prediction_once_it_has_one():
     """The scheduler's prediction, which TickPipeline.plan_ahead_at reads: decode ticks by what ticks
     of their rows took (no refit), prompt ticks by the fit."""
     engine = FakeEngine(n_seq_max=8, cost_ms=lambda plan: 4.0 + plan.n_tokens * 0.5)
-    sched = scheduler(engine, depth=1)
+    sched = scheduler(engine)
     for i in range(3):
         assert sched.submit(Session(i, [3 + i, 4, 5, 6], 30, ignore_eos=True)).accepted
     ticks = []
     while (tick := sched.plan()) is not None:
         ticks.append(tick)
-        sched.apply(sched.pipeline.answer(tick.t), engine.step(tick.plan))
+        sched.apply(tick, engine.step(tick.plan))
     assert ticks[0].predicted_ms == 0.0  # nothing measured yet
     decoding = [tk for tk in ticks[5:-1] if len(tk.plan.chunks) == 3]
     assert len(decoding) > 20 and all(tk.predicted_ms == 5.5 for tk in decoding)  # three rows: 4 + 3 x 0.5 ms
@@ -258,29 +258,41 @@ def test_an_idle_engine_gathers_requests_sent_together_into_its_first_tick():
     together instead of the first alone with the rest behind it. Work in flight is planned as before."""
     from meshnode.core.scheduler import GATHER_SPAN
 
+    from meshnode.front.ticks import Ticks
+
+    class Link:  # the engine process, as far as the driver's timing goes
+        can_send = True
+
+        def send(self, tick, fresh):
+            pass
+
     now = [100.0]
-    engine, sched = build(FakeEngine(n_seq_max=8), clock=lambda: now[0], depth=2, max_batch_size=8)
+    engine, sched = build(FakeEngine(n_seq_max=8), clock=lambda: now[0], max_batch_size=8)
+    ticks = Ticks(Link(), 2, None)
+    due = lambda: ticks.due(sched.gather_until())  # noqa: E731  (the front's rule: Front._dispatch)
     sched.gather_ms = 1.0
-    assert sched.plan_at() == 0.0  # nothing came
+    assert due() == 0.0  # nothing came
     sched.submit(Session(0, [3, 4, 5], 4))
-    assert sched.plan_at() == pytest.approx(100.001)  # one came: plan once none has for 1 ms
+    assert due() == pytest.approx(100.001)  # one came: plan once none has for 1 ms
     now[0] = 100.0008
     sched.submit(Session(1, [6, 7], 4))
-    assert sched.plan_at() == pytest.approx(100.0018)  # another: the quiet gap starts again
+    assert due() == pytest.approx(100.0018)  # another: the quiet gap starts again
     for k in range(2, 8):  # a steady trickle ends the wait at GATHER_SPAN gaps after the first
         now[0] += 0.0008
         sched.submit(Session(k, [6, 7], 4))
-    assert sched.plan_at() == pytest.approx(100.0 + GATHER_SPAN / 1e3)
+    assert due() == pytest.approx(100.0 + GATHER_SPAN / 1e3)
     first = sched.plan()
     assert len(first.plan.chunks) == 8  # every one of them in the first tick
-    assert sched.plan_at() == first.predicted_ms == 0.0  # in flight with no prediction yet: plan now
+    ticks.send(first)
+    assert due() == first.predicted_ms == 0.0  # in flight with no prediction yet: plan now
     sched.submit(Session(8, [6, 7], 4))  # one that comes while a tick runs waits for no gap
-    assert sched.plan_at() == sched.pipeline.plan_ahead_at() == 0.0
-    sched.apply(sched.pipeline.answer(first.t), engine.step(first.plan))
+    assert due() == ticks.pipeline.plan_ahead_at() == 0.0
+    sched.apply(ticks.pipeline.answer(first.t), engine.step(first.plan))
     second = sched.plan()
-    assert second is not None and sched.pipeline.answer(second.t) is second
+    ticks.send(second)
+    assert second is not None and ticks.pipeline.answer(second.t) is second
     sched.submit(Session(9, [6, 7], 4))  # engine idle between ticks, sessions decoding: no gathering
-    assert sched.plan_at() == 0.0
+    assert due() == 0.0
     _, idle = build(FakeEngine(n_seq_max=8), clock=lambda: now[0])
     idle.submit(Session(0, [3, 4, 5], 4))
-    assert idle.plan_at() == 0.0  # off by default in the pure scheduler (`serve` sets gather_ms)
+    assert idle.gather_until() == 0.0  # off by default in the pure scheduler (`serve` sets gather_ms)

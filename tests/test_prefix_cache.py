@@ -7,7 +7,7 @@ from meshnode.core import reasons as R
 from meshnode.core.prefix import MIN_SHARE, PrefixCache
 from meshnode.core.session import Session
 from meshnode.core.types import Keep, Release, Share
-from meshnode.engine.fake import FakeEngine
+from meshnode.dev.fake import FakeEngine
 
 
 def finish(sched, engine, *sessions):

@@ -1,11 +1,13 @@
 """Admission, budgets and the continuous-batching scheduler, driven by a fake engine."""
 import pytest
 
-from helpers import Clock, done_reasons, outputs, run_tick, run_to_completion, scheduler, session, step
+from helpers import engine_config, Clock, done_reasons, outputs, run_tick, run_to_completion, scheduler, session, step
 from meshnode.core import reasons as R
-from meshnode.core.budget import ConfigError, NodeBudget
+from meshnode.core.budget import NodeBudget
+from meshnode.core.pipeline import TickPipeline
+from meshnode.core.types import ConfigError
 from meshnode.core.session import Session
-from meshnode.engine.fake import FakeEngine
+from meshnode.dev.fake import FakeEngine
 
 
 def node(max_active=2, max_queue=2, prefill=8, engine=None, **kw):
@@ -157,12 +159,11 @@ def test_cache_miss_ends_the_session_and_frees_kv():
     tick = s.plan()
     res = e.step(tick.plan)
     res.cache_miss, res.tokens = [tick.plan.chunks[0].seq_id], {}
-    assert done_reasons(s.apply(s.pipeline.answer(tick.t), res)) == {"a": R.CACHE_MISS}
+    assert done_reasons(s.apply(tick, res)) == {"a": R.CACHE_MISS}
     # the engine dropped the sequence already; releasing it once more keeps a new session on the
     # same id from being dropped as a follow-up of the miss when ticks are pipelined
     released = s.plan()
     assert s.admission.kv_reserved_bytes == 0 and released.plan.release == [tick.plan.chunks[0].seq_id]
-    s.pipeline.answer(released.t)
     assert s.plan() is None
 
 
@@ -190,10 +191,10 @@ def test_run_to_completion_is_bounded():
 
 def test_real_engine_batched_sessions_equal_serialized(tiny_model):
     """The scheduler over the real tiny-model engine: 4 divergent sessions, prompts 1/3/7/12."""
-    from meshnode.engine.llama import EngineConfig, LlamaEngine
+    from meshnode.engine.llama import LlamaEngine
 
     lengths = [1, 3, 7, 12]
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=4, n_ctx=1024, n_threads=1)) as e:
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1)) as e:
         def run(keys, max_active):
             _, s = scheduler(e, max_active=max_active, max_prefill_tokens_per_tick=5)
             for i in keys:
@@ -215,11 +216,12 @@ def test_a_refused_plan_ends_its_sessions_and_keeps_its_releases():
     s.cancel("a")  # its sequence is to be released with the next plan
     s.submit(sess("b", max_tokens=50))
     s.submit(sess("c", max_tokens=50))
-    tick = s.plan()
+    pipeline = TickPipeline(1)  # the tick driver's (front/ticks.py): it marks the tick after a refusal
+    tick = pipeline.push(s.plan())
     assert tick.plan.release  # the release rides on the plan that the engine now refuses
-    ends = done_reasons(s.refused(s.pipeline.answer(tick.t), R.ENGINE_ERROR))
+    ends = done_reasons(s.refused(pipeline.answer(tick.t), R.ENGINE_ERROR, pipeline.refused()))
     assert ends == {"b": R.ENGINE_ERROR, "c": R.ENGINE_ERROR}
-    again = s.plan()
+    again = pipeline.push(s.plan())
     assert set(tick.plan.release) <= set(again.plan.release) and again.resync
     step(s, e, again)
     s.submit(sess("d", max_tokens=3))

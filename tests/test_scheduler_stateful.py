@@ -6,7 +6,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from helpers import Pipelined, run_to_completion, scheduler, step
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
-from meshnode.engine.fake import FakeEngine
+from meshnode.dev.fake import FakeEngine
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -15,7 +15,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.engine, self.sched = scheduler(FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256), depth=self.depth,
+        self.engine, self.sched = scheduler(FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256),
                                             max_active=3, max_queue=3, max_batch_size=3,
                                             max_prefill_tokens_per_tick=7, kv_budget_bytes=1024 * 300,
                                             prefix_cache=self.cache, pool_cells=self.pool_cells)
@@ -87,7 +87,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """The engine refuses a plan (InvalidPlan): its sessions end, the rest go on."""
         tick = self.sched.plan()
         if tick is not None:
-            self._record(self.sched.refused(self.sched.pipeline.answer(tick.t), "ENGINE_ERROR"))
+            self._record(self.sched.refused(tick, "ENGINE_ERROR"))
 
     @invariant()
     def bounds_hold(self):
@@ -122,7 +122,7 @@ class PipelinedMachine(SchedulerMachine):
 
     def __init__(self):
         super().__init__()
-        self.driver = Pipelined(self.sched, self.engine)
+        self.driver = Pipelined(self.sched, self.engine, depth=self.depth)
 
     def _run_oldest(self, fault: set | None = None):
         """Plan ahead, then the engine runs the oldest queued tick, into `fault` if given."""
@@ -142,7 +142,7 @@ class PipelinedMachine(SchedulerMachine):
         self.driver.fill()
         self.engine = FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256)
         self.sched.engine_restarted()
-        self.driver = Pipelined(self.sched, self.engine)
+        self.driver = Pipelined(self.sched, self.engine, depth=self.depth)
 
     @rule()
     def engine_refuses_plan(self):

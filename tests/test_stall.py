@@ -47,7 +47,7 @@ def test_linear_encode_equals_llama_cpp_on_any_text(tok, parts, bos):
 @pytest.mark.parametrize("name", sorted(WORST))
 def test_worst_texts_tokenize_exactly_in_short_slices(tok, name):
     """Linear time by construction: llama.cpp never sees more than a slice of text at once (what a
-    slice costs, and the whole, is in `meshnode bench abuse`; plain llama_tokenize took 1-4 s)."""
+    slice costs, and the whole, is in `python -m benchmarks abuse`; plain llama_tokenize took 1-4 s)."""
     text = WORST[name]
     slices = list(tok.slices(text))
     got = [t for s in slices for t in s]

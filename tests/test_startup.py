@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from helpers import children_of, serve, wait_until
+from helpers import engine_config, children_of, serve, wait_until
 from ipc.shm import leftover_segments
 from meshnode.dev.nodeproc import NodeProcess
 
@@ -87,8 +87,8 @@ def test_a_setting_that_cannot_work_is_one_line_and_exit_2(tiny_model, tmp_path,
 
 def test_calibration_fits_the_smallest_batch_the_config_allows(tiny_model):
     """n_batch 2 with one sequence: every timed chunk fits (it used to send an 8-token chunk)."""
-    from meshnode.engine.llama import EngineConfig, LlamaEngine
+    from meshnode.engine.llama import LlamaEngine
 
-    with LlamaEngine(EngineConfig(tiny_model, n_seq_max=1, n_ctx=256, n_batch=2, n_threads=1)) as e:
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=1, ctx=256, n_batch=2, threads=1)) as e:
         got = e.calibrate()
     assert got and max(row[1] for row in got) <= 2

@@ -6,14 +6,14 @@ import json
 import jsonschema
 import pytest
 
-from helpers import history, logprob_entries, promised, scheduler, scenario
+from helpers import engine_config, history, logprob_entries, promised, scheduler, scenario
 from ipc import link
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
 from meshnode.core.types import ResponseFormat, Sampling
 from meshnode.dev.drive import run_to_completion
 from meshnode.dev.nodeproc import NodeProcess
-from meshnode.engine.llama import EngineConfig, LlamaEngine
+from meshnode.engine.llama import LlamaEngine
 from meshnode.text.constraints import Constraints
 from meshnode.text.tokenizer import Tokenizer
 
@@ -47,7 +47,7 @@ def served(request, tmp_path_factory):
 
     path = str(make_model(tmp_path_factory.mktemp("m") / f"{request.param}.gguf", request.param, 0))
     tok = Tokenizer(path)
-    with LlamaEngine(EngineConfig(path, n_seq_max=8, n_ctx=8 * 1024, n_threads=1, kv_layout="streams",
+    with LlamaEngine(engine_config(path, n_seq_max=8, ctx=8 * 1024, threads=1, kv_layout="streams",
                                   deterministic=None)) as e:
         yield e, tok, Constraints(tok.vocab, link.MAX_GRAMMAR_BYTES)
     tok.close()

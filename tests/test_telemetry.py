@@ -11,7 +11,7 @@ from meshnode.front.prom import Exposition
 def to_prometheus(snap):
     return Exposition().render(snap).decode()
 
-# every key shared/protocol.md lists
+# every key docs/protocol.md lists
 PROTOCOL_KEYS = """active_sessions queue_depth batch_occupancy_last batch_occupancy_avg batch_occupancy_max
 kv_bytes kv_budget_bytes kv_pressure scratch_bytes scratch_budget_bytes scratch_pressure weight_bytes
 prefill_tokens_total decode_tokens_total prefill_tokens_per_s decode_tokens_per_s ticks_total rejected_total

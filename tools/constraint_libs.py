@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import platform
 import sys
 import time
@@ -25,7 +26,8 @@ import time
 def dump(a) -> int:
     import llama_cpp
 
-    from meshnode.bench.structured import SCHEMA
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a checkout: its benchmarks/
+    from benchmarks.structured import SCHEMA
     from meshnode.ops.models import cached_model
 
     path = a.model or str(cached_model(a.preset))

@@ -19,7 +19,7 @@ import numpy as np
 from meshnode.bench import llama_build
 from meshnode.core.types import Plan, Sampling, SeqChunk
 from meshnode.engine.llama import LlamaEngine
-from meshnode.ops.config import NodeConfig
+from meshnode.ops.config import engine_config
 from meshnode.ops.models import cached_model
 
 TICKS = 100
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true")
     a = ap.parse_args()
     n = a.sessions
-    e = LlamaEngine(NodeConfig(max_active=max(8, n)).engine_config(str(cached_model(a.preset))))
+    e = LlamaEngine(engine_config(str(cached_model(a.preset)), max_active=max(8, n)))
     inside = [0.0]
     decode = e._lc.llama_decode
 

@@ -1,4 +1,4 @@
-"""`meshnode bench ...`: benchmarks that print ratios measured side by side in one run.
+"""`meshnode bench ...`: the benchmark harnesses, which print ratios measured side by side in one run.
 
 Speed targets are checked here, not in timed unit tests: the machines are
 shared and noisy, so only figures measured in the same run are compared.
@@ -8,33 +8,21 @@ from __future__ import annotations
 import argparse
 import importlib
 
+# the harnesses an operator runs against a node or a build (README, Benchmarks); the one-off experiments that
+# produced the figures in evidence/ live in the top-level benchmarks/ (`python -m benchmarks NAME` from a checkout)
 BENCHES = {
-    "engine": "decode tok/s at batch 1/2/4/8 in-process vs llama-cpp-python's Llama.generate",
     "overhead": "the full node vs the engine in-process with the same scheduler",
     "peers": "16 jobs through the node at concurrency 8 vs Llama serving them one at a time",
     "burst": "in-flight ITL and burst TTFT for each prefill chunk size",
-    "soak": "mixed load, random cancels and engine kills; nothing may be lost",
-    "restart": "SIGKILL of the engine to the first token from the restarted engine",
-    "ipc": "round trip of the engine link (SEQPACKET) vs a zmq PAIR on ipc:// (diagnostic)",
-    "abuse": "4 streams' worst token gap while the largest valid requests of every kind arrive vs steady",
-    "layout": "deterministic mode vs not (and unified KV): mix, decode, burst, chat, a lone session",
-    "sampling": "a batch-8 decode tick, greedy vs every sampling option and logprobs on",
-    "chat": "8 users x 6 turns re-sending their history: prefix cache on vs off (vs llama-server)",
-    "ticks": "what a tick costs by shape (chunk sizes around the attention tile, deep, beside decode rows)",
-    "rpc": "the model split over 1 and 2 ggml RPC workers vs local, and behind 0.2-5 ms of round trip",
     "scale": "the node's own time per tick over a 5 ms fake engine, and plan()/apply(), at 1-64 sessions",
     "gateway": "the OpenAI HTTP gateway vs the ZeroMQ client at concurrency 1 and 8, and the mix vs llama-server's HTTP",
     "memory": "RSS per decoding session and per cached conversation, KV types as budgeted vs resident, 100 cached "
               "conversations' hit rate and lookup time",
-    "rows": "what a tick of one sequence's 1-48 rows costs (the price of K drafts), deterministic and not",
-    "spec": "one session alone, code-edit and chat: speculative decoding auto vs off (deterministic and not) vs "
-            "llama-server's ngram-simple and ngram-mod; 8 at once, auto vs off",
-    "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
+def add_args(p: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
+    p.add_argument("which", choices=sorted(benches), help="; ".join(f"{k}: {v}" for k, v in benches.items()))
     p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench", "bench-32k", "bench-long"])
     p.add_argument("--model", help="a GGUF, or a packaged model by name (smollm2, smollm2-q8_0, smollm2-f16), "
                    "instead of the preset")
@@ -127,6 +115,6 @@ def llama_build() -> str:
     return f"llama-cpp-python {llama_cpp.__version__}; {system_info().strip()}"
 
 
-def run(a) -> int:
-    mod = importlib.import_module(f"meshnode.bench.{a.which}")
+def run(a, package: str = "meshnode.bench") -> int:
+    mod = importlib.import_module(f"{package}.{a.which}")
     return mod.main(a)

@@ -146,6 +146,34 @@ def with_cpu(procs: dict, side) -> dict:
     return {**got, **{f"cpu_ms_per_token_{k}": (after[k] - before[k]) * 1e3 / got["tokens"] for k in procs}}
 
 
+def _verdict(runs: dict, med: dict, procs, rounds: int) -> list[str]:
+    """The side-by-side lines: gateway vs ZeroMQ paired by round, and the mix and burst vs llama-server."""
+    verdict = [f"medians of {rounds} rounds"]
+    for k in (1, 8):  # paired within each round: the machine's state drifts between rounds
+        if f"c{k} zmq" not in runs or f"c{k} http" not in runs:
+            continue
+        pairs = list(zip(runs[f"c{k} zmq"], runs[f"c{k} http"]))
+        cost = sorted(1 - h["tok_s"] / z["tok_s"] for z, h in pairs)
+        p99 = sorted(h["gap_p99_ms"] - z["gap_p99_ms"] for z, h in pairs)
+        first = sorted(h["ttft_p50_ms"] - z["ttft_p50_ms"] for z, h in pairs)
+        verdict.append(f"concurrency {k}, paired by round: the gateway costs {np.median(cost):+.1%} throughput "
+                       f"(rounds {', '.join(f'{x:+.1%}' for x in cost)}), {np.median(p99):+.1f} ms p99 between tokens "
+                       f"(rounds {', '.join(f'{x:+.1f}' for x in p99)}), {np.median(first):+.1f} ms first token p50")
+        z, h = med[f"c{k} zmq"], med[f"c{k} http"]
+        verdict.append(f"concurrency {k}, CPU ms per token (medians), zmq side / http side: " + ", ".join(
+            f"{p} {z[f'cpu_ms_per_token_{p}']:.3f} / {h[f'cpu_ms_per_token_{p}']:.3f}" for p in procs))
+    if "mix llama-server" in med and "mix gateway" in med:
+        g, s = med["mix gateway"], med["mix llama-server"]
+        verdict.append(f"16-job mix over HTTP: gateway + node {g['tok_s']:.1f} tok/s vs llama-server {s['tok_s']:.1f} "
+                       f"({g['tok_s'] / s['tok_s']:.2f}x); gap p99 {g['gap_p99_ms']:.1f} vs {s['gap_p99_ms']:.1f} ms")
+    if "burst llama-server" in med and "burst gateway" in med:
+        g, s = med["burst gateway"], med["burst llama-server"]
+        verdict.append(f"burst over HTTP: worst in-flight gap {g['burst_itl_ms_max']:.0f} vs {s['burst_itl_ms_max']:.0f} ms, "
+                       f"last burst first token {g['burst_ttft_ms_max']:.0f} vs {s['burst_ttft_ms_max']:.0f} ms, steady "
+                       f"gap p99 {g['steady_itl_ms_p99']:.1f} vs {s['steady_itl_ms_p99']:.1f} ms (gateway + node vs llama-server)")
+    return verdict
+
+
 def main(a) -> int:
     from ipc.transport import free_tcp_port
 
@@ -191,29 +219,7 @@ def main(a) -> int:
                 print(f"  round {r + 1} {name:<18} " + "  ".join(f"{k} {v:.1f}" for k, v in runs[name][-1].items()),
                       flush=True)
     med = {name: {k: float(np.median([f[k] for f in fs])) for k in fs[0]} for name, fs in runs.items()}
-    verdict = [f"medians of {a.rounds} rounds"]
-    for k in (1, 8):  # paired within each round: the machine's state drifts between rounds
-        if f"c{k} zmq" not in runs or f"c{k} http" not in runs:
-            continue
-        pairs = list(zip(runs[f"c{k} zmq"], runs[f"c{k} http"]))
-        cost = sorted(1 - h["tok_s"] / z["tok_s"] for z, h in pairs)
-        p99 = sorted(h["gap_p99_ms"] - z["gap_p99_ms"] for z, h in pairs)
-        first = sorted(h["ttft_p50_ms"] - z["ttft_p50_ms"] for z, h in pairs)
-        verdict.append(f"concurrency {k}, paired by round: the gateway costs {np.median(cost):+.1%} throughput "
-                       f"(rounds {', '.join(f'{x:+.1%}' for x in cost)}), {np.median(p99):+.1f} ms p99 between tokens "
-                       f"(rounds {', '.join(f'{x:+.1f}' for x in p99)}), {np.median(first):+.1f} ms first token p50")
-        z, h = med[f"c{k} zmq"], med[f"c{k} http"]
-        verdict.append(f"concurrency {k}, CPU ms per token (medians), zmq side / http side: " + ", ".join(
-            f"{p} {z[f'cpu_ms_per_token_{p}']:.3f} / {h[f'cpu_ms_per_token_{p}']:.3f}" for p in procs))
-    if "mix llama-server" in med and "mix gateway" in med:
-        g, s = med["mix gateway"], med["mix llama-server"]
-        verdict.append(f"16-job mix over HTTP: gateway + node {g['tok_s']:.1f} tok/s vs llama-server {s['tok_s']:.1f} "
-                       f"({g['tok_s'] / s['tok_s']:.2f}x); gap p99 {g['gap_p99_ms']:.1f} vs {s['gap_p99_ms']:.1f} ms")
-    if "burst llama-server" in med and "burst gateway" in med:
-        g, s = med["burst gateway"], med["burst llama-server"]
-        verdict.append(f"burst over HTTP: worst in-flight gap {g['burst_itl_ms_max']:.0f} vs {s['burst_itl_ms_max']:.0f} ms, "
-                       f"last burst first token {g['burst_ttft_ms_max']:.0f} vs {s['burst_ttft_ms_max']:.0f} ms, steady "
-                       f"gap p99 {g['steady_itl_ms_p99']:.1f} vs {s['steady_itl_ms_p99']:.1f} ms (gateway + node vs llama-server)")
+    verdict = _verdict(runs, med, procs, a.rounds)
     for line in verdict:
         print(line)
     if a.json:

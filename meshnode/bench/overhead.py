@@ -61,7 +61,7 @@ def in_process(path: str, threads: int, work, concurrency: int = CONCURRENCY) ->
     """The engine as a node configures it by default (`meshnode serve --ctx 4096`: streams, deterministic
     where it holds, speculation), driven by the same scheduler in this process."""
     cfg = NodeConfig(model=path, ctx=4096, threads=threads, max_active=concurrency)
-    engine = LlamaEngine(cfg.engine_config(path))
+    engine = LlamaEngine(cfg.resolve().engine)
     sched = Scheduler(NodeBudget.from_engine(engine, max_active=concurrency, max_queue=N_JOBS), engine.eog,
                       deterministic=engine.deterministic)
     timed = _Timed(engine)

@@ -46,7 +46,7 @@ def policy(n: int, ticks: int = 300) -> dict:
     from meshnode.core.budget import NodeBudget
     from meshnode.core.scheduler import Scheduler
     from meshnode.core.session import Session
-    from meshnode.engine.fake import FakeEngine
+    from meshnode.dev.fake import FakeEngine
 
     e = FakeEngine(n_seq_max=64, n_ctx=64 * 1024, cost_ms=lambda plan: STEP_MS)  # the cost model refits as on 5 ms ticks
     sched = Scheduler(NodeBudget.from_engine(e, max_active=64, max_batch_size=64), e.eog, recipe=e.recipe_fingerprint)
@@ -59,7 +59,7 @@ def policy(n: int, ticks: int = 300) -> dict:
         t1 = time.perf_counter()
         res = e.step(tick.plan)
         t2 = time.perf_counter()
-        sched.apply(sched.pipeline.answer(tick.t), res)
+        sched.apply(tick, res)
         t3 = time.perf_counter()
         plan_us.append((t1 - t0) * 1e6)
         apply_us.append((t3 - t2) * 1e6)

@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 
-from meshnode.dev.nodeproc import NodeProcess
 
 SATURATION_TOLERANCE = 0.05
 
@@ -56,6 +55,8 @@ def run_level(model: str, level: int, jobs: list[dict], threads: int = 0, intern
     args = ["--max-active", str(level), "--max-queue", str(len(jobs)), "--threads", str(threads),
             *([] if deterministic is None else ["--deterministic" if deterministic else "--no-deterministic"]),
             "--log-level", "WARNING"]
+    from meshnode.dev.nodeproc import NodeProcess  # here: building the CLI's parser imports this module
+
     with NodeProcess(model, *args, internal=internal) as node, node.client(timeout_s=600) as c:
         t0 = time.monotonic()
         for j in jobs:

@@ -9,9 +9,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from meshnode.core.costmodel import TILE_ROWS
+from meshnode.core.types import ConfigError
 
-class ConfigError(ValueError):
-    """A budget or setting that cannot work; the message names it."""
+
+def rows_problem(n_batch: int, n_ctx: int, n_seq_max: int, rows: int) -> str:
+    """The one rule on a tick's size ("" when it holds): llama.cpp asserts on a batch or context smaller than
+    its sequence slots, and a tick of `rows` decode rows needs room for a prompt token beside them (else a
+    prompt would never start while every slot decodes)."""
+    if min(n_batch, n_ctx) < n_seq_max or min(n_batch, n_ctx) <= rows:
+        return (f"n_batch and ctx: must both be at least n_seq_max ({n_seq_max}) and exceed max_batch ({rows}): a "
+                f"tick carries up to that many decode rows and needs room for a prompt token beside them; got "
+                f"n_batch {n_batch}, ctx {n_ctx}")
+    return ""
+
+
+def deterministic_rows_problem(n_batch: int, rows: int) -> str:
+    """Deterministic mode's rule on a tick's size ("" when it holds): a prompt chunk may take up to
+    2 * TILE_ROWS - 1 rows (fill_deterministic) beside every decode row."""
+    if n_batch < rows + 2 * TILE_ROWS - 1:
+        return (f"deterministic: needs n_batch >= max_batch + {2 * TILE_ROWS - 1} (a prompt chunk may take up to "
+                f"{2 * TILE_ROWS - 1} rows), got n_batch {n_batch}, max_batch {rows}")
+    return ""
+
+
+@dataclass(frozen=True)
+class BudgetAsk:
+    """What the node's settings ask of the budget (None: derive it from the engine's figures, which only
+    exist once the model loaded); NodeBudget.from_engine(info, ask) is the budget."""
+
+    max_active: int | None = None
+    max_queue: int | None = None
+    max_batch_size: int | None = None
+    max_prefill_tokens_per_tick: int | None = None
+    kv_budget_bytes: int | None = None
+    weight_budget_bytes: int | None = None
+    memory_floor_bytes: int | None = None
+    fill_ticks: bool = False  # prefill unset and a tick target on: as many prompt tokens as a tick has room for
+
+    def overrides(self, engine) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fill_ticks"}
+        if d["max_prefill_tokens_per_tick"] is None and self.fill_ticks:  # an upper bound: the target sizes ticks
+            d["max_prefill_tokens_per_tick"] = engine.n_batch - (self.max_batch_size or engine.n_seq_max)
+        return d
 
 
 @dataclass(frozen=True)
@@ -32,8 +72,10 @@ class NodeBudget:
     memory_floor_bytes: int = 0  # reject new work while available memory is below this
 
     @classmethod
-    def from_engine(cls, engine, **overrides) -> "NodeBudget":
-        """Defaults from the engine's own figures; `overrides` set any field (None = default)."""
+    def from_engine(cls, engine, ask: BudgetAsk = BudgetAsk(), **overrides) -> "NodeBudget":
+        """Defaults from the engine's own figures; `ask` (the settings) and `overrides` set any field (None =
+        default)."""
+        overrides = {**ask.overrides(engine), **overrides}
         n_seq, n_ctx_seq = engine.n_seq_max, engine.n_ctx_seq
         weights = getattr(engine, "host_weight_bytes", engine.weight_bytes)  # an EngineInfo knows where they are
         base = 8 * engine.n_vocab  # one logits row plus sampling probabilities

@@ -52,7 +52,7 @@ class Shape(NamedTuple):
     """What a tick's time depends on: llama_decode calls, rows, attention (row x cell), and the part
     of that attention in calls under TILE_ROWS rows. There it runs row by row, at several times the
     cost per cell (a 63-token chunk deep in a prompt takes about twice as long as a 64-token one:
-    `meshnode bench ticks`, evidence/tick-shapes.json), so the excess is learned on its own; with
+    `python -m benchmarks ticks`, evidence/tick-shapes.json), so the excess is learned on its own; with
     no ticks that tell the two apart it stays 0 (the fit's prior)."""
     calls: int
     rows: int
@@ -262,7 +262,7 @@ def fill(room: int, pending: list[int], decoding: bool, streams: bool, per_call:
     `room`, in order, the first taking what it can. On streams each chunk is a llama_decode call of
     its own, and llama.cpp's CPU flash attention works in tiles of TILE_ROWS rows: a call under
     TILE_ROWS rows attends row by row, several times slower per cell deep in a prompt, and a last,
-    partial tile costs a whole one (`meshnode bench ticks`). So there a chunk that does not finish
+    partial tile costs a whole one (`python -m benchmarks ticks`). So there a chunk that does not finish
     its prompt leaves at least TILE_ROWS behind and no mostly empty last tile, and a prompt starts
     beside another only with room for a tile. `decoding`: decode rows share the tick, and another call
     costs `per_call` rows of the room (rows_per_call); a chunk as long as one before it shares that one's

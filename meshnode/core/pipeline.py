@@ -5,8 +5,9 @@ scheduling, SGLang's overlap scheduler), so up to `depth` ticks are in flight
 and answers come back in order. It plans it late in tick N, though, not as
 soon as N is sent (`plan_ahead_at`): a request that arrives during N then
 joins N+1 instead of waiting behind it for N+2, and N+1 is still queued at
-the engine when N ends. The scheduler pushes each tick it plans; the
-engine link sends it and hands each answer back through `answer`. When the
+the engine when N ends. Its one owner is the tick driver
+(meshnode/front/ticks.py): it pushes each tick the scheduler plans as it sends
+it, and takes each answer off through `answer`. When the
 engine refuses a tick, every tick already sent behind it was planned on top of
 it: the engine refuses those too, so they are marked `discard` (their answers
 are dropped) and the next tick sent carries `resync`, which ends the
@@ -78,10 +79,10 @@ class TickPipeline:
         elif gap_ms >= 0:
             self.lead_ms = max(PLAN_LEAD_MS, self.lead_ms * 0.99)
 
-    def push(self, plan: Plan, sessions: list, reused: list | None = None) -> Tick:
-        """`sessions`: whose each of `plan.chunks` is, in order."""
+    def push(self, tick: Tick) -> Tick:
+        """`tick` (as the scheduler planned it) in flight: numbered, and the first after a refusal marked resync."""
         self._last_t += 1
-        tick = Tick(self._last_t, plan, sessions, reused or [], resync=self._resync)
+        tick.t, tick.resync = self._last_t, self._resync
         self._resync = False
         self.ticks.append(tick)
         return tick

@@ -1,4 +1,4 @@
-"""Every stable reason and error string of the client contract (shared/protocol.md), in one place.
+"""Every stable reason and error string of the client contract (docs/protocol.md), in one place.
 
 Pure constants with no imports, so the pure scheduler and admission can use
 them without pulling in sockets or msgpack.

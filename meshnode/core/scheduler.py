@@ -12,10 +12,12 @@ Policy (fixed):
    still progresses). A long prompt spans ticks: prefill never stalls decode.
 A chunk that reaches the end of a session's tokens samples the next one.
 
-`plan()` then `apply(tick, result)` is one tick. Up to `depth` ticks may be
-planned before the first one's result is back (meshnode/core/pipeline.py):
-a session whose sample is still in flight decodes it as a `follow` chunk the
-engine fills in, so the engine never idles while the front works. After an
+`plan()` then `apply(tick, result)` is one tick. Whoever drives the ticks
+(the front's meshnode/front/ticks.py, tests' drivers) may plan the next ones
+before the first one's result is back, keeping them in a TickPipeline
+(meshnode/core/pipeline.py): a session whose sample is still in flight decodes
+it as a `follow` chunk the engine fills in, so the engine never idles while the
+front works. After an
 engine restart, `engine_restarted()` marks every running session's KV as gone,
 and the same chunked prefill rebuilds prompt + generated tokens.
 
@@ -36,13 +38,14 @@ import numpy as np
 
 from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
-from meshnode.core.budget import ConfigError, NodeBudget
-from meshnode.core.costmodel import (TILE_ROWS, TickCost, TickTarget, fill, fill_deterministic, prefill_room,
-                                     rows_per_call, shape, sized, within_target)
-from meshnode.core.pipeline import Tick, TickPipeline
+from meshnode.core.budget import NodeBudget, deterministic_rows_problem
+from meshnode.core.types import ConfigError
+from meshnode.core.costmodel import (TickCost, TickTarget, fill, fill_deterministic, prefill_room, rows_per_call, shape,
+                                     sized, within_target)
+from meshnode.core.pipeline import Tick
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
 from meshnode.core.seqs import Sequences
-from meshnode.core.types import Constrained, Plan, Release, SeqChunk, StepResult
+from meshnode.core.types import Constrained, Logprob, Plan, Release, SeqChunk, StepResult
 
 
 GATHER_SPAN = 4  # an idle engine's first tick waits at most this many quiet gaps (gather_ms) for more requests
@@ -55,7 +58,7 @@ class Event:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     detail: str = ""  # why, in a sentence, when the reason alone does not say (a `done` only)
-    logprobs: list | None = None  # per token: (its logprob, [(token, logprob)]) when the session asked
+    logprobs: list[Logprob] | None = None  # per token, when the session asked
 
 
 @dataclass
@@ -71,28 +74,26 @@ class Counters:
 
 class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
-                 pipeline: TickPipeline | None = None, prefix_cache: str = "off", pool_cells: int = 0,
+                 prefix_cache: str = "off", pool_cells: int = 0,
                  tick_target: TickTarget = TickTarget(), deterministic: bool = False, gather_ms: float = 0.0):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
-        tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `pipeline`: the ticks
-        in flight, shared with whatever sends them (default: one at a time). `prefix_cache`: its
+        tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `prefix_cache`: its
         scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
         cached KV must fit together; 0 when each sequence has its own stream. `tick_target`: while
         sessions decode, give each tick the prompt tokens the cost model says fit it (none: always
         the budget's fixed `max_prefill_tokens_per_tick`, which stays the upper bound). `deterministic`:
         chunks cut so that every cell gets the kernel a cold run gives it (costmodel.deterministic_chunk),
         and reuse only of such cells (meshnode/core/prefix.py). `gather_ms`: on an idle engine, the first
-        tick waits until no request has come for this long (at most GATHER_SPAN times it), `plan_at`."""
+        tick waits until no request has come for this long (at most GATHER_SPAN times it), `gather_until`."""
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe)
-        self.pipeline = pipeline if pipeline is not None else TickPipeline(1)
         self.waiting: deque[Session] = deque()
         self.running: list[Session] = []
         self.live: dict = {}
-        if deterministic and budget.n_batch < budget.max_batch_size + 2 * TILE_ROWS - 1:
-            raise ConfigError(f"deterministic: needs n_batch >= max_batch_size + {2 * TILE_ROWS - 1} (a prompt chunk "
-                              f"may take up to {2 * TILE_ROWS - 1} rows), got {budget.n_batch}")
+        why = deterministic and deterministic_rows_problem(budget.n_batch, budget.max_batch_size)
+        if why:  # NodeConfig.resolve() refuses this before the model loads; here for schedulers built otherwise
+            raise ConfigError(why)
         self.deterministic, self.pool_cells = deterministic, pool_cells
         self.seqs = Sequences(budget.n_seq_max, prefix_cache, deterministic, pool_cells)
         self.counters = Counters()
@@ -140,22 +141,18 @@ class Scheduler:
         return [self._end(s, reason) for s in list(self.live.values())]
 
     # -- one tick -----------------------------------------------------------------------
-    def plan_at(self) -> float:
-        """When (monotonic s) to plan the next tick; 0 = now. With ticks in flight, late in them
-        (TickPipeline.plan_ahead_at). On an idle engine with only new sessions, once they stop coming:
-        requests sent together reach the node spread over a few ms (a gateway parses each; a router's
-        burst), and a tick started on the first would make every other one wait for it."""
-        if self.pipeline:
-            return self.pipeline.plan_ahead_at()
+    def gather_until(self) -> float:
+        """When (monotonic s) an idle engine's next tick is due; 0 = now. With only new sessions, once they
+        stop coming: requests sent together reach the node spread over a few ms (a gateway parses each; a
+        router's burst), and a tick started on the first would make every other one wait for it. (With
+        ticks in flight the driver plans late in them instead: TickPipeline.plan_ahead_at.)"""
         if not self.gather_ms or not self._arrived or any(s.last_tick >= 0 for s in self.running):
             return 0.0
         first, last = self._arrived
         return min(first + GATHER_SPAN * self.gather_ms / 1e3, last + self.gather_ms / 1e3)
 
     def plan(self) -> Tick | None:
-        """The next tick, pushed on the pipeline; None when it is full or there is nothing to do."""
-        if self.pipeline.full:
-            return None
+        """The next tick (numbered when its driver puts it in flight); None when there is nothing to do."""
         self._promote()
         for s in self.running:
             if s.leader:
@@ -181,7 +178,7 @@ class Scheduler:
             c.occupancy_last = len(chunks)
             c.occupancy_max = max(c.occupancy_max, len(chunks))
             c.occupancy_sum += len(chunks)
-        tick = self.pipeline.push(Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused)
+        tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused)
         self._arrived = None
         tick.predicted_ms = self._predicted_ms(tick.plan.chunks)
         return tick
@@ -278,16 +275,15 @@ class Scheduler:
             return R.LENGTH
         return None
 
-    def refused(self, tick: Tick, reason: str = R.ENGINE_ERROR) -> list[Event]:
+    def refused(self, tick: Tick, reason: str = R.ENGINE_ERROR, behind: list[Tick] = ()) -> list[Event]:
         """The engine refused `tick`: end its sessions; the others go on.
 
-        Ticks planned after it were built on top of it and the engine refuses them too
-        (TickPipeline.refused), so their sessions roll back to before them and are planned again.
+        The ticks `behind` it (in flight, planned on top of it) are refused too (TickPipeline.refused), so
+        their sessions roll back to before them and are planned again.
         None of the refused releases ran, so they go out again with the next plan (releasing an
         empty sequence is harmless; a lost release would poison its id).
         """
         events = [self._end(s, reason) for s, c in tick.chunks if s.state == RUNNING and s.seq_id == c.seq_id]
-        behind = self.pipeline.refused()
         release = []
         for tk in [tick, *behind]:
             release += tk.plan.release + [op.seq_id for op in tk.plan.kv if isinstance(op, Release)]
@@ -303,8 +299,8 @@ class Scheduler:
         return events
 
     def engine_restarted(self) -> None:
-        """The engine's KV is gone: rebuild every running session by re-prefilling it."""
-        self.pipeline.clear()
+        """The engine's KV is gone (its driver dropped the ticks in flight): rebuild every running session by
+        re-prefilling it."""
         self.seqs.restarted()
         for s in self.running:
             s.n_planned = s.draws_in_flight = s.n_reused = 0
@@ -329,7 +325,7 @@ class Scheduler:
             self.seqs.finished(s, keep=reason not in R.KV_UNTRUSTED)
         elif s.state == QUEUED:
             self.waiting.remove(s)
-        s.state, s.reason, s.t_done = DONE, reason, self.clock()
+        s.state, s.reason, s.t_done = DONE, reason, s.t_done or self.clock()  # the output stage may have stamped it
         self.live.pop(s.key, None)
         return Event("done", s, s.generated, reason, detail)
 

@@ -1,4 +1,4 @@
-"""Telemetry: one JSON-safe snapshot of the node, and its Prometheus rendering.
+"""Telemetry: one JSON-safe snapshot of the node (front/prom.py renders it for Prometheus).
 
 Every publication is a full snapshot (never a delta), so a subscriber that
 joins late or drops a message loses nothing. Rates come from counters over a

@@ -1,4 +1,4 @@
-"""The types every layer shares: a tick's plan, an engine's result and shape, and engine errors.
+"""The types every layer shares: a tick's plan, an engine's result and shape, engine and config errors.
 
 This is the leaf of the package graph: policy, engines and the wire all speak
 these, so none of them has to import another to agree on what a tick is.
@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
 import numpy as np
+
+
+class ConfigError(ValueError):
+    """A setting or budget that cannot work; the message names it (a start refused with exit 2)."""
 
 
 class EngineError(Exception):
@@ -166,13 +170,21 @@ class Plan:
                 *(op.dst for op in self.kv if isinstance(op, Share))}
 
 
+class Logprob(NamedTuple):
+    """A sampled token's log-probability and the most likely tokens' (token, logprob), best first: one shape
+    from the engine's sampler to the client's `tokens` event."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass
 class StepResult:
     tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
     cache_miss: list[int] = field(default_factory=list)  # sequences whose KV was lost
     step_ms: float = 0.0
     kv_cells: int = 0  # KV cells in use after the step
-    logprobs: dict = field(default_factory=dict)  # seq_id -> (sampled token's logprob, [(token, logprob)])
+    logprobs: dict[int, Logprob] = field(default_factory=dict)  # for the sessions that asked
     drafted: int = 0  # draft tokens verified as rows of their sequences (engine/drafts.py)
     served: int = 0  # tokens answered from drafts an earlier tick verified
     # seq_id -> why its response_format failed (the library's words): that session ends, the tick goes on

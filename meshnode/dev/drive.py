@@ -13,7 +13,7 @@ def run_tick(sched: Scheduler, engine) -> list[Event]:
     if tick is None:
         return []
     result = engine.step(tick.plan)
-    return sched.apply(sched.pipeline.answer(tick.t), result)
+    return sched.apply(tick, result)
 
 
 def run_to_completion(sched: Scheduler, engine, max_ticks: int = 100_000) -> list[Event]:

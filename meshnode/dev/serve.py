@@ -6,10 +6,11 @@ with those settings as a JSON map of NodeConfig's internal keys.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
-from meshnode.cli import build_parser, serve_node
+from meshnode.front.command import add_args, serve_node
 
 
 FAULTY = "meshnode.dev.faulty:Faulty"  # what injects `faults`: named here, so no production module imports it
@@ -19,7 +20,9 @@ def main(argv: list[str]) -> int:
     internal = json.loads(argv[0])
     if internal.get("faults"):
         internal.setdefault("engine_wrapper", FAULTY)
-    return serve_node(build_parser().parse_args(["serve", *argv[1:]]), internal)
+    parser = argparse.ArgumentParser(prog="python -m meshnode.dev.serve")
+    add_args(parser)
+    return serve_node(parser.parse_args(argv[1:]), internal)
 
 
 if __name__ == "__main__":

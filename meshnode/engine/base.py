@@ -19,16 +19,10 @@ from meshnode.core.types import (GREEDY, Constrained, ConstraintFailed, InvalidP
 from meshnode.engine.sampling import logprobs, sample
 
 
-def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_ctx_seq: int,
-                  next_pos: list[int], samplers: dict) -> None:
-    """Raise InvalidPlan unless `plan` can run; `next_pos` and `samplers` are before the plan."""
-    try:
-        n_tokens = plan.n_tokens
-    except TypeError:  # len() of a scalar
-        raise InvalidPlan("a chunk's tokens are not a 1-d integer array") from None
-    if n_tokens > n_batch:
-        raise InvalidPlan(f"plan has {n_tokens} tokens, more than n_batch={n_batch}")
-    after: dict[int, int] = {}  # where the release and kv ops leave a sequence
+def _kv_after(plan: Plan, n_seq_max: int, next_pos: list[int]) -> dict[int, int]:
+    """Where the plan's releases and KV operations leave each sequence they touch; InvalidPlan for one that
+    names a sequence outside the slots, or keeps or shares positions the sequence does not hold."""
+    after: dict[int, int] = {}
 
     def seq(s, what: str) -> int:
         if not isinstance(s, (int, np.integer)) or not 0 <= s < n_seq_max:
@@ -56,6 +50,19 @@ def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_c
             after[dst] = op.n
         else:
             raise InvalidPlan(f"unknown KV operation {op!r}")
+    return after
+
+
+def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_ctx_seq: int,
+                  next_pos: list[int], samplers: dict) -> None:
+    """Raise InvalidPlan unless `plan` can run; `next_pos` and `samplers` are before the plan."""
+    try:
+        n_tokens = plan.n_tokens
+    except TypeError:  # len() of a scalar
+        raise InvalidPlan("a chunk's tokens are not a 1-d integer array") from None
+    if n_tokens > n_batch:
+        raise InvalidPlan(f"plan has {n_tokens} tokens, more than n_batch={n_batch}")
+    after = _kv_after(plan, n_seq_max, next_pos)  # where the release and kv ops leave a sequence
     # per chunk, the same checks in the fewest steps: this runs for every row, between two decodes
     fresh = after  # sequences the ops above restarted: their sampling parameters went with their old KV
     seen = set()

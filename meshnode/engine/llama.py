@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
 from meshnode.core.costmodel import llama_calls
-from meshnode.core.endpoints import host_port
-from meshnode.core.speculation import MAX_DRAFTS, MODES as SPEC_MODES, RowCost, in_effect as spec_in_effect
+from meshnode.core.speculation import RowCost, in_effect as spec_in_effect
 from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
 from meshnode.engine import calibration, devices, invariant, llamacpp
 from meshnode.engine.base import Engine
+from meshnode.engine.config import EngineConfig
 from meshnode.engine.drafts import Drafted
-from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ, QUANTIZED_KV
+from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES
 from meshnode.engine.seqmap import SeqMap
 
 
@@ -33,132 +31,6 @@ from meshnode.engine.seqmap import SeqMap
 # the others): a session the front skips for a tick or two (more decoding than max_batch) stays, and a finished
 # one whose stream the prefix cache keeps leaves the block a few ticks on
 LIVE_STEPS = 4
-AMX_MAX_ROWS = 4  # the most sequences (rows a tick) for which f16 weights go to AMX buffers: see extra_buffers
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_path: str
-    n_seq_max: int = 8
-    n_ctx: int = 4096  # KV cells in the unified pool, shared by all sequences
-    n_batch: int = 512  # most tokens one tick may carry
-    n_threads: int = 0  # 0 = all cores
-    type_k: str = "f16"
-    type_v: str = "f16"
-    flash_attn: str = "auto"  # llama.cpp's flash attention computes in f16 on CPU: "off" for f32 numerics
-    kv_layout: str = "unified"  # one pool for all sequences, or "streams": n_ctx / n_seq_max cells each
-    # a sequence's numbers independent of its neighbours (docs/determinism.md): True required (refused where it
-    # cannot hold), None wherever it holds (else off, saying why), False off
-    deterministic: bool | None = False
-    # llama.cpp's devices (meshnode/engine/devices.py), with llama-server's meanings: RPC workers (HOST:PORT),
-    # layers offloaded (None = all there are devices for), each offload device's share, which devices ("none")
-    rpc: tuple[str, ...] = ()
-    gpu_layers: int | None = None
-    tensor_split: tuple[float, ...] = ()
-    devices: tuple[str, ...] = ()
-    # speculative decoding (meshnode/engine/drafts.py): off, lookup (always the most drafts a lookup finds),
-    # auto (as many as the cost model expects to pay, core/speculation.py); at most draft_max drafts a
-    # sequence a tick, none where fewer than draft_min would pay (llama-server's --spec-draft-n-max/-min)
-    spec: str = "auto"
-    draft_model: str = ""  # a GGUF with this model's tokenizer that drafts (engine/draftmodel.py)
-    draft_max: int = 16
-    draft_min: int = 0
-
-    @cached_property
-    def deterministic_problem(self) -> str:
-        """Why deterministic mode cannot run with this configuration and model ("" when it may, pending the
-        engine's start-up check), in one line with the fix."""
-        if self.kv_layout != "streams":
-            return ("deterministic: needs kv_layout = \"streams\" (in one unified pool a sequence's cells land "
-                    "where its neighbours leave room, and attention depends on where)")
-        if self.flash_attn == "off":
-            return ("deterministic: needs flash attention (flash_attn auto or on): without it re-prefilled KV is "
-                    "computed by other kernels than decoded KV")
-        if self.n_seq_max < 2:
-            return "deterministic: needs n_seq_max >= 2 (a lone row is padded with a row on another stream)"
-        return llamacpp.weights_problem(self.weight_types)
-
-    @cached_property
-    def weight_types(self) -> set[str]:
-        """The formats of the weights the model multiplies by (read from the file once; empty before it exists)."""
-        return llamacpp.matmul_weight_types(self.model_path) if os.path.isfile(self.model_path) else set()
-
-    @property
-    def wants_deterministic(self) -> bool:
-        return self.deterministic is True or (self.deterministic is None and not self.deterministic_problem)
-
-    @property
-    def extra_buffers(self) -> bool:
-        """Whether llama.cpp may move the weights into its extra buffer types (repacked layouts, AMX). Off:
-        - in deterministic mode, where repacked quantized weights run one kernel for a single row and another
-          for several; AMX's f16 path is the exception: it gives a row the same bits in any crowd, even alone
-          (the engine's self-check and tests/test_determinism.py hold it);
-        - on AMX CPUs for quantized weights, which crash this llama.cpp (llamacpp.amx_crashes), and for f16
-          weights where a tick may carry more than AMX_MAX_ROWS rows: AMX's f16 kernel is faster for a few
-          rows and slower for more than tinyBLAS is (docs/determinism.md, item 6)."""
-        if llamacpp.amx_crashes():
-            return (self.n_seq_max <= AMX_MAX_ROWS and bool(self.weight_types)
-                    and self.weight_types <= llamacpp.FLOAT_WEIGHTS)
-        return not self.wants_deterministic
-
-    @property
-    def amx_weights(self) -> bool:
-        """The weights go to AMX buffers: other kernels (the recipe says so), and for f16 ones a lone row's bits."""
-        return self.extra_buffers and llamacpp.amx_crashes()
-
-    @property
-    def flash(self) -> str:
-        """What llama.cpp is asked for: deterministic mode needs flash attention on (without it a decode
-        row's attention and a prompt chunk's take different kernels, so re-prefilled KV differs)."""
-        return "on" if self.wants_deterministic else self.flash_attn
-
-    def validate(self, need_file: bool = True) -> None:
-        """Every value llama.cpp would refuse or assert on, in the words of the config keys."""
-        if need_file and not os.path.isfile(self.model_path):
-            raise FileNotFoundError(f"model file not found: {self.model_path}")
-        if not 1 <= self.n_seq_max <= MAX_SEQ:
-            raise ValueError(f"n_seq_max: must be in [1, {MAX_SEQ}], got {self.n_seq_max}")
-        if self.n_ctx < 1 or self.n_batch < 1:
-            raise ValueError("ctx and n_batch: must be >= 1")
-        if self.flash_attn not in FLASH_ATTN:
-            raise ValueError(f"flash_attn: must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
-        for key, t in (("type_k", self.type_k), ("type_v", self.type_v)):
-            if t not in KV_TYPES:
-                raise ValueError(f"{key}: must be one of {sorted(KV_TYPES)}, got {t!r}")
-        if min(self.n_ctx, self.n_batch) < self.n_seq_max:  # GGML_ASSERT in llama.cpp's first decode
-            raise ValueError(f"ctx and n_batch: must both be at least n_seq_max ({self.n_seq_max}), "
-                             f"got {self.n_ctx} and {self.n_batch}")
-        if self.type_v in QUANTIZED_KV and self.flash == "off":
-            raise ValueError(f"type_v: a {self.type_v} V cache needs flash attention (flash_attn auto or on)")
-        if self.spec not in SPEC_MODES:
-            raise ValueError(f"spec: must be one of {', '.join(SPEC_MODES)}, got {self.spec!r}")
-        if self.spec == "draft" and not self.draft_model:
-            raise ValueError("spec: draft needs a draft model (draft_model, --draft-model PATH)")
-        if need_file and self.draft_model and not os.path.isfile(self.draft_model):
-            raise FileNotFoundError(f"draft model file not found: {self.draft_model}")
-        if not 0 <= self.draft_min <= self.draft_max <= MAX_DRAFTS:
-            raise ValueError(f"draft_min and draft_max: need 0 <= draft_min <= draft_max <= {MAX_DRAFTS}, got "
-                             f"{self.draft_min} and {self.draft_max}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout: must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
-        if self.deterministic is True and self.deterministic_problem:
-            raise ValueError(self.deterministic_problem)
-        if any(x < 0 for x in self.tensor_split) or (self.tensor_split and not sum(self.tensor_split) > 0):
-            raise ValueError(f"tensor_split: proportions >= 0 with a positive sum, got {list(self.tensor_split)}")
-        for ep in self.rpc:
-            host_port(ep)  # ValueError naming it
-        if self.rpc and not llamacpp.supports_rpc():
-            raise ValueError(f"rpc: this llama.cpp build has no RPC backend; {devices.RPC_FIX}")
-        if self.devices == ("none",) and self.rpc:
-            raise ValueError("device: none leaves the rpc workers unused; name the devices or drop --rpc")
-
-    def recipe(self, deterministic: bool | None = None, placement: str = "") -> str:
-        """The fingerprint of what this configuration computes, without loading anything (`deterministic`:
-        whether the mode is in effect, if known; else whether it is wanted; `placement`: which layers run
-        on which offload device, once loaded)."""
-        det = self.wants_deterministic if deterministic is None else deterministic
-        return llamacpp.recipe(self.model_path, self.type_k, self.type_v, self.flash, self.n_batch, self.kv_layout, det,
-                               placement, amx=self.amx_weights)
 
 
 class LlamaEngine(Drafted, Engine):
@@ -173,6 +45,47 @@ class LlamaEngine(Drafted, Engine):
         self.deterministic_problem = cfg.deterministic_problem if cfg.deterministic is None else ""
         if self.deterministic and cfg.weight_types & invariant.K_QUANTS:
             os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
+        threads = self._load(cfg)
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.devices = self._placement.placed(llamacpp.placement_lines())
+        vocab = lc.llama_model_get_vocab(self._model)
+        self.n_vocab = lc.llama_vocab_n_tokens(vocab)
+        self.eos = lc.llama_vocab_eos(vocab)
+        # every end-of-generation token (EOS, EOT, ...): one pass over the vocab at load
+        self.eog = sorted(t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(vocab, t))
+        self.n_seq_max = lc.llama_n_seq_max(self._ctx)
+        self.n_batch = lc.llama_n_batch(self._ctx)
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_ctx_seq = min(lc.llama_n_ctx_seq(self._ctx), lc.llama_model_n_ctx_train(self._model))
+        self.weight_bytes = int(lc.llama_model_size(self._model))
+        n_layer = lc.llama_model_n_layer(self._model)
+        head_dim = lc.llama_model_n_embd(self._model) // lc.llama_model_n_head(self._model)
+        row = lc.llama_model_n_head_kv(self._model) * head_dim
+        k, v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
+        self.kv_bytes_per_token = n_layer * (llamacpp.row_bytes(row, k) + llamacpp.row_bytes(row, v))
+        self._init_sequences()
+        self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
+        self._ran: dict[int, int] = {}  # sequence -> the step of its last chunk (streams: who is live)
+        self._step_no = 0
+        spec = spec_in_effect(cfg.spec, cfg.kv_layout)[0]
+        drafter = None
+        if cfg.draft_model and spec != "off":
+            from meshnode.engine.draftmodel import DraftModel
+
+            drafter = DraftModel(cfg.draft_model, vocab, self.n_seq_max, self.n_ctx_seq, threads)
+        self._init_drafts(spec, cfg.draft_max, cfg.draft_min, drafter)
+        self._alloc_batch(self.n_batch)
+        # a lone decode row gets a dummy neighbour (engine/invariant.py), but AMX's f16 kernel gives a lone row
+        # the bits it has in a crowd: where all the weights are f16 in AMX buffers, try without, as checked
+        self.pad_lone_rows = not (self.deterministic and cfg.amx_weights and cfg.weight_types == {"F16"})
+        if self.deterministic:
+            self._check_deterministic()
+        self.recipe_fingerprint = cfg.recipe(self.deterministic, devices.fingerprint(self.devices))
+        self._matchers = None  # llguidance over this model's vocab, built for the first constrained session
+
+    def _load(self, cfg: EngineConfig) -> int:
+        """The model where the device settings put it, and its context; the threads it runs on."""
+        lc = self._lc
         mp = lc.llama_model_default_params()
         self._placement = devices.offload(mp, cfg.rpc, cfg.gpu_layers, cfg.tensor_split, cfg.devices)
         mp.use_extra_bufts = cfg.extra_buffers
@@ -193,53 +106,25 @@ class LlamaEngine(Drafted, Engine):
         if not self._ctx:
             lc.llama_model_free(self._model)
             raise FatalEngineError(f"llama.cpp could not create a context: {llamacpp.last_errors() or 'no reason given'}")
-        self._mem = lc.llama_get_memory(self._ctx)
-        self.devices = self._placement.placed(llamacpp.placement_lines())
-        vocab = lc.llama_model_get_vocab(self._model)
-        self.n_vocab = lc.llama_vocab_n_tokens(vocab)
-        self.eos = lc.llama_vocab_eos(vocab)
-        # every end-of-generation token (EOS, EOT, ...): one pass over the vocab at load
-        self.eog = sorted(t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(vocab, t))
-        self.n_seq_max = lc.llama_n_seq_max(self._ctx)
-        self.n_batch = lc.llama_n_batch(self._ctx)
-        self.n_ctx = lc.llama_n_ctx(self._ctx)
-        self.n_ctx_seq = min(lc.llama_n_ctx_seq(self._ctx), lc.llama_model_n_ctx_train(self._model))
-        self.weight_bytes = int(lc.llama_model_size(self._model))
-        n_layer = lc.llama_model_n_layer(self._model)
-        head_dim = lc.llama_model_n_embd(self._model) // lc.llama_model_n_head(self._model)
-        row = lc.llama_model_n_head_kv(self._model) * head_dim
-        self.kv_bytes_per_token = n_layer * (llamacpp.row_bytes(row, cp.type_k) + llamacpp.row_bytes(row, cp.type_v))
-        self._init_sequences()
-        self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
-        self._ran: dict[int, int] = {}  # sequence -> the step of its last chunk (streams: who is live)
-        self._step_no = 0
-        spec = spec_in_effect(cfg.spec, cfg.kv_layout)[0]
-        drafter = None
-        if cfg.draft_model and spec != "off":
-            from meshnode.engine.draftmodel import DraftModel
+        return threads
 
-            drafter = DraftModel(cfg.draft_model, vocab, self.n_seq_max, self.n_ctx_seq, threads)
-        self._init_drafts(spec, cfg.draft_max, cfg.draft_min, drafter)
-        self._alloc_batch(self.n_batch)
-        # a lone decode row gets a dummy neighbour (engine/invariant.py), but AMX's f16 kernel gives a lone row
-        # the bits it has in a crowd: where all the weights are f16 in AMX buffers, try without, as checked
-        self.pad_lone_rows = not (self.deterministic and cfg.amx_weights and cfg.weight_types == {"F16"})
-        if self.deterministic:
+    def _check_deterministic(self) -> None:
+        """The start-up self-check (engine/invariant.py): where a row's bits move with its neighbours, the
+        mode is off with the reason, or, where it was required, the engine refuses to start."""
+        cfg = self.cfg
+        problem = invariant.self_check(self)
+        if problem and not self.pad_lone_rows:
+            self.pad_lone_rows = True
             problem = invariant.self_check(self)
-            if problem and not self.pad_lone_rows:
-                self.pad_lone_rows = True
-                problem = invariant.self_check(self)
-            if problem:
-                if invariant.promised(cfg.weight_types, llamacpp.system_info()):
-                    problem += ("; the mode is promised on this CPU and model (docs/determinism.md): a regression "
-                                "of this build, please report it")
-                self.deterministic_problem = f"deterministic: not on this CPU and model: {problem}"
-                self.deterministic = False
-                if cfg.deterministic is True:
-                    self.close()
-                    raise FatalEngineError(f"{self.deterministic_problem}; serve without it (--no-deterministic)")
-        self.recipe_fingerprint = cfg.recipe(self.deterministic, devices.fingerprint(self.devices))
-        self._matchers = None  # llguidance over this model's vocab, built for the first constrained session
+        if problem:
+            if invariant.promised(cfg.weight_types, llamacpp.system_info()):
+                problem += ("; the mode is promised on this CPU and model (docs/determinism.md): a regression "
+                            "of this build, please report it")
+            self.deterministic_problem = f"deterministic: not on this CPU and model: {problem}"
+            self.deterministic = False
+            if cfg.deterministic is True:
+                self.close()
+                raise FatalEngineError(f"{self.deterministic_problem}; serve without it (--no-deterministic)")
 
     def constraint(self, c):
         from meshnode.engine.constraint import Matchers

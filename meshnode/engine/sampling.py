@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshnode.core.types import Sampling
+from meshnode.core.types import Logprob, Sampling
 
 _MASK = (1 << 64) - 1
 
@@ -22,13 +22,13 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+def logprobs(logits: np.ndarray, token: int, n: int) -> Logprob:
     """The token's log-probability under the raw logits (log-softmax), and the n most likely tokens'."""
     z = logits.astype(np.float64)
     lp = z - z.max()
     lp -= np.log(np.exp(lp).sum())
     top = _best(lp, np.arange(len(lp)), n)
-    return float(lp[token]), [(int(t), float(lp[t])) for t in top]
+    return Logprob(float(lp[token]), tuple((int(t), float(lp[t])) for t in top))
 
 
 def _best(z: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:

@@ -2,13 +2,13 @@
 
 Each incarnation gets a fresh link socket (ipc/seqpacket.py) that accepts only
 that process, so no message of a dead engine can be mistaken for a live one's.
-What goes over it is typed (ipc/link.py); what comes back is handed to the
-front as a `Reply` or a `Refusal`, never as a message to pick apart. Whatever
-breaks the engine (a closed link, garbage, a fatal error, an exit, a hang) is
-answered in one place, `why_dead()`, which the loop asks every turn. Ticks in
-flight live in the scheduler's pipeline (meshnode/core/pipeline.py), when a
-silence counts as a hang and whether to restart in meshnode/core/health.py;
-this file only does the process and socket work those two decide about.
+What goes over it is typed (ipc/link.py); a tick's answer is handed to the
+tick driver (front/ticks.py, the owner of the ticks in flight) as the typed
+message it is. Whatever breaks the engine (a closed link, garbage, a fatal
+error, an exit, a hang) is answered in one place, `why_dead()`, which the loop
+asks every turn; when a silence counts as a hang and whether to restart are
+meshnode/core/health.py's, and this file only does the process and socket work
+those decide about.
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ import multiprocessing as mp
 import os
 import select
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 from ipc import link, seqpacket
 from ipc.transport import rpc_hello
 from ipc.shm import TokenArena
 from meshnode.core.health import DOWN, READY, STARTING, EngineHealth, model_problem
-from meshnode.core.pipeline import Tick, TickPipeline
-from meshnode.core.types import EngineInfo, StepResult
+from meshnode.core.pipeline import Tick
+from meshnode.core.types import EngineInfo
 
 log = logging.getLogger("meshnode.front")
 LIVENESS_EVERY_S = 0.02  # how often the process itself is checked, besides its link closing
@@ -33,23 +33,6 @@ EXIT_WAIT_S = 0.5  # an engine that closed its link is exiting: how long to wait
 KILL_WAIT_S = 5.0  # a killed or stopped engine is reaped within this (a page-in of GBs of weights can be slow)
 LAST_WORDS = 8  # messages still read from a dead engine's link for why it died (hello failed, abort)
 START_POLL_S = 0.1  # while the node waits for the first hello: how often a stop signal is noticed
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A tick the engine ran: its result, and the answer with the engine's own figures (memory, gap)."""
-
-    tick: Tick
-    result: StepResult
-    done: link.TickDone
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """The engine refused a tick (a plan it cannot run); it goes on serving the others."""
-
-    tick: Tick
-    detail: str
 
 
 ENGINE_MODULE = "meshnode.worker.main"  # the engine process's code, found by name in the child only
@@ -62,11 +45,11 @@ def engine_process(cfg: link.EngineProcessConfig) -> None:
 
 
 class EngineLink:
-    def __init__(self, run_dir: str, arena: TokenArena, pipeline: TickPipeline, health: EngineHealth, *,
-                 engine_kind: str, engine_params: dict, n_vocab: int, model_path: str, log_level: str = "WARNING",
+    def __init__(self, run_dir: str, arena: TokenArena, health: EngineHealth, *,
+                 engine_kind: str, engine, n_vocab: int, model_path: str, log_level: str = "WARNING",
                  faults: list | None = None, wrapper: str = "", claim=lambda path: None, rpc_timeout_s: float = 2.0):
-        self.run_dir, self.arena, self.pipeline, self.health = run_dir, arena, pipeline, health
-        self.engine_kind, self.engine_params, self.log_level = engine_kind, engine_params, log_level
+        self.run_dir, self.arena, self.health = run_dir, arena, health
+        self.engine_kind, self.engine, self.log_level = engine_kind, engine, log_level  # engine: its EngineConfig
         self.n_vocab, self.model_path = n_vocab, model_path
         self.faults, self.wrapper = faults, wrapper  # tests only: one entry per incarnation, the last for all after
         self.claim = claim  # tells the front's reaper of each socket file made here
@@ -99,7 +82,7 @@ class EngineLink:
     def can_send(self) -> bool:
         return self.health.state == READY and not self.broken
 
-    def _break(self, why: str, going_down: bool = False) -> None:
+    def broke(self, why: str, going_down: bool = False) -> None:
         """The first reason this incarnation cannot go on wins; why_dead() reports it."""
         self.broken = self.broken or why
         self.going_down = self.going_down or going_down
@@ -115,7 +98,7 @@ class EngineLink:
         self.listener = seqpacket.listen(self.path)
         faults = self.faults[min(self.generation, len(self.faults)) - 1] if self.faults else None
         cfg = link.EngineProcessConfig(self.path, os.getpid(), self.arena.name, self.arena.n_input,
-                                       self.arena.n_output, self.engine_kind, self.engine_params, self.log_level,
+                                       self.arena.n_output, self.engine_kind, self.engine, self.log_level,
                                        faults, self.wrapper, calibrate=self.info is None)
         self.proc = mp.get_context("spawn").Process(target=engine_process, args=(cfg,), daemon=True,
                                                    name=f"meshnode-engine-{self.generation}")
@@ -134,9 +117,9 @@ class EngineLink:
                 raise RuntimeError(f"engine did not start: {why}")
         return self.info
 
-    def receive(self) -> Reply | Refusal | None:
-        """Read one message: the outcome of a tick, or None (a connection, a hello, an answer to a
-        tick no longer in flight, or anything that breaks the engine, which why_dead() then reports)."""
+    def receive(self) -> link.TickDone | link.TickRefused | None:
+        """Read one message: a tick's answer, or None (a connection, a hello, or anything that breaks the
+        engine, which why_dead() then reports)."""
         if self.sock is None:
             self.sock = seqpacket.accept(self.listener, self.pid)
             if self.sock is not None:  # connected: the path is not needed any more
@@ -144,11 +127,11 @@ class EngineLink:
             return None
         data = self.sock.recv()
         if data is None:
-            return self._break("engine closed the link", going_down=True)
+            return self.broke("engine closed the link", going_down=True)
         try:
             msg = link.decode(data)
         except ValueError as e:
-            return self._break(f"engine sent a malformed message: {e}")
+            return self.broke(f"engine sent a malformed message: {e}")
         if isinstance(msg, link.Hello):
             return self._hello(msg)
         if isinstance(msg, link.HelloFailed):  # said before it exits, which why_dead() reports
@@ -156,23 +139,12 @@ class EngineLink:
             return None
         if isinstance(msg, link.Aborted):
             self.words = f"llama.cpp aborted: {msg.detail}"
-            return self._break(self.words, going_down=True)
+            return self.broke(self.words, going_down=True)
         if not isinstance(msg, (link.TickDone, link.TickRefused)):
-            return self._break(f"engine sent {type(msg).__name__}, which only the front sends")
-        tick = self.pipeline.answer(msg.tick, time.monotonic())
-        if tick is None:
-            return None  # from before a restart, or behind a refused tick
-        if isinstance(msg, link.TickRefused):
-            if msg.fatal:  # its context cannot be trusted any more: restart it, re-prefill
-                return self._break(f"engine reported a fatal error: {msg.detail}")
-            return Refusal(tick, msg.detail)
-        try:
-            absent = {*msg.cache_miss, *(q for q, _ in msg.failed)} if msg.cache_miss or msg.failed else ()
-            tokens = link.read_samples(self.arena, tick.t, tick.plan, self.n_vocab, absent)
-        except ValueError as e:  # garbage from the engine: restart it, re-prefill
-            return self._break(f"engine sent a bad reply: {e}")
-        self.health.good_tick()
-        return Reply(tick, msg.result(tokens), msg)
+            return self.broke(f"engine sent {type(msg).__name__}, which only the front sends")
+        if isinstance(msg, link.TickRefused) and msg.fatal:  # its context cannot be trusted: restart, re-prefill
+            return self.broke(f"engine reported a fatal error: {msg.detail}")
+        return msg
 
     def _hello(self, msg: link.Hello) -> None:
         problem = model_problem(msg.info, self.info, self.n_vocab, self.model_path)
@@ -180,7 +152,7 @@ class EngineLink:
             self.health.unrecoverable = self.broken = problem
             return None
         if self.info is None and self.engine_kind == "llama":  # later incarnations place layers as this one did
-            self.engine_params = {**self.engine_params, **msg.info.placement()}
+            self.engine = replace(self.engine, **msg.info.placement())
         self.info = self.info or msg.info
         self.health.ready(time.monotonic())
         return None
@@ -191,12 +163,11 @@ class EngineLink:
                 self.sock.send(link.encode(msg))
             self.sock.send(link.encode(link.TickRequest(tick.t, tick.plan, tick.resync, fresh), self.arena))
         except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
-            self._break(f"engine link send failed: {e}", going_down=True)
-        finally:  # after the send: a front paused before it must not count the pause against the engine
-            self.pipeline.sent(tick, time.monotonic())
+            self.broke(f"engine link send failed: {e}", going_down=True)
 
-    def why_dead(self, now: float) -> str:
-        """Why the engine is dead now, or "": exited, broken, silent at start, or hung in a tick."""
+    def why_dead(self, now: float, in_flight=()) -> str:
+        """Why the engine is dead now, or "": exited, broken, silent at start, or hung in a tick (of
+        `in_flight`, oldest first)."""
         if self.health.state not in (STARTING, READY):
             return ""
         if self.going_down and self.proc is not None:
@@ -208,7 +179,7 @@ class EngineLink:
                 return f"engine process exited (code {self.proc.exitcode})" + (f": {self.words}" if self.words else "")
         if self.broken:
             return self.words or self.broken
-        return self.health.late_hello(now) or self.health.hung(now, self.pipeline.ticks, self.arena.heartbeat)
+        return self.health.late_hello(now) or self.health.hung(now, in_flight, self.arena.heartbeat)
 
     def _read_last_words(self) -> None:
         """A dead engine may have said why (hello failed, abort) in messages still unread."""
@@ -221,7 +192,7 @@ class EngineLink:
     def missing_worker(self) -> str:
         """Why the first rpc worker the engine needs does not answer its hello, or "" (all do, or it needs none).
         Asked only while no engine is connected to them: a worker serves one client at a time."""
-        return next(filter(None, (rpc_hello(ep, self.rpc_timeout_s) for ep in self.engine_params.get("rpc", ()))), "")
+        return next(filter(None, (rpc_hello(ep, self.rpc_timeout_s) for ep in getattr(self.engine, "rpc", ()))), "")
 
     def died(self, why: str) -> None:
         """Kill what is left and let the health policy decide: restart with backoff, wait for a missing

@@ -1,6 +1,7 @@
 """`serve --http`: the OpenAI gateway (meshnode/gateway) as the node's child process, a client of the node
 like any other. The node starts it once it serves, restarts it when it exits (backing off from 1 s to
-30 s, so a gateway that cannot start does not spin), and stops it before it drains."""
+30 s, so a gateway that cannot start does not spin), keeps it through a drain (its streams end with their
+sessions; one that exits then is not restarted) and stops it at shutdown, before the engine."""
 from __future__ import annotations
 
 import logging

@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import time
 
-from meshnode.core.budget import ConfigError
+from meshnode.core.types import ConfigError
 
 MAX_CONNECTIONS = 16  # beyond, a new connection is closed at once
 TIMEOUT_S = 2.0  # a connection that has not sent its request by then is closed

@@ -1,14 +1,15 @@
 """The front process: one thread, one poll loop, initialize / loop / shutdown.
 
-The loop multiplexes the engine link, the clients and timers: each tick's
-answer is applied and the next tick sent before the sessions' events go out (so
-the engine never waits for the clients), client requests are answered at once
-within their CPU share, and a full snapshot goes out every second. Policy is in
-meshnode/core; the pieces here each do one job and return what must happen,
-which only this loop carries out: clients.py (sockets), requests.py (what a
-request does), events.py (events as frames), engine_link.py (the engine
-process; why_dead() is the one answer to "is it dead"), report.py (what the
-node publishes).
+The loop multiplexes the engine, the clients and timers. One step is
+schedule, execute, update, as in vLLM's EngineCore: the scheduler plans
+(meshnode/core), the tick driver sends and answers (ticks.py, the one owner of
+the ticks in flight; engine_link.py is the process, why_dead() the one answer
+to "is it dead"), the scheduler applies, and the output stage turns the events
+into frames and decides the finishes only it can see (output.py). Each tick's
+answer is applied and the next tick sent before the sessions' events go out
+(so the engine never waits for the clients); client requests are answered at
+once within their CPU share (requests.py says what a request does, clients.py
+holds the sockets), and a full snapshot goes out every second (report.py).
 Signal handlers only count (signals.py); the loop drains.
 """
 from __future__ import annotations
@@ -17,32 +18,31 @@ import gc
 import logging
 import math
 import time
-from collections import deque
 
 import zmq
 
 from ipc import link as wire
 from ipc.shm import TokenArena, clean_stale
-from ipc.transport import CLIENT_HWM, Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
+from ipc.transport import Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
-from meshnode.core.budget import ConfigError, NodeBudget
-from meshnode.core.costmodel import Shape, TickTarget
+from meshnode.core.budget import NodeBudget
+from meshnode.core.types import ConfigError
+from meshnode.core.costmodel import Shape
 from meshnode.core.health import READY, EngineHealth
-from meshnode.core.pipeline import TickPipeline
 from meshnode.core.scheduler import Event, Scheduler
 from meshnode.core.telemetry import Telemetry
 from meshnode.front import signals
 from meshnode.front.clients import TELEMETRY_SUBSCRIBERS, Clients
-from meshnode.front.engine_link import EngineLink, Refusal, Reply
-from meshnode.front.events import Events
+from meshnode.front.engine_link import EngineLink
 from meshnode.front.gate import RESERVE_FDS, SAFE_IPC_FDS, descriptors
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
-from meshnode.front.outbox import GONE, STALLED
 from meshnode.front.prom import Exposition
 from meshnode.front.gateway_child import GatewayChild
 from meshnode.front.reaper import Reaper
 from meshnode.front.report import Report, Sources
+from meshnode.front.output import Finish, Output
 from meshnode.front.requests import Action, Answer, Opened, Requests
+from meshnode.front.ticks import Refusal, Reply, Ticks
 from meshnode.engine import llamacpp
 from meshnode.ops.config import NodeConfig
 from meshnode.ops.sdnotify import Notifier
@@ -75,22 +75,8 @@ class Front:
         if cfg.model is None:
             from meshnode.ops.models import cached_model
             cfg.model = str(cached_model("tiny"))
-        for name in clean_stale():
-            log.warning("removed stale shared memory segment %s", name)
-        self.run_dir = str(run_dir())
-        for name in clean_stale_links(self.run_dir):
-            log.warning("removed a dead node's engine socket %s", name)
-        self.listen = cfg.listen or default_listen()
-        self.telemetry_ep = cfg.telemetry or default_telemetry()
-        if self.fd_limit < SAFE_IPC_FDS and any(ep.startswith("ipc://") for ep in (self.listen, self.telemetry_ep)):
-            log.warning("the descriptor limit is %d: a flood of connections on an ipc:// endpoint faster than the "
-                        "node closes them aborts it inside libzmq (its ipc listener asserts on EMFILE); raise "
-                        "LimitNOFILE (the unit sets 65536) or listen on tcp://", self.fd_limit)
-        for ep in (self.listen, self.telemetry_ep):  # one at a time: a refused second releases the first
-            self._locks.append(EndpointLock(ep))
-            if self._locks[-1].path:
-                self.reaper.claim(self._locks[-1].path)
-                self.reaper.claim(self._locks[-1].path + ".lock")
+        self.settings = cfg.resolve()  # every derived value, every rule between settings: before anything starts
+        self._claim_endpoints()
         self.tok = Tokenizer(cfg.model)
         why = self.tok.vocab_difference(cfg.draft_model) if cfg.draft_model else ""
         if why:
@@ -110,7 +96,8 @@ class Front:
         self.sched = self._start_engine()
         self.recipe = self.link.info.recipe
         self.telemetry = Telemetry(self.sched)
-        self.events = Events(self.tok, latency=self.exposition)
+        self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
+        self.output = Output(self.tok, self.clients.send, self.telemetry, latency=self.exposition)
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
                                      self.notifier, self.budget, self.recipe, self.listen, self.telemetry_ep,
                                      self.fd_limit, self.sched.deterministic, self.link.info.devices,
@@ -122,6 +109,35 @@ class Front:
         self.poller.register(self.texts.fileno(), zmq.POLLIN)
         self._link_fd = None
         self._planned_out = False  # the last dispatch found nothing to plan
+        self._log_ready(max_clients)
+        if cfg.http:
+            self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
+                                        cfg.metrics_listen)
+        gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
+        self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
+
+    def _claim_endpoints(self) -> None:
+        """What a killed node left removed, and the client and telemetry endpoints locked for this one."""
+        cfg = self.cfg
+        for name in clean_stale():
+            log.warning("removed stale shared memory segment %s", name)
+        self.run_dir = str(run_dir())
+        for name in clean_stale_links(self.run_dir):
+            log.warning("removed a dead node's engine socket %s", name)
+        self.listen = cfg.listen or default_listen()
+        self.telemetry_ep = cfg.telemetry or default_telemetry()
+        if self.fd_limit < SAFE_IPC_FDS and any(ep.startswith("ipc://") for ep in (self.listen, self.telemetry_ep)):
+            log.warning("the descriptor limit is %d: a flood of connections on an ipc:// endpoint faster than the "
+                        "node closes them aborts it inside libzmq (its ipc listener asserts on EMFILE); raise "
+                        "LimitNOFILE (the unit sets 65536) or listen on tcp://", self.fd_limit)
+        for ep in (self.listen, self.telemetry_ep):  # one at a time: a refused second releases the first
+            self._locks.append(EndpointLock(ep))
+            if self._locks[-1].path:
+                self.reaper.claim(self._locks[-1].path)
+                self.reaper.claim(self._locks[-1].path + ".lock")
+
+    def _log_ready(self, max_clients: int) -> None:
+        cfg = self.cfg
         b = self.budget
         log.info("meshnode ready: listen=%s telemetry=%s model=%s recipe=%s engine_pid=%d "
                  "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token, K %s, V %s) "
@@ -129,13 +145,9 @@ class Front:
                  self.telemetry_ep, cfg.model, self.recipe, self.link.pid, b.effective_active_cap, b.max_queue,
                  b.max_batch_size,
                  b.max_prefill_tokens_per_tick, b.kv_budget_bytes, b.kv_bytes_per_token, cfg.type_k, cfg.type_v,
-                 b.n_ctx_seq, b.weight_bytes, max_clients, cfg.layout, self.sched.deterministic, _devices_line(self.link.info.devices),
+                 b.n_ctx_seq, b.weight_bytes, max_clients, cfg.layout, self.sched.deterministic,
+                 _devices_line(self.link.info.devices),
                  f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
-        if cfg.http:
-            self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
-                                        cfg.metrics_listen)
-        gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
-        self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
 
     def _descriptors(self) -> tuple[int, int]:
         """The descriptor limit (raised to the hard one) and the client connections it leaves room for."""
@@ -152,10 +164,9 @@ class Front:
     def _start_engine(self) -> Scheduler:
         """The first engine incarnation, and the scheduler sized by what it reports."""
         cfg = self.cfg
-        params = dict(cfg.fake or {}) if cfg.engine_kind == "fake" else vars(cfg.engine_config(cfg.model))
-        pipeline = TickPipeline(cfg.pipeline_depth)
-        self.link = EngineLink(self.run_dir, self.arena, pipeline, self.health, engine_kind=cfg.engine_kind,
-                               engine_params=params, n_vocab=self.tok.n_vocab, model_path=cfg.model,
+        engine = dict(cfg.fake or {}) if cfg.engine_kind == "fake" else self.settings.engine
+        self.link = EngineLink(self.run_dir, self.arena, self.health, engine_kind=cfg.engine_kind,
+                               engine=engine, n_vocab=self.tok.n_vocab, model_path=cfg.model,
                                log_level=cfg.log_level, faults=cfg.faults, wrapper=cfg.engine_wrapper,
                                claim=self.reaper.claim, rpc_timeout_s=cfg.rpc_timeout_s)
         missing = self.link.missing_worker()
@@ -165,18 +176,10 @@ class Front:
         info = self.link.wait_ready(lambda: signals.received > 0)
         if info is None:
             raise StartStopped("stopped by a signal during start-up")
-        mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
-        prefill = cfg.prefill_chunk  # with a tick target, an upper bound: as much as one decode carries
-        target = TickTarget(cfg.tick_target_ms or 0.0, cfg.tick_target_ratio if cfg.tick_target_ms is None else 0.0)
-        if prefill is None and target:
-            prefill = info.n_batch - (cfg.max_batch or info.n_seq_max)
-        self.budget = NodeBudget.from_engine(
-            info, max_active=cfg.max_active, max_queue=cfg.max_queue, max_batch_size=cfg.max_batch,
-            max_prefill_tokens_per_tick=prefill, kv_budget_bytes=mb(cfg.kv_budget_mb),
-            weight_budget_bytes=mb(cfg.weight_budget_mb), memory_floor_bytes=mb(cfg.memory_floor_mb))
-        sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, pipeline=pipeline,
-                          prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
-                          tick_target=target, deterministic=info.deterministic, gather_ms=cfg.gather_ms)
+        self.budget = NodeBudget.from_engine(info, self.settings.budget)
+        sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
+                          tick_target=self.settings.tick_target, deterministic=info.deterministic,
+                          gather_ms=cfg.gather_ms)
         if info.deterministic_problem:
             log.warning("deterministic mode off: %s", info.deterministic_problem)
         for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
@@ -195,7 +198,7 @@ class Front:
                 break
             self._poll(timeout_ms=max(0, min(100, int(self.report.due(now) * 1e3), self._plan_in_ms(now))))
             now = time.monotonic()
-            why = self.link.why_dead(now)
+            why = self.ticks.why_dead(now)
             if why:
                 self._send(self._engine_died(why))
             self.link.maybe_restart(now)
@@ -220,7 +223,7 @@ class Front:
             timeout_ms = min(timeout_ms, max(1, int(wait * 1e3)))
         ready = dict(self.poller.poll(timeout_ms))
         if ready.pop(self._link_fd, None):
-            events = self._on_engine(self.link.receive())
+            events = self._update(self.ticks.reply())
             self._dispatch(after_reply=True)  # refill the pipeline before talking to clients
             self._send(events)
         if ready.pop(self.texts.fileno(), None):
@@ -251,82 +254,56 @@ class Front:
         """What a request handler decided, in its order."""
         for a in actions:
             if isinstance(a, Opened):
-                self.events.opened(a.key, a.stops)
+                self.output.opened(a.session, a.stops)
             elif isinstance(a, Answer):
-                self._send(self._deliver(a.ident, a.frames, final=True))
+                self._finish(self.output.answer(a.ident, a.frames))
             else:
                 self._send([a])
 
     def _send(self, events: list[Event]) -> None:
-        """Events out as frames; a stop string that matched ends its session here, its `done` next."""
-        todo = deque(events)
-        while todo:
-            ev = todo.popleft()
-            out, stopped = self.events.frames(ev)
-            for ident, frames, final in out:
-                todo.extend(self._deliver(ident, frames, final))
-            done = self.sched.end(ev.session.key, R.STOP) if stopped else None
-            if done is not None:
-                todo.appendleft(done)
+        """Events out as frames (output.py); the sessions the output stage ended, ended in the scheduler."""
+        self._finish(self.output.process(events))
 
-    def _deliver(self, ident: bytes, frames: list[bytes], final: bool) -> list[Event]:
-        """Send to one client. One that stopped reading or vanished loses its sessions (their ends are
-        returned, to be sent), nobody else does; each still gets its `done`, kept until it reads again
-        (outbox.py)."""
-        outcome = self.clients.send(ident, frames, final)
-        mine = [k for k in self.sched.live if k[0] == ident] if outcome in (STALLED, GONE) else []
-        if not mine:
-            return []
-        why = "stopped reading" if outcome == STALLED else "disconnected"
-        log.warning("client %s %s: cancelling its %d session(s)", ident.hex(), why, len(mine))
-        self.telemetry.client_faults_total += 1
-        ended = [self.sched.cancel(k) for k in mine]
-        for ev in ended:
-            ev.detail = f"the client {why}" + (f" (over {CLIENT_HWM} messages unread)" if outcome == STALLED else "")
-        return ended
+    def _finish(self, finishes: list[Finish]) -> None:
+        """The scheduler hears each finish the output stage decided (a stop string, a client gone) once; the
+        session's `done` is out already, so the scheduler's event for it is not sent again."""
+        for f in finishes:
+            self.sched.end(f.key, f.reason)
 
     # -- engine ----------------------------------------------------------------------------------
     def _dispatch(self, after_reply: bool = False) -> None:
-        """Send ticks until the pipeline is full or there is nothing to do.
-
-        A tick sent to an idle engine that did not just answer is `fresh`: the engine was waiting for
-        clients, not for us, so its wait is not counted as front + IPC cost.
-        """
+        """Send ticks until the pipeline is full or there is nothing to do. A tick sent to an idle engine
+        that did not just answer is `fresh` (Ticks.send)."""
         self._planned_out = False
-        while self.link.can_send:
-            idle = not self.sched.pipeline
-            if time.monotonic() < self.sched.plan_at():
+        while self.ticks.room:
+            if time.monotonic() < self.ticks.due(self.sched.gather_until()):
                 return  # late in the running tick, or gathering requests: the poll wakes for it (_plan_in_ms)
             tick = self.sched.plan()
             if tick is None:
                 self._planned_out = True  # only an event (a request, an answer) can make more
                 return
-            self.link.send(tick, fresh=not after_reply and idle)
+            self.ticks.send(tick, fresh=not after_reply and self.ticks.idle)
 
     def _plan_in_ms(self, now: float) -> int:
-        """How long the poll may wait before the next tick is due to be planned (Scheduler.plan_at)."""
-        may_plan = self.link.can_send and not self.sched.pipeline.full and not self._planned_out
-        at = self.sched.plan_at() if may_plan else 0.0
+        """How long the poll may wait before the next tick is due to be planned (Ticks.due)."""
+        at = self.ticks.due(self.sched.gather_until()) if self.ticks.room and not self._planned_out else 0.0
         return max(0, math.ceil((at - now) * 1e3)) if at else 100
 
-    def _on_engine(self, outcome: Reply | Refusal | None) -> list[Event]:
+    def _update(self, outcome: Reply | Refusal | None) -> list[Event]:
         """A tick's outcome -> the sessions' events (sent by the caller, after the next dispatch)."""
         if isinstance(outcome, Reply):
-            done = outcome.done
-            self.telemetry.record_tick(done.rss, done.step_ms, done.kv_cells, done.gap_ms, done.drafted, done.served)
-            self.sched.pipeline.engine_waited(done.gap_ms)
-            self.telemetry.set_memory(done.mem_available, done.mem_total)
-            self.sched.mem_available = done.mem_available
+            self.sched.mem_available = outcome.mem_available
             return self.sched.apply(outcome.tick, outcome.result)
         if isinstance(outcome, Refusal):
             log.error("engine refused a plan: %s", outcome.detail)
-            return self.sched.refused(outcome.tick, R.ENGINE_ERROR)
+            return self.sched.refused(outcome.tick, R.ENGINE_ERROR, outcome.behind)
         return []  # nothing, or the engine broke: the loop asks why_dead() next
 
     def _engine_died(self, why: str) -> list[Event]:
         """Restart with backoff and re-prefill; when the engine cannot come back, or waits for a missing
         rpc worker, end every session."""
         self.link.died(why)
+        self.ticks.lost()
         self.sched.engine_restarted()
         if self.health.serving:
             return []

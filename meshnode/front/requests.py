@@ -39,7 +39,7 @@ class Answer:
 class Opened:
     """A session was admitted: its text stream (and stop strings) must exist before its first token."""
 
-    key: tuple
+    session: Session
     stops: list[str]
 
 
@@ -146,5 +146,5 @@ class Requests:
                     req.ignore_eos, req.recipe, owner=ident, grammar=grammar, t_submit=arrived)
         d = self.sched.submit(s)
         if d.accepted:
-            return [Opened(s.key, req.stop), Answer(ident, P.admitted(req.id, d.reason))]
+            return [Opened(s, req.stop), Answer(ident, P.admitted(req.id, d.reason))]
         return [self._refuse(ident, req.id, d.reason, d.detail)]

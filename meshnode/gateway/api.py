@@ -75,14 +75,7 @@ def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") ->
         raise ApiError(400, str(e), param=e.param) from None
     if not chat and body.get("tools"):
         raise ApiError(400, "tools are for /v1/chat/completions", param="tools")
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):  # type: true == 1 in Python, and is no count
-        raise ApiError(400, "only n = 1 is supported: send the request again for another answer", param="n")
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise ApiError(400, "model must be a string", param="model")
-    for key, v in body.items():  # past 64 bits nothing reaches the node to judge it: say which field here
-        if type(v) is int and not -(1 << 63) <= v < (1 << 64):
-            raise ApiError(400, f"{key} is out of range (an integer past 64 bits)", param=key)
+    _check_fields(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
@@ -110,20 +103,36 @@ def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") ->
             else:
                 messages = with_tools(messages, use)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # one prompt in a list: what the SDK sends for a single string sometimes
-        if isinstance(prompt, str):
-            text = prompt
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            tokens = prompt
-        else:
-            raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request)", param="prompt")
+        text, tokens = _prompt(body.get("prompt"))
     # ignore_eos: llama-server's extension (benchmarks, load tests)
     # a completions prompt is the client's own template: special tokens it spells are parsed, as llama-server does
     submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
                       _stop(body.get("stop")), messages, fmt, special=text is not None, tools=listed)
     return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model, use)
+
+
+def _check_fields(body: dict) -> None:
+    """The fields that must be right before anything else is read, each named when it is not."""
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):  # type: true == 1 in Python, and is no count
+        raise ApiError(400, "only n = 1 is supported: send the request again for another answer", param="n")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise ApiError(400, "model must be a string", param="model")
+    for key, v in body.items():  # past 64 bits nothing reaches the node to judge it: say which field here
+        if type(v) is int and not -(1 << 63) <= v < (1 << 64):
+            raise ApiError(400, f"{key} is out of range (an integer past 64 bits)", param=key)
+
+
+def _prompt(prompt) -> tuple[str | None, list[int] | None]:
+    """A completions prompt: (text, None) or (None, token ids)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a list: what the SDK sends for a single string sometimes
+    if isinstance(prompt, str):
+        return prompt, None
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return None, prompt
+    else:
+        raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request)", param="prompt")
 
 
 def with_tools(messages: list[dict], use: tools.ToolUse) -> list[dict]:

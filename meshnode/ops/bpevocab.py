@@ -23,7 +23,7 @@ def byte_symbols() -> list[str]:
 def letter_words():
     """Every two- and three-letter lowercase word, for vocabularies larger than the real words fill: a
     32k vocab of such pieces has a token trie as deep and as wide as a real one's, which is what a
-    structured-output mask's cost depends on (tests/test_structured.py, `meshnode bench structured`)."""
+    structured-output mask's cost depends on (tests/test_structured.py, `python -m benchmarks structured`)."""
     letters = "abcdefghijklmnopqrstuvwxyz"
     yield from (a + b for a in letters for b in letters)
     yield from (a + b + c for a in letters for b in letters for c in letters)

@@ -7,7 +7,6 @@ unknown key or a value of the wrong type is an error naming the key.
 """
 from __future__ import annotations
 
-import argparse
 
 import math
 import os
@@ -18,12 +17,15 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from meshnode.core.budget import ConfigError
+from meshnode.core.budget import BudgetAsk, rows_problem
+from meshnode.core.costmodel import TickTarget
 from meshnode.core.prefix import SCOPES
 from meshnode.core.scheduler import GATHER_SPAN
 from meshnode.core.speculation import MAX_DRAFTS, MODES as SPEC_MODES
-from meshnode.ops import realmodel
+from meshnode.core.types import ConfigError
+from meshnode.engine.config import EngineConfig
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ  # llama.cpp's own limits, defined once
+from meshnode.ops import realmodel
 
 
 def setting(default=None, help: str = "", *, range: tuple | None = None, choices: tuple | None = None,
@@ -173,6 +175,14 @@ class NodeConfig:
             self.n_seq_max = max([DEFAULT_SEQS, *asked])
 
     def validate(self) -> None:
+        """Each value against its declaration, the files and endpoints it names, then the rules between
+        values (resolve): a start that cannot work fails here, in one line naming the setting."""
+        self._check_values()
+        self._find_models()
+        self._check_endpoints()
+        self.resolve()
+
+    def _check_values(self) -> None:
         if isinstance(self.log_level, str):
             self.log_level = self.log_level.upper()
         for f in fields(self):
@@ -191,10 +201,9 @@ class NodeConfig:
                     raise ConfigError(f"{f.name}: must be between {lo:g} and {hi:g}, got {v!r}")
             if "choices" in f.metadata and v not in f.metadata["choices"]:
                 raise ConfigError(f"{f.name}: must be one of {', '.join(f.metadata['choices'])}, got {v!r}")
-        for key in ("max_active", "max_batch"):
-            if (getattr(self, key) or 0) > self.n_seq_max:
-                raise ConfigError(f"{key}: {getattr(self, key)} is more than n_seq_max ({self.n_seq_max}) sequence "
-                                  f"slots; raise n_seq_max or leave it unset (it follows {key})")
+
+    def _find_models(self) -> None:
+        """A packaged model's name becomes its path; a path must exist."""
         for key in ("model", "draft_model"):
             path = getattr(self, key)
             if path in realmodel.NAMES:  # a real model a package ships, by name (meshnode/ops/realmodel.py)
@@ -204,6 +213,9 @@ class NodeConfig:
                     raise ConfigError(f"{key}: {e}") from None
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"{key}: no such file {path}")
+
+    def _check_endpoints(self) -> None:
+        """CURVE files, the metrics and HTTP addresses, and the rule the sockets enforce when they bind."""
         if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
             raise ConfigError("curve_secret_key and curve_allow_dir must be given together")
         if self.curve_secret_key is not None and not os.path.isfile(self.curve_secret_key):
@@ -246,16 +258,6 @@ class NodeConfig:
                     check_private(ep, what, self.curve_secret_key is not None and what != "metrics", self.insecure)
             except EndpointError as e:
                 raise ConfigError(f"{key}: {e}") from None
-        rows = self.max_batch or self.n_seq_max  # decode rows a tick may carry; llama.cpp caps n_batch at ctx
-        if min(self.n_batch, self.ctx or self.n_batch) <= rows:
-            raise ConfigError(f"n_batch and ctx: must both exceed max_batch ({rows}): a tick carries up to that "
-                              f"many decode rows and needs room for a prompt token beside them; got n_batch "
-                              f"{self.n_batch}, ctx {self.ctx}")
-        if self.engine_kind == "llama":
-            try:  # what llama.cpp would refuse or assert on, or cannot promise, refused here first
-                self.engine_config(self.model or "").validate(need_file=False)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
 
     @property
     def layout(self) -> str:
@@ -270,17 +272,51 @@ class NodeConfig:
             return self.ctx
         return SESSION_CELLS * (self.n_seq_max if self.layout == "streams" else 1)
 
-    def engine_config(self, model_path: str):
-        from meshnode.engine.llama import EngineConfig
-
+    def resolve(self) -> "Resolved":
+        """Every value derived from the settings, once, and every rule between them checked before the model
+        loads: what the engine runs (its EngineConfig has no defaults of its own), what the budget is asked,
+        the tick target. The node, the benchmarks and the tests all build their engines here."""
+        for key in ("max_active", "max_batch"):
+            if (getattr(self, key) or 0) > self.n_seq_max:
+                raise ConfigError(f"{key}: {getattr(self, key)} is more than n_seq_max ({self.n_seq_max}) sequence "
+                                  f"slots; raise n_seq_max or leave it unset (it follows {key})")
+        rows = self.max_batch or self.n_seq_max  # decode rows a tick may carry
         listed = lambda v: tuple(x.strip() for x in (v or "").split(",") if x.strip())  # noqa: E731
-        return EngineConfig(model_path, n_seq_max=self.n_seq_max, n_ctx=self.n_ctx, n_batch=self.n_batch,
-                            n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
-                            flash_attn=self.flash_attn, kv_layout=self.layout, deterministic=self.deterministic,
-                            rpc=listed(self.rpc), gpu_layers=self.gpu_layers, spec=self.spec,
-                            draft_model=self.draft_model or "",
-                            draft_max=self.draft_max, draft_min=self.draft_min,
-                            tensor_split=tuple(_share(x) for x in listed(self.tensor_split)), devices=listed(self.device))
+        engine = EngineConfig(self.model or "", n_seq_max=self.n_seq_max, n_ctx=self.n_ctx, n_batch=self.n_batch,
+                              max_rows=rows, n_threads=self.threads, type_k=self.type_k, type_v=self.type_v,
+                              flash_attn=self.flash_attn, kv_layout=self.layout, deterministic=self.deterministic,
+                              rpc=listed(self.rpc), gpu_layers=self.gpu_layers,
+                              tensor_split=tuple(_share(x) for x in listed(self.tensor_split)),
+                              devices=listed(self.device), spec=self.spec, draft_model=self.draft_model or "",
+                              draft_max=self.draft_max, draft_min=self.draft_min)
+        why = rows_problem(self.n_batch, self.n_ctx, self.n_seq_max, rows)
+        if why:
+            raise ConfigError(why)
+        if self.engine_kind == "llama":
+            try:  # what llama.cpp would refuse or assert on, or cannot promise, refused here first
+                engine.validate(need_file=False)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        target = TickTarget(self.tick_target_ms or 0.0, self.tick_target_ratio if self.tick_target_ms is None else 0.0)
+        mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
+        budget = BudgetAsk(self.max_active, self.max_queue, self.max_batch, self.prefill_chunk, mb(self.kv_budget_mb),
+                           mb(self.weight_budget_mb), mb(self.memory_floor_mb), fill_ticks=bool(target))
+        return Resolved(engine, budget, target)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The settings' typed parts, derived once; the serving settings (endpoints, timeouts) are NodeConfig's own."""
+
+    engine: EngineConfig
+    budget: BudgetAsk
+    tick_target: TickTarget
+
+
+def engine_config(model: str, **settings) -> EngineConfig:
+    """The engine `meshnode serve --model MODEL` with these settings (NodeConfig's names) would run: how
+    benchmarks and tests build an engine in-process, with the node's defaults and checks."""
+    return load(overrides={"model": model, **settings}).resolve().engine
 
 
 def _share(x: str) -> float:
@@ -302,48 +338,6 @@ def public_keys() -> list[str]:
 
 def _public():
     return [f for f in fields(NodeConfig) if not f.metadata.get("internal")]
-
-
-def _toml(v) -> str:
-    return ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else repr(v)
-
-
-EXAMPLE_HEADER = """# /etc/meshnode/node.toml: every `meshnode serve` setting (flags override the file). Values shown are
-# the defaults, except where a key is commented out (then the default is derived as described).
-# Written by `meshnode config-example` from meshnode/ops/config.py, the one list of settings.
-"""
-
-
-def _help(f) -> str:
-    """The setting's line, its choices added unless it names them all."""
-    m = f.metadata
-    if "choices" not in m or all(c in m["help"] for c in m["choices"]):
-        return m["help"]
-    return f"{m['help']}: {', '.join(m['choices'])}"
-
-
-def example_file() -> str:
-    """tools/meshnode.toml.example, from the settings themselves: every key, its default, its line."""
-    lines = [EXAMPLE_HEADER]
-    for f in _public():
-        m = f.metadata
-        line = f"{f.name} = {_toml(f.default)}" if f.default is not None else f"# {f.name} = {_toml(m['example'])}"
-        lines.append(f"{line:<49} # {_help(f)}")
-    return "\n".join(lines) + "\n"
-
-
-def add_flags(parser) -> None:
-    """A `--flag` for every setting, with its type, choices and one line of help; unset flags stay None,
-    so the config file's value (or the default) holds."""
-    for f in _public():
-        m, flag = f.metadata, f"--{f.name.replace('_', '-')}"
-        want = _type_of(f)
-        if want is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=m["help"])
-            continue
-        rng = f" [{m['range'][0]:g}, {m['range'][1]:g}]" if "range" in m else ""
-        # choices are checked with the file's values (one line naming the key, case-insensitive log level)
-        parser.add_argument(flag, *m["aliases"], dest=f.name, type=want, metavar=f.name.upper(), help=_help(f) + rng)
 
 
 ENV_PREFIX = "MESHNODE_"

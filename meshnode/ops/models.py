@@ -131,6 +131,33 @@ def _weights(p: Preset, rng: np.random.Generator) -> list[tuple[str, np.ndarray]
 QUANTS = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
 
 
+def _add_vocab(w, p) -> None:
+    """The preset's tokenizer: a byte-level BPE one (GPT-2 style, as most instruct models have) or a
+    SentencePiece-style one."""
+    if p.vocab == "bpe":
+        from meshnode.ops.bpevocab import SPECIALS, build_bpe_vocab, letter_words
+
+        tokens, types, merges = build_bpe_vocab(p.n_vocab, [*WORDS, *letter_words()])
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tokens.index(SPECIALS[0]))
+        w.add_eos_token_id(tokens.index(SPECIALS[0]))
+        w.add_add_bos_token(False)
+    else:
+        tokens, scores, types = build_vocab(p.n_vocab)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
+
+
 def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, quant: str | None = None,
                chat_template: bool | str = True, flat: bool = False) -> Path:
     """Write the preset's GGUF to `path` atomically (a half-written model never loads); `quant` runs it
@@ -161,28 +188,7 @@ def make_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, qua
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(p.n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if p.dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16)
-    if p.vocab == "bpe":
-        from meshnode.ops.bpevocab import SPECIALS, build_bpe_vocab, letter_words
-
-        tokens, types, merges = build_bpe_vocab(p.n_vocab, [*WORDS, *letter_words()])
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_bos_token_id(tokens.index(SPECIALS[0]))
-        w.add_eos_token_id(tokens.index(SPECIALS[0]))
-        w.add_add_bos_token(False)
-    else:
-        tokens, scores, types = build_vocab(p.n_vocab)
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokens)
-        w.add_token_scores(scores)
-        w.add_token_types(types)
-        w.add_unk_token_id(0)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_add_bos_token(True)
+    _add_vocab(w, p)
     w.add_add_eos_token(False)
     if chat_template:
         # so `messages` work on the demo models (the vocab has no ChatML tokens: bytes)

@@ -15,7 +15,7 @@ texts finish in the order they came.
 While sessions decode (`decoding()`), the worker's CPU is metered like the rest
 of the client work (meshnode/core/cpushare.py): llama.cpp's threads spin at every
 barrier, so a tokenizer taking a core stalls every stream (ten clients' 256 KiB
-chat messages made 390 ms gaps in 3 ms ticks, `meshnode bench abuse`). An idle
+chat messages made 390 ms gaps in 3 ms ticks, `python -m benchmarks abuse`). An idle
 node tokenizes at full speed.
 """
 from __future__ import annotations

@@ -113,7 +113,7 @@ class LinkIO:
             if not isinstance(answer, link.TickRefused):
                 tick, res, gap_ms, plan = answer
                 link.write_samples(self.arena, tick, plan, res.tokens)
-                answer = link.TickDone.of(tick, res, gap_ms, **self._mem)
+                answer = link.TickDone(tick, res, gap_ms, **self._mem)  # its tokens went to the arena
             try:
                 self.sock.send(link.encode(answer))
             except OSError:  # the front is gone

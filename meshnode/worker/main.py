@@ -44,16 +44,16 @@ def _die_with_parent(parent: int) -> None:
 
 def build_engine(cfg: EngineProcessConfig, report_abort=None):
     if cfg.engine_kind == "fake":
-        from meshnode.engine.fake import FakeEngine
+        from meshnode.dev.fake import FakeEngine
 
-        engine = FakeEngine(**cfg.engine_params)
+        engine = FakeEngine(**cfg.engine)
     else:
         from meshnode.engine import llamacpp
-        from meshnode.engine.llama import EngineConfig, LlamaEngine
+        from meshnode.engine.llama import LlamaEngine
 
         if report_abort is not None:
             llamacpp.on_abort(report_abort)
-        engine = LlamaEngine(EngineConfig(**cfg.engine_params))
+        engine = LlamaEngine(cfg.engine)
     if cfg.faults:  # tests and drills only: the wrapper is named by the test entry, never imported here
         module, _, name = cfg.wrapper.partition(":")
         if not name:

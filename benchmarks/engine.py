@@ -9,7 +9,8 @@ import numpy as np
 
 from meshnode.bench import model_path
 from meshnode.core.types import Plan, SeqChunk
-from meshnode.engine.llama import EngineConfig, LlamaEngine
+from meshnode.engine.llama import LlamaEngine
+from meshnode.ops.config import engine_config
 
 PROMPT = 8
 
@@ -48,7 +49,7 @@ def llama_generate_rate(path: str, threads: int, n_tokens: int) -> float:
 def main(a) -> int:
     path = model_path(a)
     threads = a.threads or os.cpu_count()
-    engine = LlamaEngine(EngineConfig(path, n_seq_max=8, n_ctx=2048, n_threads=threads))
+    engine = LlamaEngine(engine_config(path, n_seq_max=8, ctx=2048, threads=threads, kv_layout="unified", deterministic=False))
     decode_rate(engine, 1, 4)  # warm-up: page the weights in
     rates = {b: decode_rate(engine, b, a.tokens) for b in (1, 2, 4, 8)}
     engine.close()

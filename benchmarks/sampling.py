@@ -14,7 +14,8 @@ import numpy as np
 
 from meshnode.bench import llama_build, model_path
 from meshnode.core.types import GREEDY, Plan, Sampling, SeqChunk
-from meshnode.engine.llama import EngineConfig, LlamaEngine
+from meshnode.engine.llama import LlamaEngine
+from meshnode.ops.config import engine_config
 from meshnode.engine.sampling import logprobs, sample
 
 BATCH, PROMPT = 8, 32
@@ -51,7 +52,8 @@ def main(a) -> int:
     path = model_path(a)
     threads = a.threads or os.cpu_count()
     n = a.tokens
-    with LlamaEngine(EngineConfig(path, n_seq_max=BATCH, n_ctx=BATCH * 256, n_threads=threads)) as engine:
+    with LlamaEngine(engine_config(path, n_seq_max=BATCH, ctx=BATCH * 256, threads=threads, kv_layout="unified",
+                                          deterministic=False)) as engine:
         step_ms(engine, GREEDY, 4)  # warm-up: page the weights in
         rows = {"greedy": [], "everything": []}
         for _ in range(a.rounds):

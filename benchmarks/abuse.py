@@ -1,4 +1,4 @@
-"""`meshnode bench abuse`: the largest valid request of every kind against a node serving 4 streams.
+"""`python -m benchmarks abuse`: the largest valid request of every kind against a node serving 4 streams.
 
 Four sessions stream steadily to one client (each a chain of sessions, the
 next submitted as one ends). A second process holds abusers that fire, with a

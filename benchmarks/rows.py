@@ -1,4 +1,4 @@
-"""`meshnode bench rows`: what a tick of one sequence's 1 to 48 rows costs, the price of K drafts.
+"""`python -m benchmarks rows`: what a tick of one sequence's 1 to 48 rows costs, the price of K drafts.
 
 Speculative decoding verifies K drafts as K more rows of the sequence's chunk (docs/speculative.md): it
 pays where a tick of K + 1 rows costs much less than K + 1 ticks of one, as on a GPU, and barely where a
@@ -24,7 +24,7 @@ ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 def costs(path: str, threads: int, deterministic: bool, depth: int) -> dict[int, float]:
     cfg = NodeConfig(model=path, threads=threads, deterministic=deterministic, spec="off")
     toks = lambda n, base=0: (np.arange(base, base + n) % 20000 + 100).astype(np.int32)  # noqa: E731
-    with LlamaEngine(cfg.engine_config(path)) as e:
+    with LlamaEngine(cfg.resolve().engine) as e:
         for pos in range(0, depth, 256):
             n = min(256, depth - pos)
             e.step(Plan([SeqChunk(0, pos, toks(n, pos), draw=0 if pos + n == depth else -1,

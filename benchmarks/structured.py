@@ -1,4 +1,4 @@
-"""`meshnode bench structured`: what constraining output to a JSON schema costs a decode tick, beside
+"""`python -m benchmarks structured`: what constraining output to a JSON schema costs a decode tick, beside
 llama-server's `json_schema` on the same model.
 
 Through a node (its default, deterministic mode where it holds, and with `--no-deterministic`) and (given

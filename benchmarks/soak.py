@@ -1,4 +1,4 @@
-"""`meshnode bench soak`: mixed load, random cancels, an engine kill every few seconds.
+"""`python -m benchmarks soak`: mixed load, random cancels, an engine kill every few seconds.
 
 Keeps about 12 sessions in flight from 3 clients (mixed prompt lengths, greedy
 and seeded, some with stop tokens), cancels some at random, SIGKILLs the

@@ -1,4 +1,4 @@
-"""`meshnode bench rpc`: what spreading a model over ggml RPC workers costs, and what batching buys back.
+"""`python -m benchmarks rpc`: what spreading a model over ggml RPC workers costs, and what batching buys back.
 
 The bench model through a node, side by side in rounds whose order rotates:
 - local: every layer on the node's own CPU;

@@ -1,4 +1,4 @@
-"""`meshnode bench spec`: one user alone, the node's speculative decoding beside llama-server's.
+"""`python -m benchmarks spec`: one user alone, the node's speculative decoding beside llama-server's.
 
 Tasks, as a chat model's rendered prompt tokens (the same tokens sent to every side), greedy, `--tokens`
 new tokens each (past EOS: every side does the same work):

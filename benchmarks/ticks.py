@@ -26,11 +26,12 @@ DECODE_STEPS = 400
 
 def measure(path: str, threads: int, rounds: int) -> dict:
     from meshnode.core.types import GREEDY, Keep, Plan, SeqChunk
-    from meshnode.engine.llama import EngineConfig, LlamaEngine
+    from meshnode.engine.llama import LlamaEngine
+    from meshnode.ops.config import engine_config
 
     toks = lambda n, s=0: ((np.arange(n) + 7 * s) % 500 + 3).astype(np.int32)  # noqa: E731
     times: dict[str, list[float]] = {}
-    cfg = EngineConfig(path, n_seq_max=8, n_ctx=8192, n_batch=512, n_threads=threads, kv_layout="streams")
+    cfg = engine_config(path, n_seq_max=8, ctx=8192, n_batch=512, threads=threads, kv_layout="streams", deterministic=False)
     with LlamaEngine(cfg) as e:
         e.step(Plan([SeqChunk(0, 0, toks(512))]))  # seq 0: a deep prompt, cut back to DEEP before each chunk
         e.step(Plan([SeqChunk(0, 512, toks(DEEP - 512))]))

@@ -1,4 +1,4 @@
-"""`meshnode bench layout`: deterministic mode vs not (and the unified KV pool), side by side, in rounds.
+"""`python -m benchmarks layout`: deterministic mode vs not (and the unified KV pool), side by side, in rounds.
 
 Five workloads, each through fresh nodes, in rounds whose order rotates so drift on a
 shared machine hits every mode alike:
@@ -18,7 +18,7 @@ import sys
 
 from meshnode.bench import llama_build, model_path
 from meshnode.bench.burst import one as burst_one
-from meshnode.bench.chat import Workload, through_node as chat_through_node
+from benchmarks.chat import Workload, through_node as chat_through_node
 from meshnode.bench.overhead import jobs, through_node
 
 MODES = {"streams": ("--kv-layout", "streams", "--no-deterministic"), "deterministic": ("--deterministic",),
@@ -42,10 +42,11 @@ def id_gaps(path: str, threads: int, ticks: int = 30) -> dict:
     import numpy as np
 
     from meshnode.core.types import GREEDY, Plan, SeqChunk
-    from meshnode.engine.llama import EngineConfig, LlamaEngine
+    from meshnode.engine.llama import LlamaEngine
+    from meshnode.ops.config import engine_config
 
     def run(pack: bool) -> tuple[float, float]:
-        cfg = EngineConfig(path, n_seq_max=8, n_ctx=8 * 512, n_threads=threads, kv_layout="streams")
+        cfg = engine_config(path, n_seq_max=8, ctx=8 * 512, threads=threads, kv_layout="streams", deterministic=False)
         with LlamaEngine(cfg) as e:
             if not pack:
                 e._ids.arrange = lambda live: []  # the measurement's control: streams stay where they were

@@ -1,0 +1,97 @@
+"""The tick driver: the one owner of the ticks in flight, from the scheduler's plan to the engine's answer.
+
+The front's step is vLLM's (`EngineCore.step`: schedule, execute, update) with
+the execution in another process: `due` says when the next plan is wanted, `send`
+puts the scheduler's tick in flight, `reply` turns the engine's answer into the
+tick and its result for the scheduler's `apply`. The pipeline (which ticks are
+in flight and when the next is planned: meshnode/core/pipeline.py), the engine
+link (meshnode/front/engine_link.py: the process and its socket) and the
+telemetry each answer feeds are held here and nowhere else.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ipc import link
+from meshnode.core.pipeline import Tick, TickPipeline
+from meshnode.core.telemetry import Telemetry
+from meshnode.core.types import StepResult
+from meshnode.front.engine_link import EngineLink
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A tick the engine ran, and its result: one object per llama_decode, the tokens read from the arena."""
+
+    tick: Tick
+    result: StepResult
+    mem_available: int | None  # the host's or cgroup's, as the engine measured it after the tick
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The engine refused a tick (a plan it cannot run); it goes on serving the others. `behind`: the ticks
+    planned on top of it, refused with it (their sessions are planned again)."""
+
+    tick: Tick
+    detail: str
+    behind: list
+
+
+class Ticks:
+    def __init__(self, engine: EngineLink, depth: int, telemetry: Telemetry):
+        self.engine, self.pipeline, self.telemetry = engine, TickPipeline(depth), telemetry
+
+    @property
+    def room(self) -> bool:
+        """Another tick may go in flight now."""
+        return self.engine.can_send and not self.pipeline.full
+
+    @property
+    def idle(self) -> bool:
+        return not self.pipeline
+
+    def due(self, gather_until: float) -> float:
+        """When (monotonic s) to plan the next tick, 0 = now: late in the ticks in flight, so what arrives
+        meanwhile joins it (TickPipeline.plan_ahead_at); on an idle engine, once the scheduler's gathering
+        of a burst of requests ends (`gather_until`, Scheduler.gather_until)."""
+        return self.pipeline.plan_ahead_at() if self.pipeline else gather_until
+
+    def send(self, tick: Tick, fresh: bool = False) -> None:
+        """In flight. `fresh`: sent to an engine that waited for clients, not for us: its wait is not
+        counted as front + IPC cost."""
+        self.pipeline.push(tick)
+        self.engine.send(tick, fresh)
+        self.pipeline.sent(tick, time.monotonic())  # after the send: a pause before it is not the engine's
+
+    def reply(self) -> Reply | Refusal | None:
+        """The engine's next message as a tick's outcome; None for anything else (a hello, an answer to a
+        tick no longer in flight, or what breaks the engine: why_dead() reports that)."""
+        msg = self.engine.receive()
+        if msg is None:
+            return None
+        tick = self.pipeline.answer(msg.tick, time.monotonic())
+        if tick is None:
+            return None  # from before a restart, or behind a refused tick
+        if isinstance(msg, link.TickRefused):
+            return Refusal(tick, msg.detail, self.pipeline.refused())
+        res = msg.result
+        try:
+            absent = {*res.cache_miss, *res.failed} if res.cache_miss or res.failed else ()
+            tokens = link.read_samples(self.engine.arena, tick.t, tick.plan, self.engine.n_vocab, absent)
+        except ValueError as e:  # garbage from the engine: restart it, re-prefill
+            self.engine.broke(f"engine sent a bad reply: {e}")
+            return None
+        self.engine.health.good_tick()
+        self.telemetry.record_tick(msg.rss, res.step_ms, res.kv_cells, msg.gap_ms, res.drafted, res.served)
+        self.telemetry.set_memory(msg.mem_available, msg.mem_total)
+        self.pipeline.engine_waited(msg.gap_ms)
+        return Reply(tick, msg.with_tokens(tokens), msg.mem_available)
+
+    def why_dead(self, now: float) -> str:
+        return self.engine.why_dead(now, self.pipeline.ticks)
+
+    def lost(self) -> None:
+        """The engine died: every tick in flight died with it (its sessions are re-prefilled)."""
+        self.pipeline.clear()
