@@ -30,6 +30,7 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_STOP_TOKENS = 64
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 MAX_LOGPROBS = 20
+PRIORITY_RANGE = 1 << 31  # priorities are compared, never counted: any 32-bit value a router sends
 MAX_FORMAT_BYTES = 64 * 1024  # a response_format's schema, regex or grammar
 _UNPACK = dict(max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
                max_array_len=MAX_LIST, max_map_len=64, max_ext_len=0, strict_map_key=True, raw=False,
@@ -70,6 +71,7 @@ class Submit:
     response_format: ResponseFormat | None = None  # constrained output (json schema, regex, grammar)
     special: bool = False  # `text` spells special tokens (<|im_start|>): parse them, as llama-server's completions
     tools: list[dict] | None = None  # functions the template lists ({name, description, parameters}: ipc/chat.py)
+    priority: int = 0  # vLLM's meaning: lower is served earlier (a node with --scheduling-policy priority)
 
 
 @dataclass
@@ -254,7 +256,11 @@ def decode_request(frames: list[bytes], n_vocab: int):
            "answer ends when it is complete", id)
     special = msg.get("special", False)
     _check(isinstance(special, bool) and (not special or has_text), "special must be a bool, and only with text", id)
-    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special, tools)
+    priority = msg.get("priority", 0)
+    _check(_is_int(priority) and -PRIORITY_RANGE <= priority <= PRIORITY_RANGE,
+           f"priority must be an int in [-{PRIORITY_RANGE}, {PRIORITY_RANGE}] (lower is served earlier)", id)
+    return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special, tools,
+                  priority)
 
 
 def encode_request(req) -> list[bytes]:
@@ -262,7 +268,7 @@ def encode_request(req) -> list[bytes]:
     op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping"}[type(req)]
     body = {"op": op}
     for k, v in asdict(req).items():
-        if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special") and not v):
+        if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special", "priority") and not v):
             continue
         body[k] = v
     if isinstance(req, Submit):
@@ -293,6 +299,15 @@ def pong() -> list[bytes]:
 
 def status(node: dict, telemetry: dict, capacity: dict) -> list[bytes]:
     return event("status", node=node, telemetry=telemetry, capacity=capacity)
+
+
+KV_TOPIC = b"kv-events"
+
+
+def kv_events(seq: int, ts: float, events: list[list]) -> list[bytes]:
+    """A batch of prefix-cache events as vLLM publishes them (docs/operating.md, "Routers"): topic, sequence
+    number (8 bytes big-endian, +1 a batch: a gap is a lost batch), msgpack [ts, [events]]."""
+    return [KV_TOPIC, seq.to_bytes(8, "big"), pack([ts, events])]
 
 
 def tokens(id: str, toks: list[int], text: str, logprobs: list | None = None) -> list[bytes]:

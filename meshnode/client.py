@@ -86,12 +86,13 @@ class Client:
     def submit(self, id: str, *, tokens: list[int] | None = None, text: str | None = None, max_tokens: int = 16,
                sampling: Sampling | None = None, stop_tokens: list[int] | None = None, ignore_eos: bool = False,
                recipe: str | None = None, stop: list[str] | None = None, messages: list[dict] | None = None,
-               logprobs: int = 0, response_format: ResponseFormat | None = None) -> None:
+               logprobs: int = 0, response_format: ResponseFormat | None = None, priority: int = 0) -> None:
         """One of `tokens`, `text` or `messages` ([{role, content}], formatted with the model's chat template);
-        `response_format`: the output must match it (a JSON schema, JSON, a regex, a GBNF grammar)."""
+        `response_format`: the output must match it (a JSON schema, JSON, a regex, a GBNF grammar); `priority`:
+        lower is served earlier, on a node with --scheduling-policy priority."""
         s = dataclasses.replace(sampling or Sampling(), logprobs=logprobs)
         self.send(P.Submit(id, max_tokens, tokens, text, s, stop_tokens or [], ignore_eos, recipe, stop or [], messages,
-                           response_format))
+                           response_format, priority=priority))
 
     def cancel(self, id: str) -> None:
         self.send(P.Cancel(id))

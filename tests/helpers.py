@@ -39,12 +39,12 @@ class Clock:
         return self.t
 
 
-def scheduler(engine=None, clock=None, prefix_cache="off", pool_cells=0, **budget):
+def scheduler(engine=None, clock=None, prefix_cache="off", pool_cells=0, kv_events=False, policy="fcfs", **budget):
     """(engine, scheduler) over a fake engine unless one is given; `budget` overrides NodeBudget fields."""
     e = engine or FakeEngine(n_seq_max=8, n_ctx=4096)
     kw = {"clock": clock} if clock else {}
     s = Scheduler(NodeBudget.from_engine(e, **budget), e.eog, recipe=e.recipe_fingerprint,
-                  prefix_cache=prefix_cache, pool_cells=pool_cells, **kw)
+                  prefix_cache=prefix_cache, pool_cells=pool_cells, kv_events=kv_events, policy=policy, **kw)
     return e, s
 
 
@@ -264,6 +264,30 @@ def run_jobs(c, jobs: dict) -> dict:
     for sid, kw in jobs.items():
         c.submit(sid, **kw)
     return c.collect(list(jobs))
+
+
+def router_metrics(text: str) -> dict:
+    """The model-server protocol's metrics as a router reads them (the Gateway API Inference Extension and
+    llm-d parse the Prometheus text format): name -> (type, [(labels, value)])."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: (f.type, [(s.labels, s.value) for s in f.samples])
+            for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
+
+
+def assert_routable(text: str, model: str, running: int | None = None, waiting: int | None = None) -> dict:
+    """What the inference extension requires (waiting, KV usage) and llm-d reads (running, cache config), with
+    vLLM's types and labels (and the values, where given); returns the cache config's labels."""
+    m = router_metrics(text)
+    for name, want in (("vllm:num_requests_running", running), ("vllm:num_requests_waiting", waiting)):
+        kind, [(labels, value)] = m[name]
+        assert kind == "gauge" and labels == {"model_name": model} and value == (value if want is None else want), \
+            (name, m[name])
+    kind, [(labels, usage)] = m["vllm:kv_cache_usage_perc"]
+    assert kind == "gauge" and labels == {"model_name": model} and 0.0 <= usage <= 1.0
+    kind, [(info, one)] = m["vllm:cache_config_info"]
+    assert kind == "gauge" and one == 1.0 and int(info["block_size"]) > 0 and int(info["num_gpu_blocks"]) > 0
+    return info
 
 
 def wait_until(pred, timeout_s=10.0, every_s=0.05):

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers import serve, wait_until
+from helpers import assert_routable, serve, wait_until
 from ipc.transport import free_tcp_port
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
@@ -229,7 +229,9 @@ def test_keys_models_health_and_metrics(served):
     assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=5).status_code == 401
     models = httpx.get(f"{base}/v1/models", headers=auth(), timeout=5).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny.gguf"
-    assert "meshnode_requests_running" in httpx.get(f"{base}/metrics", headers=auth(), timeout=5).text
+    text = httpx.get(f"{base}/metrics", headers=auth(), timeout=5).text
+    assert "meshnode_requests_running" in text
+    assert_routable(text, "tiny.gguf")  # the node's figures under vLLM's names, through the gateway
     assert httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers=auth(), timeout=5).status_code == 400
 
 

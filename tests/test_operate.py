@@ -11,7 +11,7 @@ import urllib.request
 import psutil
 import pytest
 
-from helpers import assert_clean, wait_until
+from helpers import assert_clean, assert_routable, prompt, router_metrics, wait_until
 from ipc.shm import leftover_segments
 from ipc.transport import free_tcp_port
 from meshnode.core import reasons as R
@@ -243,3 +243,26 @@ def test_metrics_endpoint_serves_prometheus_text(tiny_model):
     assert samples["meshnode_inter_token_latency_seconds_count"] == 2
     assert samples["meshnode_request_queue_time_seconds_count"] == samples["meshnode_e2e_request_latency_seconds_count"] == 1
     assert samples['meshnode_time_to_first_token_seconds_bucket{le="+Inf"}'] == 1
+
+
+def test_metrics_carry_the_model_server_protocols_names_for_routers(tiny_model):
+    """vLLM's names with vLLM's meanings, read as the inference extension reads them: while one session runs
+    and one waits (max_active 1), running 1 and waiting 1, and the KV usage is what admission handed out."""
+    port = free_tcp_port()
+    with NodeProcess(tiny_model, "--metrics-listen", f"127.0.0.1:{port}", "--max-active", "1") as n, n.client() as c:
+        for sid in ("a", "b"):
+            c.submit(sid, tokens=prompt(8), max_tokens=4000, ignore_eos=True)  # a runs for seconds, b waits
+        c.wait_for(lambda e: e["event"] == "admitted" and e["id"] == "b")
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = wait_until(lambda: (lambda t: t if 'vllm:num_requests_waiting{model_name="tiny.gguf"} 1.0' in t
+                                   else None)(urllib.request.urlopen(url, timeout=5).read().decode()), 30)
+        assert text, "the scrape never showed the waiting session"
+        info = assert_routable(text, "tiny.gguf", running=1, waiting=1)
+        st = c.status()
+        kv = st["telemetry"]["kv_pressure"]
+        assert abs(router_metrics(text)["vllm:kv_cache_usage_perc"][1][0][1] - kv) < 1e-3 and kv > 0
+        budget = st["node"]["budgets"]
+        assert int(info["num_gpu_blocks"]) == budget["kv_budget_bytes"] // budget["kv_bytes_per_token"] // 16
+        assert info["enable_prefix_caching"] == "True" and info["cache_dtype"] == "f16"
+        for sid in ("a", "b"):
+            c.cancel(sid)

@@ -19,6 +19,7 @@ from meshnode.core.session import Ask
 class AdmissionDecision:
     reason: str
     detail: str = ""
+    displaced: tuple = ()  # the `done` events of queued sessions this one took the place of (priority policy)
 
     @property
     def accepted(self) -> bool:

@@ -34,6 +34,7 @@ from typing import Hashable
 import numpy as np
 
 from meshnode.core.costmodel import TILE_ROWS
+from meshnode.core.kvevents import BlockIndex
 
 SCOPES = ("client", "node", "off")
 MIN_SHARE = 16  # a copy across streams costs the whole stream: not worth it for a few tokens
@@ -71,11 +72,13 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PrefixCache:
-    def __init__(self, scope: str = "client", deterministic: bool = False):
+    def __init__(self, scope: str = "client", deterministic: bool = False, events: bool = False):
+        """`events`: keep the block view of the cache and its events for routers (core/kvevents.py)."""
         if scope not in SCOPES:
             raise ValueError(f"prefix cache scope must be one of {SCOPES}, got {scope!r}")
         self.scope, self.deterministic = scope, deterministic
         self.entries: dict[int, Entry] = {}  # seq_id -> entry
+        self.blocks = BlockIndex(self.on, record=events)
         self.counters = CacheCounters()
         self._clock = 0
 
@@ -117,7 +120,8 @@ class PrefixCache:
         n = min(len(tokens), cells)
         if not self.on or n < 1:
             return False
-        self.entries[seq_id] = Entry(seq_id, np.asarray(tokens[:n], np.int32), cells, owner, self._tick(), n_prompt)
+        e = self.entries[seq_id] = Entry(seq_id, np.asarray(tokens[:n], np.int32), cells, owner, self._tick(), n_prompt)
+        self.blocks.stored(seq_id, e.tokens, self._worth(e))
         return True
 
     def find(self, prompt: list[int], owner: Hashable, live) -> Hit | None:
@@ -160,6 +164,7 @@ class PrefixCache:
         if hit.entry:
             if hit.takeover:
                 del self.entries[hit.seq_id]
+                self.blocks.removed(hit.seq_id)
             else:
                 self.entries[hit.seq_id].used = self._tick()
 
@@ -170,11 +175,13 @@ class PrefixCache:
             return None
         e = min(candidates, key=lambda e: e.used)
         del self.entries[e.seq_id]
+        self.blocks.removed(e.seq_id)
         self.counters.evictions += 1
         return e.seq_id
 
     def forget(self, seq_id: int) -> bool:
         """The engine lost this sequence's KV (a cache miss): drop the entry without a release."""
+        self.blocks.removed(seq_id)
         return self.entries.pop(seq_id, None) is not None
 
     def clear(self) -> list[int]:
@@ -182,4 +189,5 @@ class PrefixCache:
         returns their sequence ids."""
         ids = list(self.entries)
         self.entries.clear()
+        self.blocks.cleared()
         return ids

@@ -1,8 +1,13 @@
 """The continuous-batching scheduler: pure Python, no sockets, no threads, no llama.cpp.
 
-Policy (fixed):
-1. Queued sessions start FIFO while a slot, their KV reservation and their
-   scratch fit; the head of the queue is never overtaken.
+Policy (fixed but for the queue's order):
+1. Queued sessions start in the queue's order while a slot, their KV reservation
+   and their scratch fit; the head of the queue is never overtaken. The order is
+   arrival (`fcfs`), or with the `priority` policy each session's priority
+   (vLLM's meaning: lower first), arrival within a priority; when the queue is
+   full, a request of a better priority than the worst queued one takes its place
+   and that one ends REJECTED_QUEUE_FULL, with its `done`. A running session is
+   never preempted.
 2. Decode first: every running session with exactly one token pending (it is
    generating) gets a row, up to `max_batch_size` sequences; when more wait,
    the ones scheduled longest ago go first, so none starves.
@@ -30,8 +35,8 @@ model's (meshnode/core/costmodel.py: `fill`, `fill_deterministic`).
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +54,7 @@ from meshnode.core.types import Constrained, Logprob, Plan, Release, SeqChunk, S
 
 
 GATHER_SPAN = 4  # an idle engine's first tick waits at most this many quiet gaps (gather_ms) for more requests
+POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -75,7 +81,8 @@ class Counters:
 class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
                  prefix_cache: str = "off", pool_cells: int = 0,
-                 tick_target: TickTarget = TickTarget(), deterministic: bool = False, gather_ms: float = 0.0):
+                 tick_target: TickTarget = TickTarget(), deterministic: bool = False, gather_ms: float = 0.0,
+                 kv_events: bool = False, policy: str = "fcfs"):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
         tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `prefix_cache`: its
         scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
@@ -88,44 +95,61 @@ class Scheduler:
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe)
-        self.waiting: deque[Session] = deque()
+        self.waiting: list[Session] = []  # in start order (POLICIES)
         self.running: list[Session] = []
         self.live: dict = {}
         why = deterministic and deterministic_rows_problem(budget.n_batch, budget.max_batch_size)
         if why:  # NodeConfig.resolve() refuses this before the model loads; here for schedulers built otherwise
             raise ConfigError(why)
         self.deterministic, self.pool_cells = deterministic, pool_cells
-        self.seqs = Sequences(budget.n_seq_max, prefix_cache, deterministic, pool_cells)
+        self.seqs = Sequences(budget.n_seq_max, prefix_cache, deterministic, pool_cells, kv_events)
         self.counters = Counters()
         self.cost, self.tick_target = TickCost(), tick_target
         self.draining = False
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
         self.gather_ms = gather_ms
+        if policy not in POLICIES:
+            raise ConfigError(f"scheduling_policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy, self._arrivals = policy, 0
         self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
 
     # -- requests --------------------------------------------------------------------
     def submit(self, s: Session) -> AdmissionDecision:
         d = self.precheck(s.ask)
+        displaced = ()
+        if d.reason == R.QUEUED and len(self.waiting) >= self.budget.max_queue:  # it takes the worst one's place
+            worst = self.waiting[-1]
+            displaced = (self._end(worst, R.REJECTED_QUEUE_FULL, f"the queue is full and a request of priority "
+                                   f"{s.priority} took the place of this one (priority {worst.priority})"),)
         if not d.accepted:
             return d
         now = self.clock()
         s.t_submit = s.t_submit or now  # the front stamps arrival, before any tokenizer wait
         self._arrived = (self._arrived[0] if self._arrived else now, now)
         self.live[s.key] = s
+        self._arrivals += 1
+        s.order = (s.priority if self.policy == "priority" else 0, self._arrivals)
         if d.reason == R.ADMITTED:
             self._start(s)
-        else:
-            s.state = QUEUED
-            self.waiting.append(s)
-        return d
+            return d
+        s.state = QUEUED
+        at = bisect.bisect(self.waiting, s.order, key=lambda q: q.order)
+        self.waiting.insert(at, s)
+        return AdmissionDecision(R.QUEUED, f"queued at position {at + 1}", displaced)
 
     def precheck(self, ask: Ask) -> AdmissionDecision:
         """What submit() would decide now, without admitting: for a prompt size that is only a
         lower bound (a text not tokenized yet), a refusal is final and an acceptance provisional."""
-        return self.admission.check(ask, live=ask.key in self.live, queue_len=len(self.waiting),
-                                    draining=self.draining, mem_available=self.mem_available,
-                                    engine_down=self.engine_down)
+        if ask.priority and self.policy != "priority":
+            return AdmissionDecision(R.REJECTED_BAD_REQUEST, "priority is served only by a node with "
+                                     "--scheduling-policy priority; send none (0) to this one")
+        d = self.admission.check(ask, live=ask.key in self.live, queue_len=len(self.waiting), draining=self.draining,
+                                 mem_available=self.mem_available, engine_down=self.engine_down)
+        if (d.reason == R.REJECTED_QUEUE_FULL and self.policy == "priority" and self.waiting
+                and ask.priority < self.waiting[-1].priority):
+            return AdmissionDecision(R.QUEUED, "takes the place of the worst queued request")
+        return d
 
     def cancel(self, key) -> Event | None:
         """End a live session now; its reservation frees and its sequence is released next plan."""
@@ -298,6 +322,10 @@ class Scheduler:
         self.seqs.refused(release)
         return events
 
+    def kv_events(self) -> list[list]:
+        """The prefix cache's block events since the last call (core/kvevents.py), for the publisher."""
+        return self.seqs.cache.blocks.take_events()
+
     def engine_restarted(self) -> None:
         """The engine's KV is gone (its driver dropped the ticks in flight): rebuild every running session by
         re-prefilling it."""
@@ -316,7 +344,7 @@ class Scheduler:
     def _promote(self) -> None:
         while (self.waiting and self.admission.can_start(self.waiting[0].ask)
                and self.seqs.available):
-            self._start(self.waiting.popleft())
+            self._start(self.waiting.pop(0))
 
     def _end(self, s: Session, reason: str, detail: str = "") -> Event:
         if s.state == RUNNING:

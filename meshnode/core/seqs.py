@@ -19,11 +19,13 @@ from meshnode.core.types import Keep, Release, Share
 
 
 class Sequences:
-    def __init__(self, n_seq_max: int, prefix_cache: str = "off", deterministic: bool = False, pool_cells: int = 0):
+    def __init__(self, n_seq_max: int, prefix_cache: str = "off", deterministic: bool = False, pool_cells: int = 0,
+                 kv_events: bool = False):
         """`pool_cells`: the KV cells all sequences share (a unified KV), which reserved and cached KV
-        must fit together; 0 when each sequence has its own stream."""
+        must fit together; 0 when each sequence has its own stream. `kv_events`: the cache's blocks told to
+        routers (core/kvevents.py)."""
         self.free = list(range(n_seq_max))  # sorted: the lowest free id goes first
-        self.cache, self.pool_cells = PrefixCache(prefix_cache, deterministic), pool_cells
+        self.cache, self.pool_cells = PrefixCache(prefix_cache, deterministic, kv_events), pool_cells
         self.to_release: list[int] = []  # ids whose KV the next plan drops
         self.kv_ops: list = []  # evictions and reuses decided for the next plan, in order
         self.reused: list[Session] = []  # sessions whose Keep or Share rides the next plan

@@ -16,6 +16,7 @@ class Ask:
     n_prompt: int
     max_tokens: int
     recipe: str | None = None
+    priority: int = 0  # lower is served earlier (vLLM's meaning), under the priority policy
 
     @property
     def kv_tokens(self) -> int:
@@ -34,6 +35,8 @@ class Session:
     recipe: str | None = None
     owner: Hashable = None  # whose cached KV it may reuse (the client identity; meshnode/core/prefix.py)
     grammar: Grammar | None = None  # compiled response_format (meshnode/text/constraints.py)
+    priority: int = 0  # lower is served earlier, under the priority policy (Scheduler)
+    order: tuple = (0, 0)  # where it stands in the queue: (priority under that policy, else 0; arrival)
     # progress: `tokens` is prompt + generated. tokens[:n_planned] are in the KV or in a tick on
     # its way there; `draws_in_flight` samples are asked for and not back yet (pipelined ticks)
     tokens: list[int] = field(default_factory=list)
@@ -76,7 +79,7 @@ class Session:
 
     @property
     def ask(self) -> Ask:
-        return Ask(self.key, len(self.prompt), self.max_tokens, self.recipe)
+        return Ask(self.key, len(self.prompt), self.max_tokens, self.recipe, self.priority)
 
     def usage(self) -> dict:
         ms = lambda a, b: round(max(0.0, (a - b) * 1e3), 3) if a else 0.0  # noqa: E731

@@ -28,9 +28,11 @@ TELEMETRY_SUBSCRIBERS = 64  # connections the telemetry PUB accepts
 class Clients:
     def __init__(self, zctx: zmq.Context, listen: str, telemetry: str, *, curve: Curve | None, insecure: bool,
                  max_clients: int, metrics_listen: str | None = None, busy=None, idle_s: float = 0.0,
-                 per_host: int = 0, evict_after_s: float = EVICT_AFTER_S, exposition: Exposition | None = None):
+                 per_host: int = 0, evict_after_s: float = EVICT_AFTER_S, exposition: Exposition | None = None,
+                 kv_events: str | None = None):
         """`busy()`: the client identities with a live session (their connections are never given up);
-        `exposition`: what /metrics shows (front/prom.py)."""
+        `exposition`: what /metrics shows (front/prom.py); `kv_events`: where the prefix cache's KV events go
+        (the telemetry's rule: the events carry prompts' token ids)."""
         self._auth: list = []
         self.router = client_router(zctx, listen, curve, insecure, self._auth)
         self.pub = telemetry_pub(zctx, telemetry, curve, insecure, self._auth)
@@ -39,6 +41,10 @@ class Clients:
         self.gates = [Gate(self.router, listen, max_clients, busy=waiting, idle_s=idle_s, per_host=per_host,
                            evict_after_s=evict_after_s),
                       Gate(self.pub, telemetry, TELEMETRY_SUBSCRIBERS)]
+        self.kv_pub = telemetry_pub(zctx, kv_events, curve, insecure, self._auth, what="kv events") if kv_events else None
+        if self.kv_pub is not None:
+            self.gates.append(Gate(self.kv_pub, kv_events, TELEMETRY_SUBSCRIBERS))
+        self._kv_seq = 0
         self.metrics = MetricsServer(metrics_listen) if metrics_listen else None
         self.exposition = exposition or Exposition()
         self.share = CpuShare(time.perf_counter())
@@ -110,9 +116,15 @@ class Clients:
             self.metrics.publish(self.exposition.render(snapshot))
             self.metrics.expire(time.monotonic())
 
+    def publish_kv(self, events: list[list]) -> None:
+        """The prefix cache's events since the last turn, as one batch (none: nothing sent)."""
+        if events and self.kv_pub is not None:
+            self.kv_pub.send_multipart(P.kv_events(self._kv_seq, time.time(), events))
+            self._kv_seq += 1
+
     def stats(self) -> dict:
         """The snapshot's client figures."""
-        router, pub = self.gates
+        router, pub = self.gates[:2]
         return {"clients_stalled": len(self.outbox.pending), "undeliverable_total": self.outbox.dropped_total,
                 "clients_connected": router.connected, "subscribers_connected": pub.connected,
                 "clients_refused_total": router.refused_total, "clients_evicted_total": router.evicted_total}
@@ -120,8 +132,9 @@ class Clients:
     def close(self) -> None:
         for gate in self.gates:
             gate.close()
-        for obj in (self.router, self.pub):
-            obj.close()
+        for obj in (self.router, self.pub, self.kv_pub):
+            if obj is not None:
+                obj.close()
         if self.metrics is not None:
             self.metrics.close()
         for auth in self._auth:

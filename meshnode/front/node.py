@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import time
 
 import zmq
@@ -29,6 +30,7 @@ from meshnode.core.budget import NodeBudget
 from meshnode.core.types import ConfigError
 from meshnode.core.costmodel import Shape
 from meshnode.core.health import READY, EngineHealth
+from meshnode.core.kvevents import BLOCK_TOKENS
 from meshnode.core.scheduler import Event, Scheduler
 from meshnode.core.telemetry import Telemetry
 from meshnode.front import signals
@@ -89,12 +91,16 @@ class Front:
         self.clients = Clients(self.zctx, self.listen, self.telemetry_ep, curve=curve, insecure=cfg.insecure,
                                max_clients=max_clients, metrics_listen=cfg.metrics_listen, busy=self._busy_clients,
                                idle_s=cfg.client_idle_timeout_s, per_host=cfg.max_clients_per_host,
-                               evict_after_s=cfg.evict_after_s, exposition=self.exposition)
+                               evict_after_s=cfg.evict_after_s, exposition=self.exposition, kv_events=cfg.kv_events)
         self.arena = TokenArena.create(*wire.arena_shape(cfg.n_batch, cfg.n_seq_max))
         self.reaper.claim(f"/dev/shm/{self.arena.name}")
         self.health = EngineHealth(cfg.tick_deadline_s, cfg.start_timeout_s, cfg.restart_timeout_min_s)
         self.sched = self._start_engine()
         self.recipe = self.link.info.recipe
+        b = self.budget  # what a router reads off /metrics as vLLM's cache config (front/prom.py)
+        self.exposition.identify(os.path.basename(cfg.model), {
+            "block_size": BLOCK_TOKENS, "num_gpu_blocks": b.kv_budget_bytes // b.kv_bytes_per_token // BLOCK_TOKENS,
+            "cache_dtype": cfg.type_k, "enable_prefix_caching": cfg.prefix_cache != "off", "kv_layout": cfg.layout})
         self.telemetry = Telemetry(self.sched)
         self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
         self.output = Output(self.tok, self.clients.send, self.telemetry, latency=self.exposition)
@@ -179,7 +185,7 @@ class Front:
         self.budget = NodeBudget.from_engine(info, self.settings.budget)
         sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
                           tick_target=self.settings.tick_target, deterministic=info.deterministic,
-                          gather_ms=cfg.gather_ms)
+                          gather_ms=cfg.gather_ms, kv_events=bool(cfg.kv_events), policy=cfg.scheduling_policy)
         if info.deterministic_problem:
             log.warning("deterministic mode off: %s", info.deterministic_problem)
         for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
@@ -205,6 +211,7 @@ class Front:
             if self.sched.engine_down and self.health.state == READY:  # a missing worker is back
                 self.sched.engine_down = None
             self._dispatch()
+            self.clients.publish_kv(self.sched.kv_events())
             self.clients.flush()
             if self.gateway is not None and drain_deadline is None:
                 self.gateway.check(now)

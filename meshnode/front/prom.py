@@ -1,7 +1,11 @@
 """/metrics in Prometheus text, with prometheus_client: the snapshot's gauges and counters, and histograms
 of what clients feel (time to first token, time between tokens, queue time, end to end).
 
-Names follow vLLM's and llama-server's habits (`*_seconds` histograms, `*_total` counters). The loop
+Names follow vLLM's and llama-server's habits (`*_seconds` histograms, `*_total` counters). The figures
+routers read also go out under vLLM's own names (ROUTER, below): the Gateway API Inference Extension's
+model-server protocol requires `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`, llm-d also
+reads `vllm:num_requests_running` and `vllm:cache_config_info`, so those routers pick this node as they
+pick a vLLM server (the mapping: docs/operating.md, "Routers"). The loop
 renders the text once per telemetry publication and observes latencies as it sends tokens and dones;
 no thread touches the registry (docs/architecture.md: a scrape thread would take the loop's GIL).
 """
@@ -68,6 +72,16 @@ SNAPSHOT = [
 
 
 
+# vLLM's names for what a router reads, with vLLM's meanings and its `model_name` label
+ROUTER = [
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", lambda t: t["active_sessions"]),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda t: t["queue_depth"]),
+    # the share of the KV budget admission has handed out: what decides whether another request fits (cached
+    # prefixes of finished sessions give way to any new one, as vLLM's evictable blocks count as free)
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda t: min(1.0, t["kv_pressure"])),
+]
+
+
 class Exposition:
     """One node's metrics: `observe_*` as sessions stream and end, `render(snapshot)` once a second."""
 
@@ -82,7 +96,14 @@ class Exposition:
                        REQUEST_BUCKETS)
         self.e2e = h("meshnode_e2e_request_latency_seconds", "From a submit's arrival to its done.", REQUEST_BUCKETS)
         self._snap: dict | None = None
+        self._model, self._cache = "", {}
         self.registry.register(self)
+
+    def identify(self, model: str, cache: dict) -> None:
+        """What does not change while the node runs: the model's name (the `model_name` label) and the KV
+        cache's configuration, as `vllm:cache_config_info` labels (strings, as vLLM writes them). (Not named
+        `describe`: prometheus_client calls a collector's describe().)"""
+        self._model, self._cache = model, {k: str(v) for k, v in cache.items()}
 
     def observe_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)
@@ -106,6 +127,14 @@ class Exposition:
         for name, kind, help_, read in SNAPSHOT:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, help_, value=read(self._snap))
+        for name, help_, read in ROUTER:
+            g = GaugeMetricFamily(name, help_, labels=["model_name"])
+            g.add_metric([self._model], read(self._snap))
+            yield g
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=sorted(self._cache))
+        info.add_metric([self._cache[k] for k in sorted(self._cache)], 1)
+        yield info
         rejected = CounterMetricFamily("meshnode_requests_rejected_total", "Sessions refused at admission, by reason.",
                                        labels=["reason"])
         for reason, n in sorted(self._snap["rejected_by_reason"].items()):

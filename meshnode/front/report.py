@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from ipc import protocol as P
 from meshnode import __version__
 from meshnode.core import speculation
+from meshnode.core.kvevents import BLOCK_TOKENS
 from meshnode.front.gate import open_descriptors
 from meshnode.ops.memory import rss
 
@@ -77,7 +78,11 @@ class Report:
         info["spec"], info["spec_problem"] = speculation.in_effect(n.cfg.spec, n.cfg.layout)
         info["draft_max"], info["draft_min"], info["tool_format"] = n.cfg.draft_max, n.cfg.draft_min, n.tool_format
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
-        return P.status(info, snap, snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens))
+        cap = snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens)
+        # the prefix cache's blocks, keyed as its KV events key them (core/kvevents.py): what a router that
+        # did not follow the events (or lost some) starts from
+        held = n.telemetry.sched.seqs.cache.blocks.held
+        return P.status(info, snap, {**cap, "cached_blocks": {"block_size": BLOCK_TOKENS, "hashes": sorted(held)}})
 
     def status_line(self) -> str:
         t = self.snapshot()

@@ -109,7 +109,8 @@ class Requests:
                 prompt = self.tok.chat_prompt(req.messages, self.special_in_content, req.tools)
             except ValueError as e:
                 return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
-        d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe))
+        d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe,
+                                    req.priority))
         if not d.accepted:
             return [self._refuse(ident, req.id, d.reason, d.detail)]
         if not self.texts.submit((ident, req, arrived, grammar), prompt, owner=ident):
@@ -143,8 +144,10 @@ class Requests:
         # no max_tokens: what the session's context share leaves (llama-server's n_predict -1, vLLM's default)
         max_tokens = req.max_tokens or max(1, self.sched.budget.n_ctx_seq - len(prompt))
         s = Session((ident, req.id), prompt, max_tokens, req.sampling, frozenset(req.stop_tokens),
-                    req.ignore_eos, req.recipe, owner=ident, grammar=grammar, t_submit=arrived)
+                    req.ignore_eos, req.recipe, owner=ident, grammar=grammar, priority=req.priority, t_submit=arrived)
         d = self.sched.submit(s)
-        if d.accepted:
-            return [Opened(s, req.stop), Answer(ident, P.admitted(req.id, d.reason))]
+        if d.accepted:  # a queued session it displaced (priority policy) gets its `done` right after
+            for _ in d.displaced:
+                self.telemetry.count_reject(R.REJECTED_QUEUE_FULL)
+            return [Opened(s, req.stop), Answer(ident, P.admitted(req.id, d.reason)), *d.displaced]
         return [self._refuse(ident, req.id, d.reason, d.detail)]

@@ -106,8 +106,10 @@ def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") ->
         text, tokens = _prompt(body.get("prompt"))
     # ignore_eos: llama-server's extension (benchmarks, load tests)
     # a completions prompt is the client's own template: special tokens it spells are parsed, as llama-server does
+    # priority: vLLM's extension (lower first), for a node with --scheduling-policy priority
     submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
-                      _stop(body.get("stop")), messages, fmt, special=text is not None, tools=listed)
+                      _stop(body.get("stop")), messages, fmt, special=text is not None, tools=listed,
+                      priority=body.get("priority", 0))
     return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model, use)
 
 
@@ -228,7 +230,9 @@ def finish_error(done: dict) -> ApiError | None:
     """A `done` that is no normal finish (engine error, cancelled, drained) -> the error to report."""
     if done["reason"] in FINISH:
         return None
-    status = 503 if done["reason"] in (R.DRAINED, R.ENGINE_ERROR) else 400 if done["reason"] == R.BAD_REQUEST else 500
+    # a queued request a better-priority one displaced: the node's rejection, as if it had come at once
+    status = REJECTED.get(done["reason"]) or (
+        503 if done["reason"] in (R.DRAINED, R.ENGINE_ERROR) else 400 if done["reason"] == R.BAD_REQUEST else 500)
     return ApiError(status,
                     done.get("detail") or f"the generation ended with {done['reason']}", code=done["reason"])
 

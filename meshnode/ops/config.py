@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # Python 3.10
 from meshnode.core.budget import BudgetAsk, rows_problem
 from meshnode.core.costmodel import TickTarget
 from meshnode.core.prefix import SCOPES
-from meshnode.core.scheduler import GATHER_SPAN
+from meshnode.core.scheduler import GATHER_SPAN, POLICIES
 from meshnode.core.speculation import MAX_DRAFTS, MODES as SPEC_MODES
 from meshnode.core.types import ConfigError
 from meshnode.engine.config import EngineConfig
@@ -116,6 +116,13 @@ class NodeConfig:
                              range=(0, MAX_DRAFTS))
     draft_min: int = setting(0, "fewest draft tokens worth a drafted tick (llama-server's --spec-draft-n-min)",
                              range=(0, MAX_DRAFTS))
+    scheduling_policy: str = setting("fcfs", "the queue's order: fcfs (arrival), priority (a submit's priority, "
+                                     "lower first, arrival within one; a better one takes a full queue's worst "
+                                     "place, which ends REJECTED_QUEUE_FULL; running sessions are never preempted)",
+                                     choices=POLICIES)
+    kv_events: str | None = setting(None, "publish the prefix cache's blocks as KV events (vLLM's BlockStored, "
+                                    "BlockRemoved, AllBlocksCleared) on this ZeroMQ PUB endpoint, for prefix-aware "
+                                    "routers (docs/operating.md); unset = off", example="tcp://127.0.0.1:5557")
     chat_special_in_content: bool = setting(False, "text like </s> or <|im_start|> in chat content becomes that "
                                             "special token (llama-server's way: a client can inject turns; trusted "
                                             "clients only)")
@@ -252,6 +259,7 @@ class NodeConfig:
                                   "http_api_key_file or insecure")
 
         for key, ep, what in (("listen", self.listen, "client"), ("telemetry", self.telemetry, "telemetry"),
+                              ("kv_events", self.kv_events, "kv events"),
                               ("metrics_listen", self.metrics_listen and f"tcp://{self.metrics_listen}", "metrics")):
             try:  # the rule the sockets enforce when they bind, applied before anything starts
                 if ep:

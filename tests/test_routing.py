@@ -1,0 +1,208 @@
+"""What routers get from the node: the prefix cache's KV events (a replay predicts every hit and miss) and
+the priority policy (order, displacement, fairness). Pure: the scheduler over the fake engine."""
+import pytest
+
+from helpers import prompt, run_to_completion, scheduler
+from ipc import protocol as P
+from meshnode.core import reasons as R
+from meshnode.core.kvevents import BLOCK_TOKENS, block_hashes
+from meshnode.core.session import Session
+from meshnode.dev.fake import FakeEngine
+
+
+def replay(events, held=None) -> set:
+    """What a router rebuilds from the events: the block hashes the node holds."""
+    held = set() if held is None else held
+    for ev in events:
+        if ev[0] == "BlockStored":
+            _, hashes, parent, ids, size, lora, medium = ev
+            assert size == BLOCK_TOKENS and len(ids) == size * len(hashes) and lora is None
+            assert parent is None or parent in held  # a chain is announced from a block whose parent is held
+            assert block_hashes(ids[:size], None)[0] == hashes[0] or parent is not None
+            held.update(hashes)
+        elif ev[0] == "BlockRemoved":
+            assert set(ev[1]) <= held
+            held.difference_update(ev[1])
+        else:
+            assert ev == ["AllBlocksCleared"]
+            held.clear()
+    return held
+
+
+def predicted_hit(held: set, tokens: list[int]) -> bool:
+    """A router's rule: the prompt's first block is held (MIN_SHARE = one block is the least reused)."""
+    hashes = block_hashes(tokens)
+    return bool(hashes) and hashes[0] in held
+
+
+def test_a_replay_of_the_kv_events_predicts_which_prompt_gets_a_cache_hit():
+    """Conversations sharing a system prompt, next turns, strangers, evictions and a restart: before each
+    submit the replayed events say hit or miss, and the session's reused tokens agree every time."""
+    engine, sched = scheduler(prefix_cache="node", kv_events=True, max_active=2, max_batch_size=2)
+    system = prompt(40, salt=7)
+    held, checked = set(), []
+
+    def run(tokens, key):
+        nonlocal held, engine
+        held = replay(sched.kv_events(), held)
+        want = predicted_hit(held, tokens)
+        s = Session(key, tokens, 6, ignore_eos=True)
+        assert sched.submit(s).accepted
+        run_to_completion(sched, engine)
+        checked.append((key, want, s.n_reused))
+        assert (s.n_reused > 0) == want, (key, want, s.n_reused)
+        return s
+
+    first = run(system + prompt(10, salt=1), "a1")
+    run(system + prompt(12, salt=2), "b1")  # the system prompt's blocks are held: a hit
+    run(first.tokens + prompt(9, salt=3), "a2")  # the next turn of a: all of a's blocks
+    run(prompt(50, salt=99), "stranger")  # nothing of it held: a miss
+    for i in range(10):  # more conversations than sequence slots: the oldest entries are evicted
+        run(prompt(30 + i, salt=200 + i), f"x{i}")
+    run(system + prompt(5, salt=4), "c1")  # a miss now: every entry holding the system prompt was evicted
+    sched.engine_restarted()
+    engine = FakeEngine(n_seq_max=8, n_ctx=4096)  # a new engine process: its KV starts empty
+    held = replay(sched.kv_events(), held)
+    assert held == set() and sched.seqs.cache.blocks.held == {}
+    run(prompt(30 + 9, salt=209), "after-restart")  # held before the restart, cleared with it: a miss
+    assert [w for _, w, _ in checked].count(True) >= 2 and [w for _, w, _ in checked].count(False) >= 3
+    assert replay(sched.kv_events(), held) == set(sched.seqs.cache.blocks.held)  # the status answer's hashes
+
+
+def test_blocks_shared_by_two_entries_stay_announced_until_both_are_gone():
+    engine, sched = scheduler(prefix_cache="node", kv_events=True)
+    system = prompt(48, salt=5)
+    a, b = Session("a", system + prompt(8, salt=1), 3), Session("b", system + prompt(8, salt=2), 3)
+    for s in (a, b):
+        assert sched.submit(s).accepted
+        run_to_completion(sched, engine)
+    held = replay(sched.kv_events())
+    shared = block_hashes(system)
+    assert set(shared) <= held
+    for seq in (a.seq_id, b.seq_id):
+        assert sched.seqs.cache.forget(seq)
+        held = replay(sched.kv_events(), held)
+        assert (set(shared) <= held) == (seq == a.seq_id)  # still held by b after a went; gone with b
+
+
+def test_the_hash_is_the_documented_chain():
+    import hashlib
+
+    ids = list(range(3, 3 + 2 * BLOCK_TOKENS + 5))
+    h0 = int.from_bytes(hashlib.sha256(bytes(8) + b"".join(t.to_bytes(4, "little") for t in ids[:16])).digest()[:8],
+                        "little")
+    h1 = int.from_bytes(hashlib.sha256(h0.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little")
+                                                                           for t in ids[16:32])).digest()[:8], "little")
+    assert block_hashes(ids) == [h0, h1]  # the partial third block is not a block
+
+
+def queued(sched):
+    return [s.key for s in sched.waiting]
+
+
+def test_the_priority_policy_orders_the_queue_by_priority_then_arrival():
+    engine, sched = scheduler(policy="priority", max_active=1, max_queue=8)
+    assert sched.submit(Session("run", prompt(4), 3)).reason == R.ADMITTED
+    for key, p in (("a", 5), ("b", 0), ("c", 5), ("d", -1), ("e", 0)):
+        assert sched.submit(Session(key, prompt(4), 3, priority=p)).reason == R.QUEUED
+    assert queued(sched) == ["d", "b", "e", "a", "c"]  # lower first; within a priority, arrival
+    started = [ev.session.key for ev in run_to_completion(sched, engine) if ev.kind == "done"]
+    assert started == ["run", "d", "b", "e", "a", "c"]  # the running one was never preempted
+
+
+def test_a_better_request_displaces_the_worst_queued_one_which_gets_its_done():
+    engine, sched = scheduler(policy="priority", max_active=1, max_queue=2)
+    sched.submit(Session("run", prompt(4), 3))
+    for key in ("a", "c"):
+        sched.submit(Session(key, prompt(4), 3, priority=5))
+    same = sched.submit(Session("f", prompt(4), 3, priority=5))  # not better than the worst: refused as ever
+    assert same.reason == R.REJECTED_QUEUE_FULL and not same.displaced
+    d = sched.submit(Session("e", prompt(4), 3, priority=1))
+    assert d.reason == R.QUEUED and queued(sched) == ["e", "a"]
+    [ev] = d.displaced  # the latest of the worst priority gives way; the earlier one keeps its place
+    assert (ev.kind, ev.session.key, ev.reason) == ("done", "c", R.REJECTED_QUEUE_FULL)
+    assert "priority 1" in ev.detail and "c" not in sched.live
+    assert sched.submit(Session("g", prompt(4), 3, priority=9)).reason == R.REJECTED_QUEUE_FULL
+    assert sched.precheck(Session("h", prompt(4), 3, priority=0).ask).reason == R.QUEUED  # before tokenizing too
+    ends = {ev.session.key: ev.reason for ev in run_to_completion(sched, engine) if ev.kind == "done"}
+    assert ends == {"run": R.LENGTH, "e": R.LENGTH, "a": R.LENGTH}
+
+
+def test_first_come_first_served_refuses_a_priority_it_would_not_honour():
+    _, sched = scheduler(max_active=1)
+    d = sched.submit(Session("p", prompt(4), 3, priority=-5))
+    assert d.reason == R.REJECTED_BAD_REQUEST and "--scheduling-policy priority" in d.detail
+    assert sched.submit(Session("z", prompt(4), 3, priority=0)).accepted
+
+
+@pytest.mark.parametrize("value, ok", [(0, True), (-7, True), (P.PRIORITY_RANGE, True), (P.PRIORITY_RANGE + 1, False),
+                                       (1.5, False), (True, False), ("1", False)])
+def test_priority_on_the_wire(value, ok):
+    frames = [P.VERSION, P.pack({"op": "submit", "id": "x", "tokens": [3], "max_tokens": 2, "priority": value})]
+    if ok:
+        assert P.decode_request(frames, n_vocab=64).priority == value
+        assert P.decode_request(P.encode_request(P.Submit("x", 2, [3], priority=value)), n_vocab=64).priority == value
+    else:
+        with pytest.raises(P.ProtocolError, match="priority must be an int"):
+            P.decode_request(frames, n_vocab=64)
+
+
+
+@pytest.mark.slow
+def test_a_router_following_the_nodes_kv_events_predicts_its_hits_and_the_status_agrees(tiny_model, tmp_path):
+    """The PUB stream as a router reads it (vLLM's frames: topic, 8-byte sequence, msgpack [ts, events]),
+    replayed before each request: the prediction matches each done's cached_tokens, and the status
+    answer lists the hashes the replay holds."""
+    import msgpack
+    import zmq
+
+    from helpers import wait_until
+    from meshnode.dev.nodeproc import NodeProcess
+
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, P.KV_TOPIC)
+    held, seqs = set(), []
+
+    def drain():
+        while sub.poll(0):
+            topic, seq, payload = sub.recv_multipart()
+            ts, events = msgpack.unpackb(payload)
+            assert topic == P.KV_TOPIC and ts > 0
+            seqs.append(int.from_bytes(seq, "big"))
+            replay(events, held)
+
+    system = prompt(40, salt=7)
+    with NodeProcess(tiny_model, "--kv-events", endpoint, "--prefix-cache", "node", "--max-active", "2",
+                     internal={"engine_kind": "fake"}) as n, n.client() as c:
+        sub.connect(endpoint)
+        assert wait_until(lambda: c.generate("warm", tokens=prompt(20, salt=50), max_tokens=2) and sub.poll(0), 20)
+        drain()
+        for sid, tokens in (("a", system + prompt(10, salt=1)), ("b", system + prompt(12, salt=2)),
+                            ("s", prompt(45, salt=3))):
+            want = predicted_hit(held, tokens)
+            r = c.generate(sid, tokens=tokens, max_tokens=4, ignore_eos=True)
+            assert (r.done["usage"]["cached_tokens"] > 0) == want, (sid, want, r.done["usage"])
+            assert wait_until(lambda: sub.poll(0), 10)  # each finished session stores its blocks
+            drain()
+        assert set(c.status()["capacity"]["cached_blocks"]["hashes"]) == held
+    sub.close()
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no batch lost
+
+
+@pytest.mark.slow
+def test_a_displaced_client_gets_its_done_and_the_gateway_says_429(tiny_model):
+    """Through the front: a queued session a better one displaces ends REJECTED_QUEUE_FULL with its done."""
+    from meshnode.dev.nodeproc import NodeProcess
+
+    with NodeProcess(tiny_model, "--scheduling-policy", "priority", "--max-active", "1", "--max-queue", "1",
+                     internal={"engine_kind": "fake", "fake": {"step_s": 0.01}}) as n, n.client() as c:
+        c.submit("run", tokens=prompt(4), max_tokens=500, ignore_eos=True)
+        c.submit("low", tokens=prompt(4), max_tokens=2, priority=3)
+        c.wait_for(lambda e: e["event"] == "admitted" and e["id"] == "low")
+        c.submit("high", tokens=prompt(4), max_tokens=2, priority=-1)
+        done = c.wait_for(lambda e: e["event"] == "done" and e["id"] == "low")
+        assert done["reason"] == R.REJECTED_QUEUE_FULL and "priority -1" in done["detail"]
+        c.cancel("run")
+        assert c.wait_for(lambda e: e["event"] == "done" and e["id"] == "high")["reason"] == R.LENGTH
+        assert c.status()["telemetry"]["rejected_by_reason"][R.REJECTED_QUEUE_FULL] == 1
