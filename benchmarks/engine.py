@@ -49,7 +49,8 @@ def llama_generate_rate(path: str, threads: int, n_tokens: int) -> float:
 def main(a) -> int:
     path = model_path(a)
     threads = a.threads or os.cpu_count()
-    engine = LlamaEngine(engine_config(path, n_seq_max=8, ctx=2048, threads=threads, kv_layout="unified", deterministic=False))
+    engine = LlamaEngine(engine_config(path, n_seq_max=8, ctx=2048, threads=threads, kv_layout="unified",
+                                       deterministic=False))
     decode_rate(engine, 1, 4)  # warm-up: page the weights in
     rates = {b: decode_rate(engine, b, a.tokens) for b in (1, 2, 4, 8)}
     engine.close()

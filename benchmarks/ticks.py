@@ -31,7 +31,8 @@ def measure(path: str, threads: int, rounds: int) -> dict:
 
     toks = lambda n, s=0: ((np.arange(n) + 7 * s) % 500 + 3).astype(np.int32)  # noqa: E731
     times: dict[str, list[float]] = {}
-    cfg = engine_config(path, n_seq_max=8, ctx=8192, n_batch=512, threads=threads, kv_layout="streams", deterministic=False)
+    cfg = engine_config(path, n_seq_max=8, ctx=8192, n_batch=512, threads=threads, kv_layout="streams",
+                        deterministic=False)
     with LlamaEngine(cfg) as e:
         e.step(Plan([SeqChunk(0, 0, toks(512))]))  # seq 0: a deep prompt, cut back to DEEP before each chunk
         e.step(Plan([SeqChunk(0, 512, toks(DEEP - 512))]))

@@ -137,7 +137,7 @@ class EngineProcessConfig:
     arena_input: int
     arena_output: int
     engine_kind: str  # "llama" or "fake" (tests)
-    engine: object  # llama: its meshnode.engine.config.EngineConfig (pickled with the spawn); fake: FakeEngine's keywords
+    engine: object  # llama: its meshnode.engine.config.EngineConfig (pickled with the spawn); fake: its keywords
     log_level: str = "WARNING"
     faults: dict | None = None  # tests only: what `wrapper` injects into this incarnation
     wrapper: str = ""  # tests only: "module:callable" that wraps the engine with the faults (named by the caller)

@@ -230,6 +230,12 @@ def decode_request(frames: list[bytes], n_vocab: int):
     _check(id is not None, f"id must be a string of 1 to {MAX_ID_CHARS} characters")
     if op == "cancel":
         return Cancel(id)
+    return _submit(msg, id, n_vocab)
+
+
+
+def _submit(msg: dict, id: str, n_vocab: int) -> Submit:
+    """A submit's fields, each checked (ProtocolError naming the first wrong one)."""
     mt = msg.get("max_tokens")
     _check(mt is None or (_is_int(mt) and 1 <= mt <= MAX_NEW_TOKENS),
            f"max_tokens must be an int in [1, {MAX_NEW_TOKENS}] (or absent: up to the context)", id)
@@ -261,7 +267,6 @@ def decode_request(frames: list[bytes], n_vocab: int):
            f"priority must be an int in [-{PRIORITY_RANGE}, {PRIORITY_RANGE}] (lower is served earlier)", id)
     return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special, tools,
                   priority)
-
 
 def encode_request(req) -> list[bytes]:
     """Client side: a request dataclass -> the two frames."""

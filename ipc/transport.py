@@ -183,7 +183,8 @@ def _enable_curve(ctx: zmq.Context, s: zmq.Socket, curve: Curve, auth_holder: li
 
 
 def telemetry_pub(ctx: zmq.Context, endpoint: str, curve: Curve | None = None, insecure: bool = False,
-                  auth_holder: list | None = None, handshake_s: float = HANDSHAKE_S, what: str = "telemetry") -> zmq.Socket:
+                  auth_holder: list | None = None, handshake_s: float = HANDSHAKE_S,
+                  what: str = "telemetry") -> zmq.Socket:
     """The snapshot says model, recipe and load (KV events, prompts' token ids): the client socket's rule."""
     check_private(endpoint, what, curve is not None, insecure)
     s = _listener(ctx.socket(zmq.PUB), handshake_s)

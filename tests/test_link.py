@@ -60,8 +60,9 @@ def test_a_grammar_crosses_once_per_incarnation_and_ticks_name_it_by_key(arena):
 
 
 @pytest.mark.parametrize("msg", [link.Stop(), link.GrammarText(Grammar("k", "g"), ("old",)), link.HelloFailed("no model"), link.Aborted("GGML_ASSERT(x) failed"),
-                                 link.TickDone(3, StepResult({}, [1], 2.5, 40, {2: Logprob(-0.5, ((7, -0.5), (9, -1.5)))},
-                                                             3, 1, {4: "no token may come next"}), 0.1, 1 << 20, 5, 9),
+                                 link.TickDone(3, StepResult({}, [1], 2.5, 40,
+                                                             {2: Logprob(-0.5, ((7, -0.5), (9, -1.5)))}, 3, 1,
+                                                             {4: "no token may come next"}), 0.1, 1 << 20, 5, 9),
                                  link.TickRefused(4, True, "rc=-3"),
                                  link.Hello(17, EngineInfo(512, 2, (2, 5), 8, 4096, 4096, 512, 2048, 10, "mn1-x"))])
 def test_every_other_message_round_trips_typed(msg):

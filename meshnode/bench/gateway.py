@@ -168,9 +168,10 @@ def _verdict(runs: dict, med: dict, procs, rounds: int) -> list[str]:
                        f"({g['tok_s'] / s['tok_s']:.2f}x); gap p99 {g['gap_p99_ms']:.1f} vs {s['gap_p99_ms']:.1f} ms")
     if "burst llama-server" in med and "burst gateway" in med:
         g, s = med["burst gateway"], med["burst llama-server"]
-        verdict.append(f"burst over HTTP: worst in-flight gap {g['burst_itl_ms_max']:.0f} vs {s['burst_itl_ms_max']:.0f} ms, "
-                       f"last burst first token {g['burst_ttft_ms_max']:.0f} vs {s['burst_ttft_ms_max']:.0f} ms, steady "
-                       f"gap p99 {g['steady_itl_ms_p99']:.1f} vs {s['steady_itl_ms_p99']:.1f} ms (gateway + node vs llama-server)")
+        verdict.append(f"burst over HTTP: worst in-flight gap {g['burst_itl_ms_max']:.0f} vs "
+                       f"{s['burst_itl_ms_max']:.0f} ms, last burst first token {g['burst_ttft_ms_max']:.0f} vs "
+                       f"{s['burst_ttft_ms_max']:.0f} ms, steady gap p99 {g['steady_itl_ms_p99']:.1f} vs "
+                       f"{s['steady_itl_ms_p99']:.1f} ms (gateway + node vs llama-server)")
     return verdict
 
 

@@ -105,7 +105,8 @@ class LlamaEngine(Drafted, Engine):
         self._ctx = lc.llama_init_from_model(self._model, cp)
         if not self._ctx:
             lc.llama_model_free(self._model)
-            raise FatalEngineError(f"llama.cpp could not create a context: {llamacpp.last_errors() or 'no reason given'}")
+            why = llamacpp.last_errors() or "no reason given"
+            raise FatalEngineError(f"llama.cpp could not create a context: {why}")
         return threads
 
     def _check_deterministic(self) -> None:

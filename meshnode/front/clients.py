@@ -41,8 +41,9 @@ class Clients:
         self.gates = [Gate(self.router, listen, max_clients, busy=waiting, idle_s=idle_s, per_host=per_host,
                            evict_after_s=evict_after_s),
                       Gate(self.pub, telemetry, TELEMETRY_SUBSCRIBERS)]
-        self.kv_pub = telemetry_pub(zctx, kv_events, curve, insecure, self._auth, what="kv events") if kv_events else None
-        if self.kv_pub is not None:
+        self.kv_pub = None
+        if kv_events:
+            self.kv_pub = telemetry_pub(zctx, kv_events, curve, insecure, self._auth, what="kv events")
             self.gates.append(Gate(self.kv_pub, kv_events, TELEMETRY_SUBSCRIBERS))
         self._kv_seq = 0
         self.metrics = MetricsServer(metrics_listen) if metrics_listen else None

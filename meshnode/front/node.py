@@ -183,7 +183,8 @@ class Front:
         if info is None:
             raise StartStopped("stopped by a signal during start-up")
         self.budget = NodeBudget.from_engine(info, self.settings.budget)
-        sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, prefix_cache=cfg.prefix_cache, pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
+        sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, prefix_cache=cfg.prefix_cache,
+                          pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
                           tick_target=self.settings.tick_target, deterministic=info.deterministic,
                           gather_ms=cfg.gather_ms, kv_events=bool(cfg.kv_events), policy=cfg.scheduling_policy)
         if info.deterministic_problem:

@@ -109,8 +109,8 @@ class Requests:
                 prompt = self.tok.chat_prompt(req.messages, self.special_in_content, req.tools)
             except ValueError as e:
                 return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
-        d = self.sched.precheck(Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe,
-                                    req.priority))
+        ask = Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe, req.priority)
+        d = self.sched.precheck(ask)
         if not d.accepted:
             return [self._refuse(ident, req.id, d.reason, d.detail)]
         if not self.texts.submit((ident, req, arrived, grammar), prompt, owner=ident):
