@@ -33,6 +33,9 @@ def deterministic_rows_problem(n_batch: int, rows: int) -> str:
     return ""
 
 
+DEFAULT_MAX_QUEUE = 64  # sessions waiting for a slot (the `max_queue` setting's default, defined here once)
+
+
 @dataclass(frozen=True)
 class BudgetAsk:
     """What the node's settings ask of the budget (None: derive it from the engine's figures, which only
@@ -85,7 +88,7 @@ class NodeBudget:
             kv_budget_bytes=engine.n_ctx * engine.kv_bytes_per_token,
             kv_bytes_per_token=engine.kv_bytes_per_token,
             scratch_per_session_bytes=base, scratch_envelope_bytes=n_seq * (base + 8 * n_ctx_seq),
-            max_queue=64, max_active=n_seq, max_batch_size=n_seq, max_prefill_tokens_per_tick=prefill,
+            max_queue=DEFAULT_MAX_QUEUE, max_active=n_seq, max_batch_size=n_seq, max_prefill_tokens_per_tick=prefill,
             n_seq_max=n_seq, n_ctx_seq=n_ctx_seq, n_batch=engine.n_batch)
         b = replace(b, **{k: v for k, v in overrides.items() if v is not None})
         b.validate()

@@ -17,7 +17,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from meshnode.core.budget import BudgetAsk, rows_problem
+from meshnode.core.budget import DEFAULT_MAX_QUEUE, BudgetAsk, rows_problem
 from meshnode.core.costmodel import TickTarget
 from meshnode.core.prefix import SCOPES
 from meshnode.core.scheduler import GATHER_SPAN, POLICIES
@@ -64,7 +64,7 @@ class NodeConfig:
     telemetry: str | None = setting(None, "telemetry PUB endpoint; unset = ipc://$RUNTIME_DIRECTORY/telemetry.sock",
                                     example="tcp://127.0.0.1:5556")
     max_active: int | None = setting(None, "sessions running at once; unset = n_seq_max", range=(1, MAX_SEQ), example=8)
-    max_queue: int = setting(64, "sessions waiting for a slot; beyond it submits get REJECTED_QUEUE_FULL",
+    max_queue: int = setting(DEFAULT_MAX_QUEUE, "sessions waiting for a slot; beyond it submits get REJECTED_QUEUE_FULL",
                              range=(0, 1_000_000))
     max_batch: int | None = setting(None, "sequences per tick (decode rows in one llama_decode); unset = n_seq_max",
                                     range=(1, MAX_SEQ), example=8)
