@@ -12,6 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import front  # noqa: E402
 import sections  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -134,6 +135,7 @@ def main() -> int:
                f"Llama.generate serialized: {peers['serial_tok_s']:.1f} tok/s; the node at concurrency 8: "
                f"{peers['node_tok_s']:.1f} tok/s: **{peers['ratio']:.2f}x** (target >= 2.0x). "
                f"Greedy tokens identical for {peers['identical_jobs']}/{peers['jobs']} jobs.", ""]
+    md += front.overhead_before_after()
     md += sections.burst() + sections.ticks() + sections.layout() + sections.spec() + sections.chat()
     md += sections.sampling()
     md += sections.abuse()
@@ -142,6 +144,7 @@ def main() -> int:
     md += sections.gateway()
     md += sections.scale()
     md += sections.memory()
+    md += front.priority()
     md += sections.deterministic_sweeps()
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:

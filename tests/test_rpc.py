@@ -94,10 +94,9 @@ def test_a_workers_memory_cap_fails_the_load_with_llama_cpps_words_and_an_unknow
 
 
 def local_recipe(model):
-    from meshnode.ops.config import NodeConfig
+    from meshnode.ops.config import engine_config
 
-    cfg = NodeConfig(model=model)
-    return cfg.engine_config(model).recipe()
+    return engine_config(model).recipe()
 
 
 def test_a_worker_killed_mid_generation_ends_every_session_once_and_the_node_comes_back(tiny_model, workers,
