@@ -5,7 +5,7 @@ import signal
 import numpy as np
 import pytest
 
-from helpers import engine_config, assert_consistent, deterministic_node, prompt
+from helpers import assert_consistent, deterministic_node, engine_config, prompt
 from meshnode.core import reasons as R
 from meshnode.core.types import GREEDY, Plan, Sampling, SeqChunk
 from meshnode.engine.llama import LlamaEngine

@@ -1,7 +1,7 @@
 """Admission, budgets and the continuous-batching scheduler, driven by a fake engine."""
 import pytest
 
-from helpers import engine_config, Clock, done_reasons, outputs, run_tick, run_to_completion, scheduler, session, step
+from helpers import Clock, done_reasons, engine_config, outputs, run_tick, run_to_completion, scheduler, session, step
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
 from meshnode.core.pipeline import TickPipeline

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from helpers import engine_config, children_of, serve, wait_until
+from helpers import children_of, engine_config, serve, wait_until
 from ipc.shm import leftover_segments
 from meshnode.dev.nodeproc import NodeProcess
 

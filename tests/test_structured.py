@@ -6,7 +6,7 @@ import json
 import jsonschema
 import pytest
 
-from helpers import engine_config, history, logprob_entries, promised, scheduler, scenario
+from helpers import engine_config, history, logprob_entries, promised, scenario, scheduler
 from ipc import link
 from meshnode.core import reasons as R
 from meshnode.core.session import Session

@@ -2,14 +2,16 @@
 import json
 import re
 
-from helpers import Clock, run_tick, run_to_completion, scheduler
+from helpers import Clock, assert_routable, run_tick, run_to_completion, scheduler
 from meshnode.core.session import Session
 from meshnode.core.telemetry import Telemetry
 from meshnode.front.prom import Exposition
 
 
 def to_prometheus(snap):
-    return Exposition().render(snap).decode()
+    e = Exposition()
+    e.identify("m.gguf", {"block_size": 16, "num_gpu_blocks": 4, "cache_dtype": "f16"})
+    return e.render(snap).decode()
 
 # every key docs/protocol.md lists
 PROTOCOL_KEYS = """active_sessions queue_depth batch_occupancy_last batch_occupancy_avg batch_occupancy_max
@@ -68,6 +70,8 @@ def test_prometheus_exposition_parses():
     text = to_prometheus(snap)
     samples = {}
     for line in text.splitlines():
+        if line.startswith("vllm:") or re.match(r"# (HELP|TYPE) vllm:", line):
+            continue  # the routers' names: below, read as routers read them
         if line.startswith("#"):
             assert re.match(r"# (HELP|TYPE) meshnode_\w+ .+", line)
             continue
@@ -80,6 +84,8 @@ def test_prometheus_exposition_parses():
         assert (name, None) in samples
     assert samples[("meshnode_requests_rejected_total", "REJECTED_QUEUE_FULL")] == 1.0
     assert "# TYPE meshnode_requests_rejected_total counter" in text
+    assert assert_routable(text, "m.gguf", running=snap["active_sessions"], waiting=snap["queue_depth"]) == \
+        {"block_size": "16", "num_gpu_blocks": "4", "cache_dtype": "f16"}
 
 
 def test_engine_wait_counts_back_to_back_ticks_only():
