@@ -1,13 +1,15 @@
 """`python -m benchmarks priority`: two priorities under overload, `--scheduling-policy priority` vs fcfs.
 
-A node with 2 slots and a queue of 8. The low class keeps it overloaded: its requests are sent as fast as
+A node with 3 slots and a queue of 8. The low class keeps it overloaded: its requests are sent as fast as
 the node takes them (a refused one is sent again), 48 new tokens each. A high-class request (priority -1,
 8 new tokens) arrives every `HIGH_EVERY_S`. Measured per side: the high class's first-token time (from
 its submit to its first token, as the client sees it), the low class's, how many low requests were
 refused or displaced; and, before the load, the high class's first-token time on the idle node (one at
-a time). Sides in an order that rotates each round: `priority` (the high class sends priority -1) and
-`fcfs` (the same load; priority cannot be sent there, so the high class waits in arrival order, and a high
-request the full queue refuses is sent again 50 ms later, its time counted from its first send). The goal
+a time). Sides in an order that rotates each round: `priority` (the high class sends priority -1),
+`reserved` (the same with `--priority-reserved-slots 1`: the low class runs on 2 slots, the third is kept
+for a better request) and `fcfs` (the same load; priority cannot be sent there, so the high class waits in arrival order, and a high
+request the full queue refuses is sent again 10 ms later, ahead of the low class's refill, its time counted
+from its first send). The goal
 (issue 47): the high class's median first-token time under overload within 1.2x of the idle node's.
 Running sessions are never preempted, so a high request waits for a slot to free at worst.
 """
@@ -23,7 +25,10 @@ from meshnode.bench import llama_build, model_path
 from meshnode.core import reasons as R
 from meshnode.dev.nodeproc import NodeProcess
 
-SLOTS, QUEUE, LOW_TOKENS, HIGH_TOKENS, HIGH_EVERY_S, HIGHS, IDLE_HIGHS = 2, 8, 48, 8, 1.5, 12, 6
+SLOTS, QUEUE, LOW_TOKENS, HIGH_TOKENS, HIGH_EVERY_S, HIGHS, IDLE_HIGHS = 3, 8, 48, 8, 1.5, 12, 6
+SIDES = {"priority": ["--scheduling-policy", "priority"],
+         "reserved": ["--scheduling-policy", "priority", "--priority-reserved-slots", "1"],
+         "fcfs": ["--scheduling-policy", "fcfs"]}
 
 
 def _prompt(i: int, n: int = 24) -> list[int]:
@@ -48,12 +53,6 @@ def _overload(c, priority: bool, tag: str) -> dict:
     next_high = time.monotonic() + HIGH_EVERY_S
     while highs < HIGHS or retry or any(kind[s] == "high" and s not in first for s in sent):
         now = time.monotonic()
-        while low_live < SLOTS + QUEUE and highs < HIGHS:
-            sid = f"{tag}-low{n_low}"
-            n_low += 1
-            sent[sid], kind[sid] = time.monotonic(), "low"
-            c.submit(sid, tokens=_prompt(n_low), max_tokens=LOW_TOKENS, ignore_eos=True)
-            low_live += 1
         if highs < HIGHS and now >= next_high:
             sid = f"{tag}-high{highs}"
             highs += 1
@@ -64,6 +63,12 @@ def _overload(c, priority: bool, tag: str) -> dict:
                 del retry[sid]
                 c.submit(sid, tokens=_prompt(5000 + int(sid.rsplit("high", 1)[1])), max_tokens=HIGH_TOKENS,
                          ignore_eos=True, priority=-1 if priority else 0)
+        while low_live < SLOTS + QUEUE and highs < HIGHS and not retry:  # a waiting high request goes first
+            sid = f"{tag}-low{n_low}"
+            n_low += 1
+            sent[sid], kind[sid] = time.monotonic(), "low"
+            c.submit(sid, tokens=_prompt(n_low), max_tokens=LOW_TOKENS, ignore_eos=True)
+            low_live += 1
         ev = c.recv(timeout_s=0.05)
         if ev is None:
             continue
@@ -72,7 +77,7 @@ def _overload(c, priority: bool, tag: str) -> dict:
             first[sid] = time.monotonic()
         elif ev["event"] == "rejected" and kind[sid] == "high":
             high_refused += 1
-            retry[sid] = time.monotonic() + 0.05
+            retry[sid] = time.monotonic() + 0.01
         elif ev["event"] == "rejected":
             refused += 1
             low_live -= 1
@@ -86,11 +91,11 @@ def _overload(c, priority: bool, tag: str) -> dict:
             "high_refused": high_refused}
 
 
-def _side(path: str, threads: int, policy: str, r: int) -> dict:
+def _side(path: str, threads: int, side: str, r: int) -> dict:
     with NodeProcess(path, "--threads", str(threads), "--max-active", str(SLOTS), "--max-queue", str(QUEUE),
-                     "--scheduling-policy", policy, "--log-level", "WARNING") as node, node.client(timeout_s=600) as c:
+                     *SIDES[side], "--log-level", "WARNING") as node, node.client(timeout_s=600) as c:
         idle = _idle(c)
-        load = _overload(c, policy == "priority", f"r{r}")
+        load = _overload(c, side != "fcfs", f"r{r}")
         time.sleep(0.5)  # the cancelled lows' dones
         while c.recv(timeout_s=0.2) is not None:
             pass
@@ -103,9 +108,9 @@ def main(a) -> int:
     print(f"bench priority: {os.path.basename(path)}, threads {threads}, {a.rounds} rounds; {llama_build()}",
           flush=True)
     runs: dict[str, list[dict]] = {}
-    sides = ["priority", "fcfs"]
+    sides = list(SIDES)
     for r in range(a.rounds):
-        for policy in sides[r % 2:] + sides[:r % 2]:
+        for policy in sides[r % len(sides):] + sides[:r % len(sides)]:
             f = _side(path, threads, policy, r)
             runs.setdefault(policy, []).append(f)
             med = lambda k: float(np.median(f[k])) if f[k] else float("nan")  # noqa: E731

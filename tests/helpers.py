@@ -39,12 +39,14 @@ class Clock:
         return self.t
 
 
-def scheduler(engine=None, clock=None, prefix_cache="off", pool_cells=0, kv_events=False, policy="fcfs", **budget):
+def scheduler(engine=None, clock=None, prefix_cache="off", pool_cells=0, kv_events=False, policy="fcfs",
+              reserved_slots=0, **budget):
     """(engine, scheduler) over a fake engine unless one is given; `budget` overrides NodeBudget fields."""
     e = engine or FakeEngine(n_seq_max=8, n_ctx=4096)
     kw = {"clock": clock} if clock else {}
     s = Scheduler(NodeBudget.from_engine(e, **budget), e.eog, recipe=e.recipe_fingerprint,
-                  prefix_cache=prefix_cache, pool_cells=pool_cells, kv_events=kv_events, policy=policy, **kw)
+                  prefix_cache=prefix_cache, pool_cells=pool_cells, kv_events=kv_events, policy=policy,
+                  reserved_slots=reserved_slots, **kw)
     return e, s
 
 

@@ -2,7 +2,7 @@
 the priority policy (order, displacement, fairness). Pure: the scheduler over the fake engine."""
 import pytest
 
-from helpers import prompt, run_to_completion, scheduler
+from helpers import prompt, run_to_completion, scheduler, step
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.kvevents import BLOCK_TOKENS, block_hashes
@@ -206,3 +206,18 @@ def test_a_displaced_client_gets_its_done_and_the_gateway_says_429(tiny_model):
         c.cancel("run")
         assert c.wait_for(lambda e: e["event"] == "done" and e["id"] == "high")["reason"] == R.LENGTH
         assert c.status()["telemetry"]["rejected_by_reason"][R.REJECTED_QUEUE_FULL] == 1
+
+
+def test_a_reserved_slot_starts_a_better_request_at_once_and_only_such_a_one():
+    engine, sched = scheduler(policy="priority", reserved_slots=1, max_active=3, max_queue=8)
+    for key in ("a", "b"):
+        assert sched.submit(Session(key, prompt(4), 5)).reason == R.ADMITTED
+    assert sched.submit(Session("c", prompt(4), 5)).reason == R.QUEUED  # the last slot is kept
+    assert sched.submit(Session("hi", prompt(4), 5, priority=-1)).reason == R.QUEUED  # ahead of c, in the queue
+    tick = sched.plan()
+    assert {s.key for s in sched.running} == {"a", "b", "hi"} and queued(sched) == ["c"]
+    step(sched, engine, tick)
+    ends = [ev.session.key for ev in run_to_completion(sched, engine) if ev.kind == "done"]
+    assert ends[-1] == "c"  # it ran once a slot beyond the reserved one was free
+    with pytest.raises(ValueError, match="priority_reserved_slots"):
+        scheduler(reserved_slots=1, max_active=3)  # not with fcfs

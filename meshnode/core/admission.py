@@ -27,9 +27,12 @@ class AdmissionDecision:
 
 
 class Admission:
-    def __init__(self, budget: NodeBudget, recipe: str | None = None):
+    def __init__(self, budget: NodeBudget, recipe: str | None = None, reserved: int = 0):
+        """`reserved`: slots only a session of a priority better than 0 may take (the priority policy's
+        headroom: a running session is never preempted)."""
         self.budget = budget
         self.recipe = recipe
+        self.reserved = reserved
         self.kv_reserved_bytes = 0
         self.scratch_reserved_bytes = 0
         self.n_active = 0
@@ -87,7 +90,7 @@ class Admission:
 
     def can_start(self, s: Ask) -> bool:
         b = self.budget
-        return (self.n_active < b.effective_active_cap
+        return (self.n_active < b.effective_active_cap - (self.reserved if s.priority >= 0 else 0)
                 and self.kv_reserved_bytes + self.kv_need(s) <= b.kv_budget_bytes
                 and self.scratch_reserved_bytes + self.scratch_need(s) <= b.scratch_envelope_bytes)
 

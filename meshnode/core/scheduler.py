@@ -7,7 +7,8 @@ Policy (fixed but for the queue's order):
    (vLLM's meaning: lower first), arrival within a priority; when the queue is
    full, a request of a better priority than the worst queued one takes its place
    and that one ends REJECTED_QUEUE_FULL, with its `done`. A running session is
-   never preempted.
+   never preempted; `reserved_slots` slots are kept for sessions of a priority
+   better than 0, so one of those can start at once while the rest are full.
 2. Decode first: every running session with exactly one token pending (it is
    generating) gets a row, up to `max_batch_size` sequences; when more wait,
    the ones scheduled longest ago go first, so none starves.
@@ -82,7 +83,7 @@ class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
                  prefix_cache: str = "off", pool_cells: int = 0,
                  tick_target: TickTarget = TickTarget(), deterministic: bool = False, gather_ms: float = 0.0,
-                 kv_events: bool = False, policy: str = "fcfs"):
+                 kv_events: bool = False, policy: str = "fcfs", reserved_slots: int = 0):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
         tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `prefix_cache`: its
         scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
@@ -94,7 +95,7 @@ class Scheduler:
         tick waits until no request has come for this long (at most GATHER_SPAN times it), `gather_until`."""
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
-        self.admission = Admission(budget, recipe)
+        self.admission = Admission(budget, recipe, reserved_slots)
         self.waiting: list[Session] = []  # in start order (POLICIES)
         self.running: list[Session] = []
         self.live: dict = {}
@@ -111,6 +112,9 @@ class Scheduler:
         self.gather_ms = gather_ms
         if policy not in POLICIES:
             raise ConfigError(f"scheduling_policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if reserved_slots and (policy != "priority" or reserved_slots >= budget.effective_active_cap):
+            raise ConfigError(f"priority_reserved_slots: {reserved_slots} needs scheduling_policy = priority and "
+                              f"fewer than the {budget.effective_active_cap} sessions that may run at once")
         self.policy, self._arrivals = policy, 0
         self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
 

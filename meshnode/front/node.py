@@ -186,7 +186,8 @@ class Front:
         sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, prefix_cache=cfg.prefix_cache,
                           pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
                           tick_target=self.settings.tick_target, deterministic=info.deterministic,
-                          gather_ms=cfg.gather_ms, kv_events=bool(cfg.kv_events), policy=cfg.scheduling_policy)
+                          gather_ms=cfg.gather_ms, kv_events=bool(cfg.kv_events), policy=cfg.scheduling_policy,
+                          reserved_slots=cfg.priority_reserved_slots)
         if info.deterministic_problem:
             log.warning("deterministic mode off: %s", info.deterministic_problem)
         for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request

@@ -120,6 +120,9 @@ class NodeConfig:
                                      "lower first, arrival within one; a better one takes a full queue's worst "
                                      "place, which ends REJECTED_QUEUE_FULL; running sessions are never preempted)",
                                      choices=POLICIES)
+    priority_reserved_slots: int = setting(0, "with scheduling_policy = priority: sequence slots only a request "
+                                           "of a priority below 0 may take, so one starts at once while the "
+                                           "others are full (nothing is preempted)", range=(0, MAX_SEQ))
     kv_events: str | None = setting(None, "publish the prefix cache's blocks as KV events (vLLM's BlockStored, "
                                     "BlockRemoved, AllBlocksCleared) on this ZeroMQ PUB endpoint, for prefix-aware "
                                     "routers (docs/operating.md); unset = off", example="tcp://127.0.0.1:5557")
@@ -288,6 +291,11 @@ class NodeConfig:
             if (getattr(self, key) or 0) > self.n_seq_max:
                 raise ConfigError(f"{key}: {getattr(self, key)} is more than n_seq_max ({self.n_seq_max}) sequence "
                                   f"slots; raise n_seq_max or leave it unset (it follows {key})")
+        active = self.max_active or self.n_seq_max
+        if self.priority_reserved_slots and (self.scheduling_policy != "priority"
+                                             or self.priority_reserved_slots >= active):
+            raise ConfigError(f"priority_reserved_slots: {self.priority_reserved_slots} needs scheduling_policy = "
+                              f"priority and fewer than max_active ({active}) slots")
         rows = self.max_batch or self.n_seq_max  # decode rows a tick may carry
         listed = lambda v: tuple(x.strip() for x in (v or "").split(",") if x.strip())  # noqa: E731
         engine = EngineConfig(self.model or "", n_seq_max=self.n_seq_max, n_ctx=self.n_ctx, n_batch=self.n_batch,
