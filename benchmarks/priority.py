@@ -49,7 +49,7 @@ def _overload(c, priority: bool, tag: str) -> dict:
     """Low requests kept at the node's limit, a high one every HIGH_EVERY_S: first-token ms per class."""
     sent, first, kind, retry = {}, {}, {}, {}
     refused = displaced = high_refused = 0
-    low_live, n_low, highs = 0, 0, 0
+    low_live, n_low, highs, low_after = 0, 0, 0, 0.0
     next_high = time.monotonic() + HIGH_EVERY_S
     while highs < HIGHS or retry or any(kind[s] == "high" and s not in first for s in sent):
         now = time.monotonic()
@@ -63,7 +63,7 @@ def _overload(c, priority: bool, tag: str) -> dict:
                 del retry[sid]
                 c.submit(sid, tokens=_prompt(5000 + int(sid.rsplit("high", 1)[1])), max_tokens=HIGH_TOKENS,
                          ignore_eos=True, priority=-1 if priority else 0)
-        while low_live < SLOTS + QUEUE and highs < HIGHS and not retry:  # a waiting high request goes first
+        while low_live < SLOTS + QUEUE and highs < HIGHS and not retry and now >= low_after:  # highs go first
             sid = f"{tag}-low{n_low}"
             n_low += 1
             sent[sid], kind[sid] = time.monotonic(), "low"
@@ -78,9 +78,10 @@ def _overload(c, priority: bool, tag: str) -> dict:
         elif ev["event"] == "rejected" and kind[sid] == "high":
             high_refused += 1
             retry[sid] = time.monotonic() + 0.01
-        elif ev["event"] == "rejected":
+        elif ev["event"] == "rejected":  # the queue is full (of high requests too): the low class backs off
             refused += 1
             low_live -= 1
+            low_after = time.monotonic() + 0.05
         elif ev["event"] == "done":
             displaced += ev["reason"] == R.REJECTED_QUEUE_FULL
             low_live -= kind[sid] == "low"

@@ -221,3 +221,18 @@ def test_a_reserved_slot_starts_a_better_request_at_once_and_only_such_a_one():
     assert ends[-1] == "c"  # it ran once a slot beyond the reserved one was free
     with pytest.raises(ValueError, match="priority_reserved_slots"):
         scheduler(reserved_slots=1, max_active=3)  # not with fcfs
+
+
+def test_under_the_priority_policy_a_better_sessions_prompt_takes_the_prefill_room_first():
+    engine, sched = scheduler(policy="priority", max_active=2, max_batch_size=2, max_prefill_tokens_per_tick=8)
+    low = Session("low", prompt(40), 3)
+    sched.submit(low)
+    step(sched, engine, sched.plan())  # low has started its prompt
+    high = Session("high", prompt(20, salt=1), 3, priority=-1)
+    sched.submit(high)
+    tick = sched.plan()
+    first = [c for c in tick.plan.chunks if len(c.tokens) > 1][0]
+    assert first.seq_id == high.seq_id and len(first.tokens) == 8  # all the room, though low started first
+    step(sched, engine, tick)
+    ends = [ev.session.key for ev in run_to_completion(sched, engine) if ev.kind == "done"]
+    assert ends == ["high", "low"]

@@ -12,7 +12,8 @@ Policy (fixed but for the queue's order):
 2. Decode first: every running session with exactly one token pending (it is
    generating) gets a row, up to `max_batch_size` sequences; when more wait,
    the ones scheduled longest ago go first, so none starves.
-3. Then prefill: sessions with more than one token pending, oldest first, get
+3. Then prefill: sessions with more than one token pending, oldest first (the
+   priority policy: in the queue's order), get
    prompt chunks into the sequence slots left, up to
    `max_prefill_tokens_per_tick` tokens in all (at least 1, so a huge prompt
    still progresses). A long prompt spans ticks: prefill never stalls decode.
@@ -188,7 +189,10 @@ class Scheduler:
         b = self.budget
         decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
         chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
-        prompts = [s for s in self.running if s.pending > 1 and not s.leader][: b.max_batch_size - len(chunks)]
+        prompts = [s for s in self.running if s.pending > 1 and not s.leader]
+        if self.policy == "priority":  # a better session's prompt goes first into the tick's prefill room too
+            prompts.sort(key=lambda s: s.order)
+        prompts = prompts[: b.max_batch_size - len(chunks)]
         sizes = self.fill(self._prefill_room([c for _, c in chunks], prompts),
                           [(s.n_planned, s.pending, len(s.prompt)) for s in prompts], bool(chunks))
         sizes = sizes[:within_target(self.cost, self.tick_target, [(c.pos, 1) for _, c in chunks],
