@@ -50,4 +50,10 @@ def priority() -> list[str]:
             md.append(f"| {policy} | {i} | {q(r['high_ttft_ms'], 50):.0f} | {q(r['high_ttft_ms'], 90):.0f} | "
                       f"{q(r['idle_high_ttft_ms'], 50):.0f} | {q(r['low_ttft_ms'], 50):.0f} | {r['low_refused']} | "
                       f"{r['low_displaced']} | {r['high_refused']} |")
-    return md + ["", *[f"- {v}" for v in p["verdict"]], ""]
+    return md + ["", *[f"- {v}" for v in p["verdict"]], "",
+                 "Running sessions are never preempted: with every slot busy a high request waits for one to free "
+                 "(`priority`: it waits at the head of the queue, never behind the low class as under `fcfs`); "
+                 "with a slot kept for it (`reserved`) it starts at once, and what it still waits for is the tick "
+                 "in flight when it arrives (often a low request's 24-token prefill, a few hundred ms on this CPU "
+                 "where a row costs about what a decode does) and its own prefill beside the low class's decode "
+                 "rows.", ""]
