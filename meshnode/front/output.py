@@ -25,6 +25,7 @@ from ipc import protocol as P
 from ipc.transport import CLIENT_HWM
 from meshnode.core import reasons as R
 from meshnode.core.scheduler import Event
+from meshnode.core.session import DONE
 from meshnode.front.outbox import GONE, STALLED
 from meshnode.text.stops import StopText
 from meshnode.text.tokenizer import TextStream, Tokenizer
@@ -123,7 +124,8 @@ class Output:
         outcome = self.send(ident, frames, final)
         if outcome not in (STALLED, GONE):
             return
-        mine = [key for key in self.streams if key[0] == ident]
+        # the scheduler's own ends (an EOS in this same batch) keep their reason: their `done` follows
+        mine = [key for key, out in self.streams.items() if key[0] == ident and out.session.state != DONE]
         if not mine:
             return
         why = "stopped reading" if outcome == STALLED else "disconnected"
