@@ -1,17 +1,17 @@
 """`python -m benchmarks priority`: two priorities under overload, `--scheduling-policy priority` vs fcfs.
 
 A node with 3 slots and a queue of 8. The low class keeps it overloaded: its requests are sent as fast as
-the node takes them (a refused one is sent again), 48 new tokens each. A high-class request (priority -1,
-8 new tokens) arrives every `HIGH_EVERY_S`. Measured per side: the high class's first-token time (from
-its submit to its first token, as the client sees it), the low class's, how many low requests were
-refused or displaced; and, before the load, the high class's first-token time on the idle node (one at
-a time). Sides in an order that rotates each round: `priority` (the high class sends priority -1),
+the node takes them (a refused one is sent again 50 ms later), 48 new tokens each. A high-class request
+(priority -1, 8 new tokens) arrives every `HIGH_EVERY_S`. Measured per side: the high class's first-token
+time (from its submit to its first token, as the client sees it), the low class's, how many low requests
+were refused or displaced; and, before the load, the high class's first-token time on the idle node (one
+at a time). Sides in an order that rotates each round: `priority` (the high class sends priority -1),
 `reserved` (the same with `--priority-reserved-slots 1`: the low class runs on 2 slots, the third is kept
-for a better request) and `fcfs` (the same load; priority cannot be sent there, so the high class waits in arrival order, and a high
-request the full queue refuses is sent again 10 ms later, ahead of the low class's refill, its time counted
-from its first send). The goal
-(issue 47): the high class's median first-token time under overload within 1.2x of the idle node's.
-Running sessions are never preempted, so a high request waits for a slot to free at worst.
+for a better request) and `fcfs` (the same load; priority cannot be sent there, so the high class waits
+in arrival order, and a high request the full queue refuses is sent again 10 ms later, ahead of the low
+class's refill, its time counted from its first send). The goal (issue 47): the high class's median
+first-token time under overload within 1.2x of the idle node's. Running sessions are never preempted, so
+a high request waits for a slot to free at worst.
 """
 from __future__ import annotations
 

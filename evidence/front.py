@@ -11,7 +11,8 @@ def overhead_before_after() -> list[str]:
     """`bench overhead` on the real model at the commit before issue 46's restructuring and after it."""
     md = []
     for c in (1, 8):
-        before, after = load(f"overhead-bench-smollm2-before-front-c{c}.json"), load(f"overhead-bench-smollm2-c{c}.json")
+        before = load(f"overhead-bench-smollm2-before-front-c{c}.json")
+        after = load(f"overhead-bench-smollm2-c{c}.json")
         if not (before and after):
             continue
         if not md:

@@ -44,7 +44,7 @@ def running(key, prompt=(ord("p"),)):
 
 
 def test_a_stop_string_ends_the_session_here_once_and_the_schedulers_own_done_is_not_sent_again():
-    wire, out = Wire(), None
+    wire = Wire()
     out = Output(Tok(), wire.send, Telemetry())
     s = running((b"c", "a"))
     out.opened(s, ["XY"])
@@ -73,7 +73,7 @@ def test_a_stalled_client_loses_its_live_sessions_each_with_its_done_and_nobody_
     a.tokens.append(ord("z"))
     events = [Event("tokens", a, [ord("z")]), Event("done", ended, [], R.EOS), Event("tokens", other, [ord("q")])]
     finishes = out.process(events)
-    assert sorted(finishes, key=lambda f: f.key) == [Finish((b"c", "a"), R.CANCELLED), Finish((b"c", "b"), R.CANCELLED)]
+    assert sorted(finishes, key=lambda f: f.key) == [Finish((b"c", k), R.CANCELLED) for k in ("a", "b")]
     dones = {ev["id"]: ev for ev in wire.events(b"c", "done")}
     assert {k: ev["reason"] for k, ev in dones.items()} == {"a": R.CANCELLED, "b": R.CANCELLED, "e": R.EOS}
     assert "stopped reading" in dones["a"]["detail"] and tele.client_faults_total == 1
