@@ -59,6 +59,17 @@ GATHER_SPAN = 4  # an idle engine's first tick waits at most this many quiet gap
 POLICIES = ("fcfs", "priority")
 
 
+def policy_problem(policy: str, reserved_slots: int, active: int) -> str:
+    """The queue policy's rule ("" when it holds): slots kept for better priorities need the priority policy
+    and must leave the default class at least one of the `active` slots."""
+    if policy not in POLICIES:
+        return f"scheduling_policy: must be one of {', '.join(POLICIES)}, got {policy!r}"
+    if reserved_slots and (policy != "priority" or reserved_slots >= active):
+        return (f"priority_reserved_slots: {reserved_slots} needs scheduling_policy = priority and fewer than the "
+                f"{active} sessions that may run at once (max_active)")
+    return ""
+
+
 @dataclass
 class Event:
     kind: str  # "tokens" or "done"
@@ -111,11 +122,9 @@ class Scheduler:
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
         self.gather_ms = gather_ms
-        if policy not in POLICIES:
-            raise ConfigError(f"scheduling_policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if reserved_slots and (policy != "priority" or reserved_slots >= budget.effective_active_cap):
-            raise ConfigError(f"priority_reserved_slots: {reserved_slots} needs scheduling_policy = priority and "
-                              f"fewer than the {budget.effective_active_cap} sessions that may run at once")
+        why = policy_problem(policy, reserved_slots, budget.effective_active_cap)
+        if why:  # NodeConfig.resolve() refuses this at start; here for schedulers built otherwise
+            raise ConfigError(why)
         self.policy, self._arrivals = policy, 0
         self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
 

@@ -7,7 +7,6 @@ unknown key or a value of the wrong type is an error naming the key.
 """
 from __future__ import annotations
 
-
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -20,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 from meshnode.core.budget import DEFAULT_MAX_QUEUE, BudgetAsk, rows_problem
 from meshnode.core.costmodel import TickTarget
 from meshnode.core.prefix import SCOPES
-from meshnode.core.scheduler import GATHER_SPAN, POLICIES
+from meshnode.core.scheduler import GATHER_SPAN, POLICIES, policy_problem
 from meshnode.core.speculation import MAX_DRAFTS, MODES as SPEC_MODES
 from meshnode.core.types import ConfigError
 from meshnode.engine.config import EngineConfig
@@ -291,11 +290,6 @@ class NodeConfig:
             if (getattr(self, key) or 0) > self.n_seq_max:
                 raise ConfigError(f"{key}: {getattr(self, key)} is more than n_seq_max ({self.n_seq_max}) sequence "
                                   f"slots; raise n_seq_max or leave it unset (it follows {key})")
-        active = self.max_active or self.n_seq_max
-        if self.priority_reserved_slots and (self.scheduling_policy != "priority"
-                                             or self.priority_reserved_slots >= active):
-            raise ConfigError(f"priority_reserved_slots: {self.priority_reserved_slots} needs scheduling_policy = "
-                              f"priority and fewer than max_active ({active}) slots")
         rows = self.max_batch or self.n_seq_max  # decode rows a tick may carry
         listed = lambda v: tuple(x.strip() for x in (v or "").split(",") if x.strip())  # noqa: E731
         engine = EngineConfig(self.model or "", n_seq_max=self.n_seq_max, n_ctx=self.n_ctx, n_batch=self.n_batch,
@@ -305,7 +299,8 @@ class NodeConfig:
                               tensor_split=tuple(_share(x) for x in listed(self.tensor_split)),
                               devices=listed(self.device), spec=self.spec, draft_model=self.draft_model or "",
                               draft_max=self.draft_max, draft_min=self.draft_min)
-        why = rows_problem(self.n_batch, self.n_ctx, self.n_seq_max, rows)
+        why = rows_problem(self.n_batch, self.n_ctx, self.n_seq_max, rows) or policy_problem(
+            self.scheduling_policy, self.priority_reserved_slots, self.max_active or self.n_seq_max)
         if why:
             raise ConfigError(why)
         if self.engine_kind == "llama":
@@ -348,12 +343,12 @@ def _type_of(f) -> type:
     return {"str": str, "int": int, "float": float, "bool": bool, "dict": dict, "list": list}[base]
 
 
-def public_keys() -> list[str]:
-    return [f.name for f in fields(NodeConfig) if not f.metadata.get("internal")]
-
-
 def _public():
     return [f for f in fields(NodeConfig) if not f.metadata.get("internal")]
+
+
+def public_keys() -> list[str]:
+    return [f.name for f in _public()]
 
 
 ENV_PREFIX = "MESHNODE_"
