@@ -19,8 +19,9 @@ def overhead_before_after() -> list[str]:
             md = ["## The front's cost per tick, before and after the tick driver and output stage (issue 46)", "",
                   "`meshnode bench overhead --model smollm2-q8_0 --levels 1,8`, SmolLM2-135M-Instruct q8_0 (a real "
                   "model), 16 jobs, 6 rounds each: before = commit 3d902aa (the same command from a worktree of it, "
-                  "`PYTHONPATH` set to it; files `overhead-bench-smollm2-before-front-c*.json`), after = this tree "
-                  "(`overhead-bench-smollm2-c*.json`). Two runs of a noisy shared machine, not side by side: the "
+                  "`PYTHONPATH` set to it; files `overhead-bench-smollm2-before-front-c*.json`), after = commit 7a84cb5 "
+                  "(`overhead-bench-smollm2-c*.json`; the commits after it touched the priority policy, a stalled "
+                  "client's case in the output stage and docs). Two runs of a noisy shared machine, not side by side: the "
                   "per-tick figures are the ones to compare.", "",
                   "| concurrency | side | node / in-process | engine wait p50 (median of rounds) us | "
                   "front + IPC us per tick, node (median of rounds) | lockstep engine wait p50 us |",
