@@ -63,10 +63,10 @@ def test_a_replay_of_the_kv_events_predicts_which_prompt_gets_a_cache_hit():
     sched.engine_restarted()
     engine = FakeEngine(n_seq_max=8, n_ctx=4096)  # a new engine process: its KV starts empty
     held = replay(sched.kv_events(), held)
-    assert held == set() and sched.seqs.cache.blocks.held == {}
+    assert held == set() == sched.cached_blocks()
     run(prompt(30 + 9, salt=209), "after-restart")  # held before the restart, cleared with it: a miss
     assert [w for _, w, _ in checked].count(True) >= 2 and [w for _, w, _ in checked].count(False) >= 3
-    assert replay(sched.kv_events(), held) == set(sched.seqs.cache.blocks.held)  # the status answer's hashes
+    assert replay(sched.kv_events(), held) == sched.cached_blocks()  # the status answer's hashes
 
 
 def test_blocks_shared_by_two_entries_stay_announced_until_both_are_gone():

@@ -42,13 +42,12 @@ def block_hashes(tokens, n_tokens: int | None = None) -> list[int]:
 
 
 class BlockIndex:
-    """Which blocks the cache holds, and the events that say so, in vLLM's shapes (tagged lists: what
-    msgspec's `array_like, tag=True` structs encode to)."""
+    """The events that say which blocks the cache holds, in vLLM's shapes (tagged lists: what msgspec's
+    `array_like, tag=True` structs encode to), for a publisher to take (`--kv-events`); off, it keeps
+    nothing (the status answer derives the blocks from the entries: PrefixCache.block_hashes)."""
 
-    def __init__(self, on: bool, record: bool = False):
-        """`on`: the cache is on (its blocks are kept, for the status answer); `record`: events are kept for
-        a publisher to take (`--kv-events`)."""
-        self.on, self.record = on, on and record
+    def __init__(self, on: bool):
+        self.on = on
         self.held: Counter = Counter()  # hash -> entries holding it
         self.by_entry: dict[int, list[int]] = {}  # seq_id -> its block hashes
         self.events: list[list] = []  # not published yet
@@ -59,11 +58,10 @@ class BlockIndex:
         self.removed(seq_id)  # (a sequence is stored again only after it left the cache; this keeps it so)
         hashes = block_hashes(tokens, n_tokens)
         self.by_entry[seq_id] = hashes
-        new = [i for i, h in enumerate(hashes) if self.held[h] == 0]
+        first = next((i for i, h in enumerate(hashes) if self.held[h] == 0), None)  # the rest are new too: chained
         for h in hashes:
             self.held[h] += 1
-        if new and self.record:  # a chain is announced from its first new block, with its parent's hash
-            first = new[0]
+        if first is not None:  # a chain is announced from its first new block, with its parent's hash
             ids = np.asarray(tokens[first * BLOCK_TOKENS:len(hashes) * BLOCK_TOKENS]).tolist()
             self.events.append(["BlockStored", hashes[first:], hashes[first - 1] if first else None, ids,
                                 BLOCK_TOKENS, None, MEDIUM])
@@ -78,11 +76,11 @@ class BlockIndex:
             if self.held[h] == 0:
                 del self.held[h]
                 gone.append(h)
-        if gone and self.record:
+        if gone:
             self.events.append(["BlockRemoved", gone, MEDIUM])
 
     def cleared(self) -> None:
-        if self.record and (self.held or self.by_entry):
+        if self.held or self.by_entry:
             self.events.append(["AllBlocksCleared"])
         self.held.clear()
         self.by_entry.clear()

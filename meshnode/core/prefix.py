@@ -34,7 +34,7 @@ from typing import Hashable
 import numpy as np
 
 from meshnode.core.costmodel import TILE_ROWS
-from meshnode.core.kvevents import BlockIndex
+from meshnode.core.kvevents import BlockIndex, block_hashes
 
 SCOPES = ("client", "node", "off")
 MIN_SHARE = 16  # a copy across streams costs the whole stream: not worth it for a few tokens
@@ -73,12 +73,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class PrefixCache:
     def __init__(self, scope: str = "client", deterministic: bool = False, events: bool = False):
-        """`events`: keep the block view of the cache and its events for routers (core/kvevents.py)."""
+        """`events`: keep the cache's block events for routers (core/kvevents.py)."""
         if scope not in SCOPES:
             raise ValueError(f"prefix cache scope must be one of {SCOPES}, got {scope!r}")
         self.scope, self.deterministic = scope, deterministic
         self.entries: dict[int, Entry] = {}  # seq_id -> entry
-        self.blocks = BlockIndex(self.on, record=events)
+        self.blocks = BlockIndex(events and self.on)
         self.counters = CacheCounters()
         self._clock = 0
 
@@ -123,6 +123,11 @@ class PrefixCache:
         e = self.entries[seq_id] = Entry(seq_id, np.asarray(tokens[:n], np.int32), cells, owner, self._tick(), n_prompt)
         self.blocks.stored(seq_id, e.tokens, self._worth(e))
         return True
+
+    def block_hashes(self) -> set[int]:
+        """The blocks the entries hold, keyed as their KV events key them (core/kvevents.py): what the
+        events, replayed, add up to."""
+        return {h for e in self.entries.values() for h in block_hashes(e.tokens, self._worth(e))}
 
     def find(self, prompt: list[int], owner: Hashable, live) -> Hit | None:
         """The best reuse for a new session's prompt, or None. `live`: (seq_id, computed tokens, owner,

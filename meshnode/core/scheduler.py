@@ -343,6 +343,10 @@ class Scheduler:
         """The prefix cache's block events since the last call (core/kvevents.py), for the publisher."""
         return self.seqs.cache.blocks.take_events()
 
+    def cached_blocks(self) -> set[int]:
+        """The prefix cache's blocks as its KV events key them, for the status answer."""
+        return self.seqs.cache.block_hashes()
+
     def engine_restarted(self) -> None:
         """The engine's KV is gone (its driver dropped the ticks in flight): rebuild every running session by
         re-prefilling it."""

@@ -81,8 +81,8 @@ class Report:
         cap = snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens)
         # the prefix cache's blocks, keyed as its KV events key them (core/kvevents.py): what a router that
         # did not follow the events (or lost some) starts from
-        held = n.telemetry.sched.seqs.cache.blocks.held
-        return P.status(info, snap, {**cap, "cached_blocks": {"block_size": BLOCK_TOKENS, "hashes": sorted(held)}})
+        held = sorted(n.telemetry.sched.cached_blocks())
+        return P.status(info, snap, {**cap, "cached_blocks": {"block_size": BLOCK_TOKENS, "hashes": held}})
 
     def status_line(self) -> str:
         t = self.snapshot()
