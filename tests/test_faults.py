@@ -44,7 +44,7 @@ def test_engine_fault_reprefills_and_every_session_continues(tiny_model, referen
 def test_a_refused_tick_ends_its_sessions_and_the_node_goes_on(tiny_model, reference_tokens):
     """A non-fatal refusal with a second tick already queued behind it: that tick is refused
     too and planned again after a resync; no restart, and the next session is served exactly."""
-    internal = {"faults": [{"kind": "refuse", "at_tick": 20}]}
+    internal = {"faults": [{"kind": "refuse", "at_tick": 20, "with_a_tick_behind": True}]}
     with NodeProcess(tiny_model, internal=internal) as n, n.client() as c:
         got = run_jobs(c, JOBS)
         c.submit("again", **JOBS["f1"])

@@ -18,6 +18,7 @@ from meshnode.core.types import FatalEngineError, InvalidPlan
 class Faulty:
     def __init__(self, engine, faults: dict):
         self.engine, self.faults, self.steps = engine, faults, 0
+        self.queued = lambda: True  # the link's "a tick is waiting behind this one", once the worker has a link
         time.sleep(faults.get("sleep_at_start", 0))  # a slow model load
         if faults.get("die_at_start"):
             os._exit(3)
@@ -27,6 +28,17 @@ class Faulty:
             llamacpp.abort("GGML_ASSERT(injected) failed")
         if faults.get("stop_at_hello"):  # as if SIGSTOPped by an operator before it could answer
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def see_link(self, queued) -> None:
+        self.queued = queued
+
+    def _wait_for_a_tick_behind(self, ceiling_s: float = 30.0) -> None:
+        """A refusal is meant to meet a tick the front already queued behind it; refused at once, it may
+        come back before the front sends that tick (pipelined ticks go out late in the one running), and
+        the path under test would depend on the machine's speed. The ceiling only ends a test gone wrong."""
+        end = time.monotonic() + ceiling_s
+        while not self.queued() and time.monotonic() < end:
+            time.sleep(0.001)
 
     def __getattr__(self, name):  # the engine's shape, close(), ...
         return getattr(self.engine, name)
@@ -39,6 +51,8 @@ class Faulty:
         if kind == "raise":
             raise RuntimeError("injected exception in step")
         if kind == "refuse":
+            if self.faults.get("with_a_tick_behind"):
+                self._wait_for_a_tick_behind()
             raise InvalidPlan("injected: a plan the engine refuses")
         if kind == "hang":
             time.sleep(3600)

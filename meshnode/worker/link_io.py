@@ -61,6 +61,10 @@ class LinkIO:
             raise item
         return item
 
+    def queued(self) -> bool:
+        """A message is waiting for the main thread (a tick the front sent behind the one running)."""
+        return not self._inbox.empty()
+
     def done(self, tick: int, res: StepResult, gap_ms: float, plan: Plan) -> None:
         """Hand a step over: its TickDone, with the latest memory figures, is built and sent in order
         once its samples are written to the arena. Built here, on the writer, not by the main thread:
