@@ -1,6 +1,8 @@
 """Demo GGUF files: deterministic, loadable, and tokenizing any text."""
 import hashlib
 
+import pytest
+
 from meshnode.ops.models import build_vocab, make_model
 from meshnode.text.tokenizer import TextStream, Tokenizer
 
@@ -34,3 +36,16 @@ def test_any_text_tokenizes_and_round_trips(tiny_model):
         assert "".join(stream.feed([t]) for t in ids) == tok.decode(ids)  # never splits a character
     finally:
         tok.close()
+
+
+def test_the_quick_tensor_table_is_the_gguf_packages_and_refuses_what_is_not_gguf(tiny_model, tmp_path):
+    from gguf import GGUFReader
+
+    from meshnode.engine.ggufinfo import GGUFError, tensors
+
+    assert tensors(str(tiny_model)) == [(t.name, tuple(map(int, t.shape)), t.tensor_type.name)
+                                        for t in GGUFReader(str(tiny_model)).tensors]
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(GGUFError, match="magic"):
+        tensors(str(junk))

@@ -31,11 +31,16 @@ def node(smollm2):
 def test_the_name_resolves_to_the_packaged_file_and_its_requantized_copies(tmp_path):
     from gguf import GGUFReader
 
+    from meshnode.engine import ggufinfo
+
     path = real_model("smollm2")
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90e6
     q8 = real_model("smollm2-q8_0", tmp_path)
     types = {t.tensor_type.name for t in GGUFReader(str(q8)).tensors if t.name.endswith("attn_q.weight")}
     assert types == {"Q8_0"} and real_model("smollm2-q8_0", tmp_path) == q8  # made once
+    # the quick tensor table (past a real vocabulary's 100k strings) is the gguf package's, tensor by tensor
+    assert ggufinfo.tensors(str(path)) == [(t.name, tuple(map(int, t.shape)), t.tensor_type.name)
+                                           for t in GGUFReader(str(path)).tensors]
     with pytest.raises(LookupError, match="names: smollm2"):
         real_model("gpt-5")
 

@@ -176,12 +176,11 @@ INVARIANT_WEIGHTS = frozenset({"F32", "F16", "Q8_0", "Q4_K", "Q6_K"})
 def matmul_weight_types(model_path: str) -> set[str]:
     """The formats of the weights the model multiplies by (the token embeddings are only looked up,
     unless the model ties them to the output)."""
-    from gguf import GGUFReader
+    from meshnode.engine.ggufinfo import tensors
 
-    tensors = GGUFReader(model_path).tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
-    return {t.tensor_type.name for t in tensors
-            if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied)}
+    table = tensors(model_path)
+    tied = not any(t.name == "output.weight" for t in table)
+    return {t.type_name for t in table if len(t.shape) == 2 and (t.name != "token_embd.weight" or tied)}
 
 
 def deterministic_problem(model_path: str) -> str:
