@@ -103,9 +103,13 @@ def test_cancel_and_unknown_cancel(node):
         c.cancel("long")
         done = c.wait_for(lambda e: e["event"] == "done")
         assert done["reason"] == R.CANCELLED and done["id"] == "long"
+        before = c.status()["telemetry"]
         c.cancel("long")
         err = c.wait_for(lambda e: e["event"] == "error")
         assert err["code"] == R.UNKNOWN_SESSION and err["id"] == "long"
+        after = c.status()["telemetry"]  # counted as what it is, not as a malformed frame
+        assert after["unknown_sessions_total"] == before["unknown_sessions_total"] + 1
+        assert after["bad_frames_total"] == before["bad_frames_total"]
         assert wait_until(lambda: c.status()["telemetry"]["kv_bytes"] == 0)
 
 

@@ -17,7 +17,7 @@ def to_prometheus(snap):
 PROTOCOL_KEYS = """active_sessions queue_depth batch_occupancy_last batch_occupancy_avg batch_occupancy_max
 kv_bytes kv_budget_bytes kv_pressure scratch_bytes scratch_budget_bytes scratch_pressure weight_bytes
 prefill_tokens_total decode_tokens_total prefill_tokens_per_s decode_tokens_per_s ticks_total rejected_total
-rejected_by_reason bad_frames_total engine memory uptime_s draining""".split()
+rejected_by_reason bad_frames_total unknown_sessions_total engine memory uptime_s draining""".split()
 
 
 def telemetry():

@@ -27,6 +27,7 @@ class Telemetry:
         self.t0 = clock()
         self.rejected = Counter()
         self.bad_frames_total = 0
+        self.unknown_sessions_total = 0  # well-formed cancels of ids with no live session
         self.client_faults_total = 0  # clients whose sessions were cancelled because they vanished or stalled
         self.engine = {"rss_bytes": 0, "rss_peak_bytes": 0, "last_tick_ms": 0.0, "kv_cells": 0, "kv_cells_peak": 0,
                        "step_ms_total": 0.0, "busy_gap_ms_total": 0.0, "busy_gaps": 0,
@@ -40,6 +41,9 @@ class Telemetry:
 
     def count_bad_frame(self) -> None:
         self.bad_frames_total += 1
+
+    def count_unknown_session(self) -> None:
+        self.unknown_sessions_total += 1
 
     def record_tick(self, rss: int, step_ms: float, kv_cells: int, gap_ms: float = -1.0, drafted: int = 0,
                     served: int = 0) -> None:
@@ -99,6 +103,7 @@ class Telemetry:
             "rejected_total": sum(self.rejected.values()),
             "rejected_by_reason": {r: self.rejected.get(r, 0) for r in R.REJECTIONS},
             "bad_frames_total": self.bad_frames_total,
+            "unknown_sessions_total": self.unknown_sessions_total,
             "constraint_failures_total": c.constraint_failures,
             "client_faults_total": self.client_faults_total,
             "engine": dict(self.engine, **self._wait_percentiles()),

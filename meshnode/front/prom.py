@@ -49,6 +49,8 @@ SNAPSHOT = [
     ("meshnode_batch_occupancy_max", "gauge", "Most sequences in one tick since start.", lambda t: t["batch_occupancy_max"]),
     ("meshnode_ticks_total", "counter", "Engine ticks (llama_decode calls) run.", lambda t: t["ticks_total"]),
     ("meshnode_bad_frames_total", "counter", "Malformed or oversize client frames.", lambda t: t["bad_frames_total"]),
+    ("meshnode_unknown_sessions_total", "counter", "Cancels of ids with no live session.",
+     lambda t: t["unknown_sessions_total"]),
     ("meshnode_engine_restarts_total", "counter", "Engine process restarts.", lambda t: t["engine"]["restarts"]),
     ("meshnode_engine_rss_bytes", "gauge", "Engine process resident memory.", lambda t: t["engine"]["rss_bytes"]),
     ("meshnode_engine_last_tick_seconds", "gauge", "Duration of the last engine step.", lambda t: t["engine"]["last_tick_ms"] / 1e3),

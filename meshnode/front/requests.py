@@ -82,8 +82,10 @@ class Requests:
             return [Answer(ident, self.status(req.prompt_tokens))]
         if isinstance(req, P.Cancel):
             ev = self.sched.cancel((ident, req.id))
-            return [ev] if ev is not None else [
-                Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
+            if ev is not None:
+                return [ev]
+            self.telemetry.count_unknown_session()
+            return [Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
         return self._submit(ident, req, arrived)
 
     def _grammar(self, req: P.Submit) -> tuple[Grammar | None, str]:
