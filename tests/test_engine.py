@@ -260,6 +260,7 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, 
 
     monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 1e12)  # the time bounds, tested below, out of the way:
     monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 1e12)  # the schedule is the same on a busy machine
+    monkeypatch.setattr(calibration, "MIXED_BUDGET_MS", 1e12)
     with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1)) as e:
         points = e.calibrate()
         # chunks at 0, then seq 0 filled to half its context (512) and decode rows beside it there
@@ -282,14 +283,42 @@ def test_calibration_times_known_shapes_and_leaves_the_engine_empty(tiny_model, 
         assert all(e.seq_pos_max(s) < 0 for s in range(4))
 
 
+class _Rows:
+    """An engine whose every tick costs 1 ms a row: the calibration's budgets judged on exact times."""
+    n_vocab, n_batch, n_ctx_seq, n_seq_max = 100, 512, 4096, 4
+
+    class cfg:
+        kv_layout = "unified"
+
+    def step(self, plan):
+        from meshnode.core.types import StepResult
+
+        res = StepResult()
+        res.step_ms = float(sum(len(c.tokens) for c in plan.chunks))
+        return res
+
+
+def test_calibration_foresees_the_next_chunk_instead_of_overrunning_its_budget_by_it(monkeypatch):
+    from meshnode.engine import calibration
+
+    monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 100.0)  # 1..32 rows take 63 ms; 64 more would pass it
+    monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 300.0)  # 256 rows deep fits, 512 does not
+    monkeypatch.setattr(calibration, "MIXED_BUDGET_MS", 200.0)  # 66 + 130 rows fit, 258 more do not
+    points = calibration.calibrate(_Rows())
+    assert [p[1] for p in points] == [1, 2, 4, 8, 16, 32, 256, 2, 4, 66, 130]
+    assert [p[-1] for p in points] == [p[1] for p in points]
+
+
 def test_calibration_stops_growing_chunks_and_stays_shallow_when_its_time_is_spent(tiny_model, monkeypatch):
     """A big model on few cores: past CHUNKS_BUDGET_MS of ticks no larger chunk is timed (8 rows are
-    always), and the deep fill takes the deepest of DEPTHS that fits DEPTH_BUDGET_MS, or none."""
+    always), the deep fill takes the deepest of DEPTHS that fits DEPTH_BUDGET_MS, or none, and of the
+    chunks beside decode rows only those that fit MIXED_BUDGET_MS (the smallest always)."""
     from meshnode.engine import calibration
 
     monkeypatch.setattr(calibration, "CHUNKS_BUDGET_MS", 0.0)
     monkeypatch.setattr(calibration, "DEPTH_BUDGET_MS", 0.0)
+    monkeypatch.setattr(calibration, "MIXED_BUDGET_MS", 0.0)
     with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1)) as e:
         points = e.calibrate()
-    # chunks of 1-8 rows, no deep fill, then 2 and 4 decode rows at position 0 and chunks beside 2 of them
-    assert [p[1] for p in points] == [1, 2, 4, 8, 2, 4, 66, 130, 258]
+    # chunks of 1-8 rows, no deep fill, then 2 and 4 decode rows at position 0 and one chunk beside 2 of them
+    assert [p[1] for p in points] == [1, 2, 4, 8, 2, 4, 66]

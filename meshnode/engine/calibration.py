@@ -15,8 +15,9 @@ from meshnode.core.types import GREEDY, Keep, Plan, SeqChunk
 CALIBRATION = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # prompt chunk sizes timed at the first start (<= n_batch)
 DEPTHS = (2048, 1024, 512, 256)  # how deep one sequence is filled to time attention: the deepest that fits
 DEPTH_BUDGET_MS = 3000.0  # ... in about this much start-up time (a big model on few cores gets a shallow one)
-CHUNKS_BUDGET_MS = 4000.0  # the chunk sizes stop growing once their ticks have taken this long
+CHUNKS_BUDGET_MS = 4000.0  # the chunk sizes stop growing before their ticks would take longer than this
 MIXED_CHUNKS = (64, 128, 256)  # prompt chunks timed beside decode rows: the first sized ticks' correction
+MIXED_BUDGET_MS = 2000.0  # ... as many of them as fit in about this much start-up time (always the first)
 
 
 def calibrate(engine) -> tuple:
@@ -36,7 +37,9 @@ def calibrate(engine) -> tuple:
         out.append((*shape(spans, res.kv_cells if unified else 0), sized(spans), res.step_ms))
 
     for n in [n for n in CALIBRATION if n <= largest]:
-        if n > 8 and sum(p[-1] for p in out) > CHUNKS_BUDGET_MS:  # a big model on few cores: fewer, smaller
+        # a big model on few cores: fewer, smaller; the next chunk's time is foreseen from the last one's
+        # rows, so the budget is not overrun by a whole chunk (the time doubles with each)
+        if n > 8 and sum(p[-1] for p in out) + out[-1][-1] * n / out[-1][1] > CHUNKS_BUDGET_MS:
             break
         timed([SeqChunk(0, 0, toks(n), draw=0)], [0])
     per_token = out[-1][-1] / out[-1][1]  # ms per row of the largest chunk
@@ -48,7 +51,9 @@ def calibrate(engine) -> tuple:
     half = max(1, engine.n_seq_max // 2)
     shapes = [(k, 0) for k in sorted({half, engine.n_seq_max})]  # sequences decoding at once
     if half < engine.n_seq_max:  # and prompt chunks beside them, as a burst runs (on streams: two calls)
-        shapes += [(half, min(n, engine.n_batch - half, engine.n_ctx_seq - 1)) for n in MIXED_CHUNKS]
+        mixed = [min(n, engine.n_batch - half, engine.n_ctx_seq - 1) for n in MIXED_CHUNKS]
+        foreseen = np.cumsum([(n + half) * per_token for n in mixed])
+        shapes += [(half, n) for i, n in enumerate(mixed) if i == 0 or foreseen[i] <= MIXED_BUDGET_MS]
     for k, chunk in shapes:
         deep = [SeqChunk(0, depth, toks(1), draw=0, sampling=GREEDY)] if depth else []
         prompt = [SeqChunk(k, 0, toks(chunk))] if chunk > 1 else []
