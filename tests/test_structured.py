@@ -17,6 +17,8 @@ from meshnode.engine.llama import LlamaEngine
 from meshnode.text.constraints import Constraints
 from meshnode.text.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # nodes and llama.cpp engines (the real model, the tiny ones)
+
 SCHEMAS = {
     "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                 "age": {"type": "integer", "minimum": 0, "maximum": 150}},

@@ -13,6 +13,8 @@ from meshnode.dev.nodeproc import NodeProcess
 from meshnode.gateway import tools
 from meshnode.ops.realmodel import real_model
 
+pytestmark = pytest.mark.slow  # nodes and llama.cpp engines (the real model, the tiny ones)
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
@@ -48,13 +50,19 @@ def valid_calls(message) -> list:
 
 
 def test_required_tool_calls_always_parse_and_validate(oa):
-    """tool_choice required, 20 seeded answers at temperature 1: every one is a call whose arguments
-    validate against its function's schema (the answer is constrained from its first token)."""
-    for seed in range(20):
-        r = oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       temperature=1.0, seed=seed, max_tokens=200)
-        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
-        valid_calls(r.choices[0].message)
+    """tool_choice required, 20 seeded answers at temperature 1, four at a time (constrained sessions
+    batched together): every one is a call whose arguments validate against its function's schema (the
+    answer is constrained from its first token)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(seed):
+        return oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                          temperature=1.0, seed=seed, max_tokens=200)
+
+    with ThreadPoolExecutor(4) as pool:
+        for r in pool.map(ask, range(20)):
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+            valid_calls(r.choices[0].message)
 
 
 def test_a_named_function_is_the_one_called_and_parallel_false_calls_one(oa):
