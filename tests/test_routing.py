@@ -2,7 +2,7 @@
 the priority policy (order, displacement, fairness). Pure: the scheduler over the fake engine."""
 import pytest
 
-from helpers import prompt, run_to_completion, scheduler, step
+from helpers import Pipelined, prompt, run_to_completion, scheduler, step
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.kvevents import BLOCK_TOKENS, block_hashes
@@ -106,8 +106,92 @@ def test_the_priority_policy_orders_the_queue_by_priority_then_arrival():
     for key, p in (("a", 5), ("b", 0), ("c", 5), ("d", -1), ("e", 0)):
         assert sched.submit(Session(key, prompt(4), 3, priority=p)).reason == R.QUEUED
     assert queued(sched) == ["d", "b", "e", "a", "c"]  # lower first; within a priority, arrival
-    started = [ev.session.key for ev in run_to_completion(sched, engine) if ev.kind == "done"]
-    assert started == ["run", "d", "b", "e", "a", "c"]  # the running one was never preempted
+    ended = [ev.session for ev in run_to_completion(sched, engine) if ev.kind == "done"]
+    # d (better than the running one) preempted it; it went back first in its class, and lost nothing
+    assert [s.key for s in ended] == ["d", "run", "b", "e", "a", "c"] and sched.counters.preemptions == 1
+    assert all(engine.expected(s.tokens, len(s.prompt)) and s.reason == R.LENGTH for s in ended)
+
+
+def streamed(events, key) -> list[int]:
+    return [t for ev in events if ev.kind == "tokens" and ev.session.key == key for t in ev.tokens]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_better_request_preempts_a_generating_one_which_goes_on_where_it_was_each_token_once(depth):
+    """With ticks in flight (depth 2) the preempted session's samples still on their way are stale: they
+    are dropped, not streamed, and drawn again after its re-prefill, the same tokens a cold run draws."""
+    engine, sched = scheduler(policy="priority", max_active=1, max_queue=4)
+    driver = Pipelined(sched, engine, depth=depth)
+    low = Session("low", prompt(6), 20, priority=3)
+    sched.submit(low)
+    events = []
+    while low.n_generated < 5:
+        driver.fill()
+        events += driver.run_one()
+    assert sched.submit(Session("high", prompt(5, salt=1), 8, priority=-1)).reason == R.QUEUED
+    events += driver.run_to_completion()
+    ends = [ev.session.key for ev in events if ev.kind == "done"]
+    assert ends == ["high", "low"] and sched.counters.preemptions == 1
+    assert low.reason == R.LENGTH and engine.expected(low.tokens, len(low.prompt))
+    assert streamed(events, "low") == low.generated  # each token streamed once, in order
+    assert low.usage()["queue_ms"] == 0.0 or low.t_start <= low.t_first  # its queue time is its first wait
+
+
+def test_a_preempted_session_back_on_its_old_sequence_ignores_the_ticks_it_had_in_flight():
+    """Three ticks in flight (the driver allows it, the node runs two): the preempting session is cancelled
+    at once, the preempted one starts again on its old sequence id while a tick planned for it before is
+    still on its way; that tick's answer is stale and must not be taken as its own."""
+    engine, sched = scheduler(policy="priority", max_active=1, max_queue=4)
+    driver = Pipelined(sched, engine, depth=3)
+    low = Session("low", prompt(6), 20, priority=3)
+    sched.submit(low)
+    events = []
+    while low.n_generated < 5:
+        driver.fill()
+        events += driver.run_one()
+    old_seq = low.seq_id
+    sched.submit(Session("high", prompt(5, salt=1), 8, priority=-1))
+    driver.fill()  # planned: low preempted, high's prompt; two ticks of low's still in flight
+    assert sched.counters.preemptions == 1 and len(driver.sent) == 3
+    events.append(sched.cancel("high"))
+    events += driver.run_one()
+    driver.fill()
+    assert low.state == "RUNNING" and low.seq_id == old_seq and driver.sent  # back, with a stale tick ahead
+    events += driver.run_to_completion()
+    assert low.reason == R.LENGTH and engine.expected(low.tokens, len(low.prompt))
+    assert streamed(events, "low") == low.generated
+
+
+def test_no_session_is_preempted_in_vain_nor_for_an_equal_or_worse_priority():
+    engine, sched = scheduler(policy="priority", max_active=2, max_queue=4)
+    kv = sched.budget.kv_budget_bytes // sched.budget.kv_bytes_per_token
+    a = Session("a", prompt(4), 10, priority=2)
+    b = Session("b", prompt(4), 10, priority=0)
+    for s in (a, b):
+        sched.submit(s)
+    step(sched, engine, sched.plan())
+    # needs more KV than preempting `a` (the only worse one) frees: it waits, and nobody is preempted
+    huge = Session("huge", prompt(4), kv - 4 - 14 + 1, priority=1)
+    assert sched.submit(huge).reason == R.QUEUED
+    same = Session("same", prompt(4), 10, priority=2)
+    sched.submit(same)
+    step(sched, engine, sched.plan())
+    assert sched.counters.preemptions == 0 and [s.key for s in sched.running] == ["a", "b"]
+
+
+def test_a_preempted_session_is_never_displaced_from_the_queue():
+    engine, sched = scheduler(policy="priority", max_active=1, max_queue=1)
+    low = Session("low", prompt(4), 10, priority=3)
+    sched.submit(low)
+    for _ in range(3):
+        step(sched, engine, sched.plan())
+    sched.submit(Session("high", prompt(4), 5, priority=0))
+    step(sched, engine, sched.plan())  # high starts in low's place; low waits with 3 tokens streamed
+    assert [s.key for s in sched.waiting] == ["low"] and low.n_generated == 3
+    later = sched.submit(Session("later", prompt(4), 5, priority=-5))
+    assert later.reason == R.REJECTED_QUEUE_FULL and not later.displaced
+    run_to_completion(sched, engine)
+    assert low.reason == R.LENGTH and engine.expected(low.tokens, len(low.prompt))
 
 
 def test_a_better_request_displaces_the_worst_queued_one_which_gets_its_done():
@@ -206,6 +290,33 @@ def test_a_displaced_client_gets_its_done_and_the_gateway_says_429(tiny_model):
         c.cancel("run")
         assert c.wait_for(lambda e: e["event"] == "done" and e["id"] == "high")["reason"] == R.LENGTH
         assert c.status()["telemetry"]["rejected_by_reason"][R.REJECTED_QUEUE_FULL] == 1
+
+
+def test_through_a_node_a_preempted_session_continues_as_it_would_have_alone(tiny_model):
+    """The real engine: a generating low session is preempted by a better one, re-prefilled from its prompt
+    and the tokens it streamed, and goes on as it would have alone (bitwise in deterministic mode)."""
+    from helpers import assert_as_promised, assert_consistent, deterministic_node
+    from meshnode.core.types import Sampling
+    from meshnode.dev.nodeproc import NodeProcess
+
+    job = dict(tokens=prompt(9), max_tokens=120, ignore_eos=True, logprobs=2, sampling=Sampling(0.9, 40, 0.95, 7))
+    with NodeProcess(tiny_model, "--scheduling-policy", "priority", "--max-active", "2") as n, n.client() as c:
+        alone = c.generate("alone", priority=3, **job)
+        c.submit("low", priority=3, **job)
+        c.submit("other", tokens=prompt(5, salt=2), max_tokens=400, ignore_eos=True, priority=2)
+        kept, seen = [], 0
+        while seen < 20:  # the low session is well into its generation
+            kept.append(c.recv(60))
+            seen += kept[-1]["event"] == "tokens" and kept[-1]["id"] == "low"
+        c.buffer.extendleft(reversed(kept))
+        c.submit("high", tokens=prompt(6, salt=1), max_tokens=30, ignore_eos=True, priority=-1)
+        got = c.collect(["low", "other", "high"])
+        t = c.status()["telemetry"]
+        det = deterministic_node(c, tiny_model)
+    assert t["preemptions_total"] == 1  # the worst running one, low; never other (better) nor high
+    assert [got[k].done["reason"] for k in ("low", "other", "high")] == [R.LENGTH] * 3
+    assert_consistent(got["low"], 120, R.LENGTH)  # each token streamed once, the done carrying them all
+    assert_as_promised(got["low"], alone, det)
 
 
 def test_a_reserved_slot_starts_a_better_request_at_once_and_only_such_a_one():

@@ -12,13 +12,14 @@ from meshnode.dev.fake import FakeEngine
 class SchedulerMachine(RuleBasedStateMachine):
     depth = 1
     cache, pool_cells = "off", 0
+    policy = "fcfs"
 
     def __init__(self):
         super().__init__()
         self.engine, self.sched = scheduler(FakeEngine(n_seq_max=4, n_ctx=512, n_ctx_seq=256),
                                             max_active=3, max_queue=3, max_batch_size=3,
                                             max_prefill_tokens_per_tick=7, kv_budget_bytes=1024 * 300,
-                                            prefix_cache=self.cache, pool_cells=self.pool_cells)
+                                            prefix_cache=self.cache, pool_cells=self.pool_cells, policy=self.policy)
         self.budget = self.sched.budget
         self.n = 0
         self.submitted = self.accepted = self.rejected = 0
@@ -34,11 +35,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert self.engine.expected(s.tokens, len(s.prompt)), f"session {s.key} got wrong tokens"
                 self.finished.append(list(s.tokens))
 
-    def _submit(self, prompt, max_tokens, stop=frozenset(), owner=0):
+    def _submit(self, prompt, max_tokens, stop=frozenset(), owner=0, priority=0):
         self.n += 1
-        s = Session(self.n, prompt, max_tokens, stop_tokens=frozenset(stop), owner=owner)
+        s = Session(self.n, prompt, max_tokens, stop_tokens=frozenset(stop), owner=owner,
+                    priority=priority if self.policy == "priority" else 0)
         d = self.sched.submit(s)
         self.submitted += 1
+        self._record(d.displaced)  # queued ones it took the place of (priority policy) end here
         if d.accepted:
             self.accepted += 1
             self.ends.setdefault(s.key, 0)
@@ -47,10 +50,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert d.reason in R.REJECTIONS
 
     @rule(n_prompt=st.integers(0, 120), max_tokens=st.integers(0, 60), stop=st.sets(st.integers(3, 511), max_size=3),
-          topic=st.integers(0, 2), owner=st.integers(0, 1))
-    def submit(self, n_prompt, max_tokens, stop, topic, owner):
-        """Prompts of one topic share their opening tokens: the prefix cache's food."""
-        self._submit([3 + (topic * 7 + i) % 500 for i in range(n_prompt)], max_tokens, stop, owner)
+          topic=st.integers(0, 2), owner=st.integers(0, 1), priority=st.integers(-1, 2))
+    def submit(self, n_prompt, max_tokens, stop, topic, owner, priority):
+        """Prompts of one topic share their opening tokens: the prefix cache's food. (Priorities only
+        under the priority policy: a better one preempts running sessions.)"""
+        self._submit([3 + (topic * 7 + i) % 500 for i in range(n_prompt)], max_tokens, stop, owner, priority)
 
     @rule(pick=st.integers(0, 1000), extra=st.integers(0, 20), max_tokens=st.integers(1, 30), owner=st.integers(0, 1))
     def next_turn(self, pick, extra, max_tokens, owner):
@@ -92,7 +96,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def bounds_hold(self):
         s, b = self.sched, self.budget
-        assert len(s.waiting) <= b.max_queue
+        assert len([w for w in s.waiting if not w.stale_before]) <= b.max_queue  # preempted ones come back
+        assert all(w.n_planned == w.draws_in_flight == 0 and w.seq_id < 0 for w in s.waiting)
         assert len(s.running) <= b.effective_active_cap
         assert 0 <= s.admission.kv_reserved_bytes <= b.kv_budget_bytes
         assert 0 <= s.admission.scratch_reserved_bytes <= b.scratch_envelope_bytes
@@ -169,9 +174,17 @@ class PipelinedCachedMachine(PipelinedMachine):
     cache, pool_cells = "client", 0
 
 
+class PipelinedPriorityMachine(PipelinedMachine):
+    """Priorities, so running sessions are preempted mid-prompt and mid-generation with ticks in flight;
+    the prefix cache takes a preempted session's KV."""
+
+    cache, pool_cells, policy = "client", 0, "priority"
+
+
 TestScheduler = SchedulerMachine.TestCase
 TestPipelined = PipelinedMachine.TestCase
 TestCached = CachedMachine.TestCase
 TestPipelinedCached = PipelinedCachedMachine.TestCase
-for case in (TestScheduler, TestPipelined, TestCached, TestPipelinedCached):
+TestPipelinedPriority = PipelinedPriorityMachine.TestCase
+for case in (TestScheduler, TestPipelined, TestCached, TestPipelinedCached, TestPipelinedPriority):
     case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -29,7 +29,7 @@ class AdmissionDecision:
 class Admission:
     def __init__(self, budget: NodeBudget, recipe: str | None = None, reserved: int = 0):
         """`reserved`: slots only a session of a priority better than 0 may take (the priority policy's
-        headroom: a running session is never preempted)."""
+        headroom: such a session starts at once, without preempting anyone)."""
         self.budget = budget
         self.recipe = recipe
         self.reserved = reserved
@@ -88,11 +88,13 @@ class Admission:
     def scratch_need(self, s: Ask) -> int:
         return self.budget.scratch_for(s.n_prompt, s.max_tokens)
 
-    def can_start(self, s: Ask) -> bool:
+    def can_start(self, s: Ask, without: list[Ask] = ()) -> bool:
+        """`without`: as if those running sessions had released their reservations (preemption's question)."""
         b = self.budget
-        return (self.n_active < b.effective_active_cap - (self.reserved if s.priority >= 0 else 0)
-                and self.kv_reserved_bytes + self.kv_need(s) <= b.kv_budget_bytes
-                and self.scratch_reserved_bytes + self.scratch_need(s) <= b.scratch_envelope_bytes)
+        return (self.n_active - len(without) < b.effective_active_cap - (self.reserved if s.priority >= 0 else 0)
+                and self.kv_reserved_bytes - sum(map(self.kv_need, without)) + self.kv_need(s) <= b.kv_budget_bytes
+                and self.scratch_reserved_bytes - sum(map(self.scratch_need, without)) + self.scratch_need(s)
+                <= b.scratch_envelope_bytes)
 
     def reserve(self, s: Ask) -> None:
         self.n_active += 1

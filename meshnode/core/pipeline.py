@@ -40,6 +40,7 @@ class Tick:
     predicted_ms: float = 0.0  # what the cost model expects it to take; 0 before it can say
     resync: bool = False  # the first tick after a refusal: the engine starts over from it
     discard: bool = False  # planned on top of a refused tick: refused too, its answer dropped
+    planned: int = 0  # the scheduler's plan count when it was planned: a session preempted since is not its any more
 
     @property
     def chunks(self) -> list[tuple[object, SeqChunk]]:

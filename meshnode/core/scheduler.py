@@ -6,9 +6,11 @@ Policy (fixed but for the queue's order):
    arrival (`fcfs`), or with the `priority` policy each session's priority
    (vLLM's meaning: lower first), arrival within a priority; when the queue is
    full, a request of a better priority than the worst queued one takes its place
-   and that one ends REJECTED_QUEUE_FULL, with its `done`. A running session is
-   never preempted; `reserved_slots` slots are kept for sessions of a priority
-   better than 0, so one of those can start at once while the rest are full.
+   and that one ends REJECTED_QUEUE_FULL, with its `done`. A head that cannot
+   start preempts running sessions of a worse priority (core/priority.py says
+   which): each goes back to the queue with its tokens and is re-prefilled when
+   it starts again, as after an engine restart (vLLM's recompute preemption).
+   `reserved_slots` slots are kept for priorities better than 0.
 2. Decode first: every running session with exactly one token pending (it is
    generating) gets a row, up to `max_batch_size` sequences; when more wait,
    the ones scheduled longest ago go first, so none starves.
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,34 +52,13 @@ from meshnode.core.types import ConfigError
 from meshnode.core.costmodel import (TickCost, TickTarget, fill, fill_deterministic, prefill_room, rows_per_call, shape,
                                      sized, within_target)
 from meshnode.core.pipeline import Tick
-from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Session
+from meshnode.core.priority import displaceable, policy_problem, victims
+from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Event, Session
 from meshnode.core.seqs import Sequences
-from meshnode.core.types import Constrained, Logprob, Plan, Release, SeqChunk, StepResult
+from meshnode.core.types import Constrained, Plan, Release, SeqChunk, StepResult
 
 
 GATHER_SPAN = 4  # an idle engine's first tick waits at most this many quiet gaps (gather_ms) for more requests
-POLICIES = ("fcfs", "priority")
-
-
-def policy_problem(policy: str, reserved_slots: int, active: int) -> str:
-    """The queue policy's rule ("" when it holds): slots kept for better priorities need the priority policy
-    and must leave the default class at least one of the `active` slots."""
-    if policy not in POLICIES:
-        return f"scheduling_policy: must be one of {', '.join(POLICIES)}, got {policy!r}"
-    if reserved_slots and (policy != "priority" or reserved_slots >= active):
-        return (f"priority_reserved_slots: {reserved_slots} needs scheduling_policy = priority and fewer than the "
-                f"{active} sessions that may run at once (max_active)")
-    return ""
-
-
-@dataclass
-class Event:
-    kind: str  # "tokens" or "done"
-    session: Session
-    tokens: list[int] = field(default_factory=list)
-    reason: str | None = None
-    detail: str = ""  # why, in a sentence, when the reason alone does not say (a `done` only)
-    logprobs: list[Logprob] | None = None  # per token, when the session asked
 
 
 @dataclass
@@ -89,6 +70,7 @@ class Counters:
     occupancy_max: int = 0
     occupancy_sum: int = 0
     constraint_failures: int = 0  # sessions ended BAD_REQUEST: their response_format failed while generating
+    preemptions: int = 0  # running sessions sent back to the queue for a better priority
 
 
 class Scheduler:
@@ -108,7 +90,7 @@ class Scheduler:
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
         self.admission = Admission(budget, recipe, reserved_slots)
-        self.waiting: list[Session] = []  # in start order (POLICIES)
+        self.waiting: list[Session] = []  # in start order (core/priority.py POLICIES)
         self.running: list[Session] = []
         self.live: dict = {}
         why = deterministic and deterministic_rows_problem(budget.n_batch, budget.max_batch_size)
@@ -125,7 +107,7 @@ class Scheduler:
         why = policy_problem(policy, reserved_slots, budget.effective_active_cap)
         if why:  # NodeConfig.resolve() refuses this at start; here for schedulers built otherwise
             raise ConfigError(why)
-        self.policy, self._arrivals = policy, 0
+        self.policy, self._arrivals, self._plans = policy, 0, 0
         self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
 
     # -- requests --------------------------------------------------------------------
@@ -133,7 +115,7 @@ class Scheduler:
         d = self.precheck(s.ask)
         displaced = ()
         if d.reason == R.QUEUED and len(self.waiting) >= self.budget.max_queue:  # it takes the worst one's place
-            worst = self.waiting[-1]
+            worst = displaceable(self.waiting)
             displaced = (self._end(worst, R.REJECTED_QUEUE_FULL, f"the queue is full and a request of priority "
                                    f"{s.priority} took the place of this one (priority {worst.priority})"),)
         if not d.accepted:
@@ -160,8 +142,8 @@ class Scheduler:
                                      "--scheduling-policy priority; send none (0) to this one")
         d = self.admission.check(ask, live=ask.key in self.live, queue_len=len(self.waiting), draining=self.draining,
                                  mem_available=self.mem_available, engine_down=self.engine_down)
-        if (d.reason == R.REJECTED_QUEUE_FULL and self.policy == "priority" and self.waiting
-                and ask.priority < self.waiting[-1].priority):
+        worst = displaceable(self.waiting) if d.reason == R.REJECTED_QUEUE_FULL and self.policy == "priority" else None
+        if worst is not None and ask.priority < worst.priority:
             return AdmissionDecision(R.QUEUED, "takes the place of the worst queued request")
         return d
 
@@ -191,6 +173,7 @@ class Scheduler:
 
     def plan(self) -> Tick | None:
         """The next tick (numbered when its driver puts it in flight); None when there is nothing to do."""
+        self._plans += 1
         self._promote()
         for s in self.running:
             if s.leader:
@@ -219,7 +202,7 @@ class Scheduler:
             c.occupancy_last = len(chunks)
             c.occupancy_max = max(c.occupancy_max, len(chunks))
             c.occupancy_sum += len(chunks)
-        tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused)
+        tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused, planned=self._plans)
         self._arrived = None
         tick.predicted_ms = self._predicted_ms(tick.plan.chunks)
         return tick
@@ -280,8 +263,8 @@ class Scheduler:
         for seq_id in missed:  # a finished session's last tick may have lost its cached KV: nothing to keep
             self.seqs.lost(seq_id)
         for s, c in tick.chunks:
-            if s.state != RUNNING or s.seq_id != c.seq_id:
-                continue  # cancelled or ended while the tick ran: its result is stale
+            if not self._current(s, c, tick):
+                continue  # cancelled, ended or preempted while the tick ran: its result is stale
             if c.seq_id in missed:
                 events.append(self._end(s, R.CACHE_MISS))  # released again: see engine/followups.py
                 continue
@@ -303,7 +286,7 @@ class Scheduler:
             if reason:
                 events.append(self._end(s, reason))
         for s in tick.reused:  # its Keep or Share found the KV gone (an earlier tick's miss) before any chunk ran
-            if s.state == RUNNING and s.seq_id in missed:
+            if s.state == RUNNING and tick.planned >= s.stale_before and s.seq_id in missed:
                 events.append(self._end(s, R.CACHE_MISS))
         return events
 
@@ -324,16 +307,16 @@ class Scheduler:
         None of the refused releases ran, so they go out again with the next plan (releasing an
         empty sequence is harmless; a lost release would poison its id).
         """
-        events = [self._end(s, reason) for s, c in tick.chunks if s.state == RUNNING and s.seq_id == c.seq_id]
+        events = [self._end(s, reason) for s, c in tick.chunks if self._current(s, c, tick)]
         release = []
         for tk in [tick, *behind]:
             release += tk.plan.release + [op.seq_id for op in tk.plan.kv if isinstance(op, Release)]
             for s, c in tk.chunks if tk is not tick else ():
-                if s.state == RUNNING and s.seq_id == c.seq_id:
+                if self._current(s, c, tk):
                     s.n_planned = min(s.n_planned, c.pos)
                     s.draws_in_flight -= c.draw >= 0
             for s in tk.reused:  # its Keep or Share did not run: start it over from position 0
-                if s.state == RUNNING:
+                if s.state == RUNNING and tk.planned >= s.stale_before:
                     s.n_planned = s.n_reused = 0
                     release.append(s.seq_id)
         self.seqs.refused(release)
@@ -358,14 +341,37 @@ class Scheduler:
     def _start(self, s: Session) -> None:
         self.admission.reserve(s.ask)
         self.seqs.place(s, self.running)
-        s.state, s.t_start = RUNNING, self.clock()
+        s.state, s.t_start = RUNNING, s.t_start or self.clock()  # a preempted session's queue time is its first wait
         self.running.append(s)
         self.seqs.fit(self.admission.kv_reserved_bytes // self.budget.kv_bytes_per_token)
 
     def _promote(self) -> None:
-        while (self.waiting and self.admission.can_start(self.waiting[0].ask)
-               and self.seqs.available):
+        while self.waiting and (self._fits(self.waiting[0]) or self._preempt_for(self.waiting[0])):
             self._start(self.waiting.pop(0))
+
+    def _fits(self, s: Session) -> bool:
+        return self.admission.can_start(s.ask) and self.seqs.available
+
+    def _preempt_for(self, head: Session) -> bool:
+        """Under the priority policy, make room for `head` by preempting running sessions (core/priority.py)."""
+        out = victims(head, self.running, self.admission.can_start) if self.policy == "priority" else []
+        for s in out:
+            self._preempt(s)
+        return bool(out) and self._fits(head)
+
+    def _preempt(self, s: Session) -> None:
+        """Back to the queue with what it has; results of its ticks still in flight are stale (`_current`)."""
+        self.admission.release(s.ask)
+        self.running.remove(s)
+        self.seqs.finished(s, keep=True)
+        s.state, s.seq_id, s.leader, s.stale_before = QUEUED, -1, None, self._plans
+        s.n_planned = s.n_reused = s.draws_in_flight = 0
+        bisect.insort(self.waiting, s, key=lambda q: q.order)
+        self.counters.preemptions += 1
+
+    def _current(self, s: Session, c: SeqChunk, tick: Tick) -> bool:
+        """The chunk's session is still running on that sequence, and was when the tick was planned."""
+        return s.state == RUNNING and s.seq_id == c.seq_id and tick.planned >= s.stale_before
 
     def _end(self, s: Session, reason: str, detail: str = "") -> Event:
         if s.state == RUNNING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from meshnode.core.types import GREEDY, Grammar, Sampling
+from meshnode.core.types import GREEDY, Grammar, Logprob, Sampling
 
 NEW, QUEUED, RUNNING, DONE = "NEW", "QUEUED", "RUNNING", "DONE"
 
@@ -48,6 +48,7 @@ class Session:
     state: str = NEW
     reason: str | None = None
     last_tick: int = -1
+    stale_before: int = 0  # ticks planned before this plan count are not this incarnation's (preempted since)
     t_submit: float = 0.0
     t_start: float = 0.0
     t_first: float = 0.0
@@ -87,3 +88,14 @@ class Session:
                 "cached_tokens": self.n_reused,
                 "queue_ms": ms(self.t_start, self.t_submit), "ttft_ms": ms(self.t_first, self.t_submit),
                 "total_ms": ms(self.t_done, self.t_submit)}
+
+
+@dataclass
+class Event:
+    """What a tick (or an end) meant for one session, for the output stage to send."""
+    kind: str  # "tokens" or "done"
+    session: Session
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+    detail: str = ""  # why, in a sentence, when the reason alone does not say (a `done` only)
+    logprobs: list[Logprob] | None = None  # per token, when the session asked

@@ -105,6 +105,7 @@ class Telemetry:
             "bad_frames_total": self.bad_frames_total,
             "unknown_sessions_total": self.unknown_sessions_total,
             "constraint_failures_total": c.constraint_failures,
+            "preemptions_total": c.preemptions,
             "client_faults_total": self.client_faults_total,
             "engine": dict(self.engine, **self._wait_percentiles()),
             "memory": dict(self.memory),

@@ -48,6 +48,8 @@ SNAPSHOT = [
     ("meshnode_batch_occupancy_avg", "gauge", "Mean sequences per tick since start.", lambda t: t["batch_occupancy_avg"]),
     ("meshnode_batch_occupancy_max", "gauge", "Most sequences in one tick since start.", lambda t: t["batch_occupancy_max"]),
     ("meshnode_ticks_total", "counter", "Engine ticks (llama_decode calls) run.", lambda t: t["ticks_total"]),
+    ("meshnode_preemptions_total", "counter", "Running sessions sent back to the queue for a better priority "
+     "(--scheduling-policy priority); each continues later, re-prefilled.", lambda t: t["preemptions_total"]),
     ("meshnode_bad_frames_total", "counter", "Malformed or oversize client frames.", lambda t: t["bad_frames_total"]),
     ("meshnode_unknown_sessions_total", "counter", "Cancels of ids with no live session.",
      lambda t: t["unknown_sessions_total"]),

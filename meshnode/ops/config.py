@@ -19,7 +19,8 @@ except ModuleNotFoundError:  # Python 3.10
 from meshnode.core.budget import DEFAULT_MAX_QUEUE, BudgetAsk, rows_problem
 from meshnode.core.costmodel import TickTarget
 from meshnode.core.prefix import SCOPES
-from meshnode.core.scheduler import GATHER_SPAN, POLICIES, policy_problem
+from meshnode.core.priority import POLICIES, policy_problem
+from meshnode.core.scheduler import GATHER_SPAN
 from meshnode.core.speculation import MAX_DRAFTS, MODES as SPEC_MODES
 from meshnode.core.types import ConfigError
 from meshnode.engine.config import EngineConfig
@@ -117,11 +118,11 @@ class NodeConfig:
                              range=(0, MAX_DRAFTS))
     scheduling_policy: str = setting("fcfs", "the queue's order: fcfs (arrival), priority (a submit's priority, "
                                      "lower first, arrival within one; a better one takes a full queue's worst "
-                                     "place, which ends REJECTED_QUEUE_FULL; running sessions are never preempted)",
+                                     "place, which ends REJECTED_QUEUE_FULL; and preempts running worse ones it needs room from)",
                                      choices=POLICIES)
     priority_reserved_slots: int = setting(0, "with scheduling_policy = priority: sequence slots only a request "
                                            "of a priority below 0 may take, so one starts at once while the "
-                                           "others are full (nothing is preempted)", range=(0, MAX_SEQ))
+                                           "others are full (without preempting anyone)", range=(0, MAX_SEQ))
     kv_events: str | None = setting(None, "publish the prefix cache's blocks as KV events (vLLM's BlockStored, "
                                     "BlockRemoved, AllBlocksCleared) on this ZeroMQ PUB endpoint, for prefix-aware "
                                     "routers (docs/operating.md); unset = off", example="tcp://127.0.0.1:5557")
