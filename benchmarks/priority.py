@@ -10,8 +10,8 @@ at a time). Sides in an order that rotates each round: `priority` (the high clas
 for a better request) and `fcfs` (the same load; priority cannot be sent there, so the high class waits
 in arrival order, and a high request the full queue refuses is sent again 10 ms later, ahead of the low
 class's refill, its time counted from its first send). The goal (issue 47): the high class's median
-first-token time under overload within 1.2x of the idle node's. Running sessions are never preempted, so
-a high request waits for a slot to free at worst.
+first-token time under overload within 1.2x of the idle node's. Under the priority policy a high request
+that finds every slot busy preempts a low session (counted per side); under fcfs it waits.
 """
 from __future__ import annotations
 
@@ -97,10 +97,11 @@ def _side(path: str, threads: int, side: str, r: int) -> dict:
                      *SIDES[side], "--log-level", "WARNING") as node, node.client(timeout_s=600) as c:
         idle = _idle(c)
         load = _overload(c, side != "fcfs", f"r{r}")
+        preempted = c.status()["telemetry"]["preemptions_total"]
         time.sleep(0.5)  # the cancelled lows' dones
         while c.recv(timeout_s=0.2) is not None:
             pass
-    return {"idle_high_ttft_ms": idle, **load}
+    return {"idle_high_ttft_ms": idle, **load, "preemptions": preempted}
 
 
 def main(a) -> int:
@@ -117,7 +118,8 @@ def main(a) -> int:
             med = lambda k: float(np.median(f[k])) if f[k] else float("nan")  # noqa: E731
             print(f"  round {r + 1} {policy:<8} high first token p50 {med('high_ttft_ms'):8.1f} ms "
                   f"(idle {med('idle_high_ttft_ms'):6.1f}), low p50 {med('low_ttft_ms'):8.1f} ms, low refused "
-                  f"{f['low_refused']}, displaced {f['low_displaced']}, high refused {f['high_refused']}", flush=True)
+                  f"{f['low_refused']}, displaced {f['low_displaced']}, high refused {f['high_refused']}, preempted "
+                  f"{f['preemptions']}", flush=True)
     verdict = []
     for policy, fs in runs.items():
         high = float(np.median([x for f in fs for x in f["high_ttft_ms"]]))

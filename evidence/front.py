@@ -45,13 +45,13 @@ def priority() -> list[str]:
           f"keeps the node overloaded ({p['low_tokens']} new tokens each), a high-class request ({p['high_tokens']} "
           f"new tokens) every {p['high_every_s']} s; first-token times as the client sees them, ms.", "",
           "| policy | round | high p50 | high p90 | idle high p50 | low p50 | low refused | low displaced | "
-          "high refused (sent again) |", "|---|---|---|---|---|---|---|---|---|"]
+          "high refused (sent again) | low preempted |", "|---|---|---|---|---|---|---|---|---|---|"]
     q = lambda xs, f: statistics.quantiles(xs, n=10)[8] if f == 90 and len(xs) > 1 else statistics.median(xs)  # noqa
     for policy, runs in p["runs"].items():
         for i, r in enumerate(runs, 1):
             md.append(f"| {policy} | {i} | {q(r['high_ttft_ms'], 50):.0f} | {q(r['high_ttft_ms'], 90):.0f} | "
                       f"{q(r['idle_high_ttft_ms'], 50):.0f} | {q(r['low_ttft_ms'], 50):.0f} | {r['low_refused']} | "
-                      f"{r['low_displaced']} | {r['high_refused']} |")
+                      f"{r['low_displaced']} | {r['high_refused']} | {r.get('preemptions', 'n/a')} |")
     return md + ["", *[f"- {v}" for v in p["verdict"]], "",
                  "Running sessions are never preempted: with every slot busy a high request waits for one to free "
                  "(`priority`: it waits at the head of the queue, never behind the low class as under `fcfs`); "
