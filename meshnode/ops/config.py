@@ -118,7 +118,7 @@ class NodeConfig:
                              range=(0, MAX_DRAFTS))
     scheduling_policy: str = setting("fcfs", "the queue's order: fcfs (arrival), priority (a submit's priority, "
                                      "lower first, arrival within one; a better one takes a full queue's worst "
-                                     "place, which ends REJECTED_QUEUE_FULL; and preempts running worse ones it needs room from)",
+                                     "place, which ends REJECTED_QUEUE_FULL, and preempts worse running ones)",
                                      choices=POLICIES)
     priority_reserved_slots: int = setting(0, "with scheduling_policy = priority: sequence slots only a request "
                                            "of a priority below 0 may take, so one starts at once while the "
