@@ -286,7 +286,7 @@ class Scheduler:
             if reason:
                 events.append(self._end(s, reason))
         for s in tick.reused:  # its Keep or Share found the KV gone (an earlier tick's miss) before any chunk ran
-            if s.state == RUNNING and tick.planned >= s.stale_before and s.seq_id in missed:
+            if self._running_since(s, tick) and s.seq_id in missed:
                 events.append(self._end(s, R.CACHE_MISS))
         return events
 
@@ -316,7 +316,7 @@ class Scheduler:
                     s.n_planned = min(s.n_planned, c.pos)
                     s.draws_in_flight -= c.draw >= 0
             for s in tk.reused:  # its Keep or Share did not run: start it over from position 0
-                if s.state == RUNNING and tk.planned >= s.stale_before:
+                if self._running_since(s, tk):
                     s.n_planned = s.n_reused = 0
                     release.append(s.seq_id)
         self.seqs.refused(release)
@@ -335,7 +335,7 @@ class Scheduler:
         re-prefilling it."""
         self.seqs.restarted()
         for s in self.running:
-            s.n_planned = s.draws_in_flight = s.n_reused = 0
+            s.forget_kv()
 
     # -- internals ----------------------------------------------------------------------
     def _start(self, s: Session) -> None:
@@ -365,13 +365,18 @@ class Scheduler:
         self.running.remove(s)
         self.seqs.finished(s, keep=True)
         s.state, s.seq_id, s.leader, s.stale_before = QUEUED, -1, None, self._plans
-        s.n_planned = s.n_reused = s.draws_in_flight = 0
+        s.forget_kv()
         bisect.insort(self.waiting, s, key=lambda q: q.order)
         self.counters.preemptions += 1
 
     def _current(self, s: Session, c: SeqChunk, tick: Tick) -> bool:
         """The chunk's session is still running on that sequence, and was when the tick was planned."""
-        return s.state == RUNNING and s.seq_id == c.seq_id and tick.planned >= s.stale_before
+        return self._running_since(s, tick) and s.seq_id == c.seq_id
+
+    @staticmethod
+    def _running_since(s: Session, tick: Tick) -> bool:
+        """Running, and in the same incarnation as when `tick` was planned (not preempted since)."""
+        return s.state == RUNNING and tick.planned >= s.stale_before
 
     def _end(self, s: Session, reason: str, detail: str = "") -> Event:
         if s.state == RUNNING:

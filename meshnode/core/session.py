@@ -78,6 +78,10 @@ class Session:
             return 0
         return len(self.tokens) + self.draws_in_flight - self.n_planned
 
+    def forget_kv(self) -> None:
+        """Its KV is gone (an engine restart, a preemption): everything is fed again from position 0."""
+        self.n_planned = self.n_reused = self.draws_in_flight = 0
+
     @property
     def ask(self) -> Ask:
         return Ask(self.key, len(self.prompt), self.max_tokens, self.recipe, self.priority)
