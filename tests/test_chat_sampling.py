@@ -191,13 +191,13 @@ def test_messages_stop_strings_and_logprobs_over_the_wire(tiny_model):
 
 
 def test_every_sampling_option_through_a_node_alone_batched_and_after_an_engine_kill(tiny_model):
-    """Alone, a session is the same on every run (other clients share no KV); in deterministic mode (the
-    default, promised on this CPU and model) also batched with others and re-prefilled after a kill:
-    every sampling option at once, tokens bitwise."""
+    """Alone, a session is the same on every run (other clients share no KV); in deterministic mode (asked
+    for: promised on this CPU and model) also batched with others and re-prefilled after a kill: every
+    sampling option at once, tokens bitwise."""
     from meshnode.dev.nodeproc import NodeProcess
 
     job = dict(tokens=prompt(12), max_tokens=60, sampling=EVERYTHING, ignore_eos=True)
-    with NodeProcess(tiny_model) as n:
+    with NodeProcess(tiny_model, "--deterministic") as n:
         with n.client() as c:
             alone = c.generate("alone", **job)
         with n.client() as c:

@@ -334,14 +334,20 @@ def test_deterministic_chunks_keep_every_cell_on_the_kernel_a_cold_run_gives_it(
 
 
 def test_a_lone_decode_row_gets_a_dummy_neighbour_and_rows_beside_others_none():
-    from meshnode.engine.invariant import pads
-    assert pads([0, 1, 2], 8) == [] and pads([3, 4], 8) == []
-    assert pads([0], 8) == [1] and pads([7], 8) == [6] and pads([0, 2], 8) == [1]  # 0 and 2 join through 1
-    assert pads([0, 3, 7], 8) == [1, 4, 6]
+    from meshnode.engine.invariant import SPLIT_KV_CELLS, LonePads, pads
+    every = LonePads(True, True)
+    at = lambda streams, pos=0: [(s, pos) for s in streams]  # noqa: E731
+    assert pads(at([0, 1, 2]), 8, every) == [] and pads(at([3, 4]), 8, every) == []
+    assert pads(at([0]), 8, every) == [1] and pads(at([7]), 8, every) == [6]
+    assert pads(at([0, 2]), 8, every) == [1]  # 0 and 2 join through 1
+    assert pads(at([0, 3, 7]), 8, every) == [1, 4, 6]
     for streams in ([0], [5], [0, 2, 4, 6], [1, 3, 5, 7], [0, 7]):  # every run of streams ends up with >= 2 rows
-        taken = sorted(streams + pads(streams, 8))
+        taken = sorted(streams + pads(at(streams), 8, every))
         runs, run = [], [taken[0]]
         for s in taken[1:]:
             run = run + [s] if s == run[-1] + 1 else (runs.append(run), [s])[1]
         runs.append(run)
         assert all(len(r) >= 2 for r in runs) and len(set(taken)) == len(taken)
+    deep = LonePads(False, True)  # only past SPLIT_KV_CELLS (flash attention's split-KV path)
+    assert pads(at([0], SPLIT_KV_CELLS - 1), 8, deep) == [] and pads(at([0], SPLIT_KV_CELLS), 8, deep) == [1]
+    assert pads([(0, 5), (3, SPLIT_KV_CELLS + 9)], 8, deep) == [4] and pads(at([0, 3]), 8, LonePads(False, False)) == []

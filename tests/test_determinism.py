@@ -16,6 +16,7 @@ import pytest
 
 from helpers import engine_config, history, logprob_entries, promised, scenario, serve
 from meshnode.core import reasons as R
+from meshnode.core.speculation import RowCost
 from meshnode.core.types import GREEDY, FatalEngineError, Plan, Sampling, SeqChunk
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine import invariant, llamacpp
@@ -40,8 +41,11 @@ def problems(models):
     self-check is the judge, so a CPU where the rules fail skips the bitwise cases with its words."""
     out = {}
     for name, path in models.items():
-        with engine(path, deterministic=None) as e:
-            out[name] = e.deterministic_problem
+        try:
+            with engine(path):
+                out[name] = ""
+        except FatalEngineError as e:
+            out[name] = str(e)
     return out
 
 
@@ -55,19 +59,24 @@ def holding(problems, name, models):
         pytest.skip(f"{name}: deterministic mode does not hold here (the node runs without it): {problems[name]}")
 
 
-def engine(path, deterministic=True, n_seq_max=8):
-    return LlamaEngine(engine_config(path, n_seq_max=n_seq_max, ctx=4096, n_batch=512, threads=1,
-                                    kv_layout="unified" if deterministic is False else "streams",
-                                    deterministic=deterministic))
+def engine(path, deterministic=True, n_seq_max=8, **settings):
+    return LlamaEngine(engine_config(path, **{"n_seq_max": n_seq_max, "ctx": 4096, "n_batch": 512, "threads": 1,
+                                              "kv_layout": "unified" if deterministic is False else "streams",
+                                              "deterministic": deterministic, **settings}))
 
 
-def logits_of_seq0(e, crowd_seed=None, ticks=41):
-    """Sequence 0's logits at each of its first `ticks` generated tokens (greedy), with seven neighbours
-    that start, prefill, decode, finish and start again at random when `crowd_seed` is given (as many as
-    the engine has sequences)."""
+# sequence 0's prompt: its 41 tokens all in a stream of under 256 cells, or all past it (engine/invariant.py,
+# SPLIT_KV_CELLS: flash attention's split-KV path for a lone row)
+DEPTHS = {"shallow": 37, "deep": 260}
+
+
+def logits_of_seq0(e, crowd_seed=None, ticks=41, prompt=37):
+    """Sequence 0's logits at each of its first `ticks` generated tokens (greedy) after a `prompt`-token
+    prompt, with seven neighbours that start, prefill, decode, finish and start again at random when
+    `crowd_seed` is given (as many as the engine has sequences)."""
     rng = random.Random(crowd_seed)
     e.step(Plan([], list(range(e.n_seq_max))))
-    seqs = {0: {"toks": [3 + (k * 37) % 500 for k in range(37)], "cached": 0, "gen": 0, "left": 10 ** 9}}
+    seqs = {0: {"toks": [3 + (k * 37) % 500 for k in range(prompt)], "cached": 0, "gen": 0, "left": 10 ** 9}}
     out = []
     while len(out) < ticks:
         release = []
@@ -130,15 +139,39 @@ def test_extra_weight_buffers_only_where_numbers_hold_and_never_quantized_ones_o
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
-def test_a_sequence_is_bitwise_the_same_alone_and_in_any_crowd(models, problems, name):
+def test_a_sequence_is_bitwise_the_same_alone_and_in_any_crowd(models, problems, name, depth):
     holding(problems, name, models)
-    with engine(models[name]) as e:
-        alone = logits_of_seq0(e)
-        crowds = [logits_of_seq0(e, seed) for seed in range(3)]
+    with engine(models[name], threads=2 if depth == "deep" else 1) as e:  # one thread splits no KV
+        alone = logits_of_seq0(e, prompt=DEPTHS[depth])
+        crowds = [logits_of_seq0(e, seed, prompt=DEPTHS[depth]) for seed in range(3)]
     assert len(alone) == 41
     for crowd in crowds:
         assert all(np.array_equal(a, b) for a, b in zip(alone, crowd))
+
+
+@pytest.mark.slow
+def test_the_start_up_check_pads_only_the_lone_rows_whose_kernels_differ(models, problems):
+    """Where the CPU is one the mode is promised on: q8_0 weights sum one column as they sum several, so
+    a lone row needs a padding row only past SPLIT_KV_CELLS on an f16 K and V cache (flash attention's
+    split-KV path), and none with a q8_0 K; f32 weights need one everywhere. Dropping the deep padding row
+    changes a q8_0 sequence's logits past SPLIT_KV_CELLS: the pads found are needed, not decoration. The split
+    path splits the cells over the threads: on one thread it sums as the per-row kernel does."""
+    holding(problems, "q8_0", models)
+    holding(problems, "f32", models)
+    with engine(models["f32"]) as e:
+        assert e.lone_pads == invariant.LonePads(True, True)
+    with engine(models["q8_0"], type_k="q8_0", threads=2) as e:
+        assert e.lone_pads == invariant.LonePads(False, False)
+    with engine(models["q8_0"]) as e:
+        assert e.lone_pads == invariant.LonePads(False, False)
+    with engine(models["q8_0"], threads=2) as e:
+        assert e.lone_pads == invariant.LonePads(False, True)
+        e.lone_pads = invariant.LonePads(False, False)
+        alone = logits_of_seq0(e, ticks=8, prompt=DEPTHS["deep"])
+        crowd = logits_of_seq0(e, 0, ticks=8, prompt=DEPTHS["deep"])
+    assert not all(np.array_equal(a, b) for a, b in zip(alone, crowd))
 
 
 @pytest.mark.slow
@@ -147,7 +180,7 @@ def test_f16_weights_in_amx_buffers_keep_a_rows_bits_alone_and_in_crowds_without
     lone row the bits it has in a crowd: no dummy row. Elsewhere the same harness runs the usual path."""
     holding(problems, "f16", models)
     with engine(models["f16"], n_seq_max=AMX_MAX_ROWS) as e:
-        assert e.pad_lone_rows == (not llamacpp.amx_crashes())
+        assert e.lone_pads.shallow == (not llamacpp.amx_crashes())
         alone = logits_of_seq0(e)
         crowds = [logits_of_seq0(e, seed) for seed in range(3)]
     for crowd in crowds:
@@ -187,25 +220,41 @@ def test_without_deterministic_mode_the_same_harness_sees_the_difference(models)
 def test_the_start_up_check_refuses_a_build_whose_lone_rows_round_differently(models, monkeypatch):
     """Without the padding a lone decode row leaves tinyBLAS: the self-check sees it and the engine refuses
     (f32 weights: f16 ones on an AMX CPU take AMX's kernel, the same for one row as for several)."""
-    monkeypatch.setattr(invariant, "pads", lambda streams, n: [])
+    monkeypatch.setattr(invariant, "pads", lambda rows, n, lone: [])
     with pytest.raises(FatalEngineError, match="deterministic: not on this CPU and model: .* differed") as e:
         engine(models["f32"])
     assert "\n" not in str(e.value) and "--no-deterministic" in str(e.value)
 
 
 @pytest.mark.slow
-def test_left_to_the_engine_the_mode_is_on_where_it_holds_and_off_with_the_reason_elsewhere(models, tmp_path,
+def test_left_to_the_engine_the_mode_is_on_where_it_is_free_and_off_with_the_reason_elsewhere(models, tmp_path,
                                                                                            monkeypatch):
-    with engine(models["q4_k_m"], deterministic=None) as e:
+    """The default runs the mode where it holds and costs a session decoding alone nothing: q8_0 weights with
+    a q8_0 K cache, or on one thread. Where a lone row would need a padding row (an f16 K and V cache past 256
+    cells on several threads, f16 or f32 weights everywhere), where the start-up check finds one, and where it
+    cannot hold, it is off, saying why."""
+    with engine(models["q8_0"], deterministic=None, type_k="q8_0") as e:
         assert e.deterministic == (e.deterministic_problem == "")
-        assert e.deterministic or not promised(models["q4_k_m"]), e.deterministic_problem
-        cfg = engine_config(models["q4_k_m"], kv_layout="streams", deterministic=None)
+        assert e.deterministic or not promised(models["q8_0"]), e.deterministic_problem
+        cfg = engine_config(models["q8_0"], kv_layout="streams", deterministic=None, type_k="q8_0")
         assert e.recipe_fingerprint == cfg.recipe(e.deterministic) != cfg.recipe(not e.deterministic)
+    with engine(models["q8_0"], deterministic=None) as e:  # one thread: the split-KV path sums as the per-row one
+        assert e.deterministic or not promised(models["q8_0"]), e.deterministic_problem
+    for name, why in (("q8_0", "past 256 (flash attention's split-KV path on a f16 K and V cache)"),
+                      ("f32", "every token (F32 weights"), ("q4_k_m", "past 256")):
+        with engine(models[name], deterministic=None, threads=2) as e:
+            assert not e.deterministic and e.deterministic_problem.startswith("deterministic: off by default: a "
+                                                                              "session decoding alone would pay")
+            assert why in e.deterministic_problem and "\n" not in e.deterministic_problem
     q4_0 = str(make_model(tmp_path / "q4_0.gguf", "tiny-f16", 0, "q4_0"))
     with engine(q4_0, deterministic=None) as e:
         assert not e.deterministic and e.deterministic_problem.startswith("deterministic: not for Q4_0")
-    monkeypatch.setattr(invariant, "pads", lambda streams, n: [])
-    with engine(models["f32"], deterministic=None) as e:
+    with monkeypatch.context() as m:  # a check that finds a padding row where none was expected
+        m.setattr(invariant, "lone_cost", lambda *a: "")
+        with engine(models["f32"], deterministic=None) as e:
+            assert not e.deterministic and "the start-up check found" in e.deterministic_problem
+    monkeypatch.setattr(invariant, "_compare", lambda *a: "a sequence's logits at step 1 differed alone and beside")
+    with engine(models["q8_0"], deterministic=None, type_k="q8_0") as e:
         assert not e.deterministic and "differed alone and beside" in e.deterministic_problem
 
 
@@ -274,6 +323,7 @@ def test_speculative_drafts_right_or_wrong_leave_a_session_bitwise_the_same_alon
         propose = drafts[name]
         with monkeypatch.context() as m:
             m.setattr(e, "spec", mode)
+            m.setattr(e, "row_cost", RowCost([(1, 10.0), (64, 14.0)]))  # rows nearly free: right drafts pay
             if propose:
                 m.setattr(e._lookup, "propose", propose)
             counts.clear()
@@ -285,7 +335,7 @@ def test_speculative_drafts_right_or_wrong_leave_a_session_bitwise_the_same_alon
             assert counts["served"] >= 40 and counts["drafted"] >= counts["served"], counts
         elif name == "wrong":  # nothing kept: each draft was checked against the sampler's own choice
             assert counts["served"] == counts["kept"] == 0 and counts["drafted"] >= 38, (mode, counts)
-        elif name == "right":  # auto: the cost model learns the drafts are right and drafts on
+        elif name == "right":  # auto: the lookup's guesses turn out right, and it drafts on
             assert counts["served"] >= 20, (mode, counts)
 
 
@@ -412,7 +462,7 @@ def test_through_a_node_alone_in_a_crowd_after_a_kill_and_on_a_cache_hit_a_sessi
         kept, seen = [], 0
         while seen < 100:  # the engine dies a fifth of the way in
             kept.append(c.recv(60))
-            seen += kept[-1]["event"] == "tokens" and kept[-1]["id"] == "killed"
+            seen += len(kept[-1]["tokens"]) if kept[-1]["event"] == "tokens" and kept[-1]["id"] == "killed" else 0
         os.kill(c.status()["node"]["engine_pid"], signal.SIGKILL)
         c.buffer.extendleft(reversed(kept))
         killed = c.collect(["killed"])["killed"]
@@ -434,5 +484,5 @@ def test_a_node_asked_for_what_no_test_proves_refuses_to_start_in_one_line_and_b
     assert "Q4_0" in lines[0] and "q4_k_m" in lines[0]
     with NodeProcess(q4_0) as n, n.client() as c:
         assert c.status()["node"]["deterministic"] is False and c.generate("x", tokens=[3, 4], max_tokens=3).done
-    said = [ln for ln in n.log().splitlines() if "deterministic mode off" in ln]
-    assert len(said) == 1 and "Q4_0" in said[0]
+    said = [ln for ln in n.log().splitlines() if "deterministic=off (deterministic: not for Q4_0" in ln]
+    assert len(said) == 1 and "meshnode ready:" in said[0]

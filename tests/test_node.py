@@ -228,7 +228,7 @@ def test_engine_sigkill_mid_generation_loses_nothing(tiny_model):
     before = leftover_segments()
     jobs = {f"k{i}": dict(tokens=prompt(3 + 5 * i, i), max_tokens=400, ignore_eos=True, logprobs=2,
                           sampling=Sampling(0.7, 0, 1.0, i) if i % 2 else None) for i in range(4)}
-    with NodeProcess(tiny_model, "--max-active", "4") as n, n.client() as c:
+    with NodeProcess(tiny_model, "--max-active", "4", "--deterministic") as n, n.client() as c:
         for sid, kw in jobs.items():
             c.submit(sid, **kw)
         want = c.collect(list(jobs))
@@ -314,7 +314,7 @@ def test_pipelined_and_lockstep_nodes_give_the_same_tokens(tiny_model):
                           sampling=Sampling(0.9, 20, 0.9, i) if i % 2 else None) for i in range(5)}
 
     def run(depth, stops):
-        with NodeProcess(tiny_model, "--pipeline-depth", depth) as n, n.client() as c:
+        with NodeProcess(tiny_model, "--pipeline-depth", depth, "--deterministic") as n, n.client() as c:
             for sid, kw in jobs.items():
                 c.submit(sid, **kw, stop_tokens=stops.get(sid, []))
             return c.collect(list(jobs)), deterministic_node(c, tiny_model)

@@ -301,14 +301,15 @@ def test_through_a_node_a_preempted_session_continues_as_it_would_have_alone(tin
     from meshnode.dev.nodeproc import NodeProcess
 
     job = dict(tokens=prompt(9), max_tokens=120, ignore_eos=True, logprobs=2, sampling=Sampling(0.9, 40, 0.95, 7))
-    with NodeProcess(tiny_model, "--scheduling-policy", "priority", "--max-active", "2") as n, n.client() as c:
+    with NodeProcess(tiny_model, "--scheduling-policy", "priority", "--max-active", "2", "--deterministic") as n, \
+            n.client() as c:
         alone = c.generate("alone", priority=3, **job)
         c.submit("low", priority=3, **job)
         c.submit("other", tokens=prompt(5, salt=2), max_tokens=400, ignore_eos=True, priority=2)
         kept, seen = [], 0
         while seen < 20:  # the low session is well into its generation
             kept.append(c.recv(60))
-            seen += kept[-1]["event"] == "tokens" and kept[-1]["id"] == "low"
+            seen += len(kept[-1]["tokens"]) if kept[-1]["event"] == "tokens" and kept[-1]["id"] == "low" else 0
         c.buffer.extendleft(reversed(kept))
         c.submit("high", tokens=prompt(6, salt=1), max_tokens=30, ignore_eos=True, priority=-1)
         got = c.collect(["low", "other", "high"])

@@ -50,7 +50,7 @@ def served(request, tmp_path_factory):
     path = str(make_model(tmp_path_factory.mktemp("m") / f"{request.param}.gguf", request.param, 0))
     tok = Tokenizer(path)
     with LlamaEngine(engine_config(path, n_seq_max=8, ctx=8 * 1024, threads=1, kv_layout="streams",
-                                  deterministic=None)) as e:
+                                  deterministic=True if promised(path) else None)) as e:
         yield e, tok, Constraints(tok.vocab, link.MAX_GRAMMAR_BYTES)
     tok.close()
 
@@ -180,8 +180,7 @@ def test_grammars_that_fail_while_generating_end_their_own_sessions_and_nobody_e
     Before: the failure refused the whole tick and every session in it ended ENGINE_ERROR."""
     crowd = {f"c{i}": dict(tokens=[3 + i, 40, 41, 42], max_tokens=60, ignore_eos=True, logprobs=2,
                            sampling=Sampling(1.0, 0, 1.0, i)) for i in range(6)}
-    with NodeProcess(tiny_model) as n, n.client() as c:
-        assert c.status()["node"]["deterministic"], c.status()["node"]
+    with NodeProcess(tiny_model, "--deterministic") as n, n.client() as c:
         alone = {sid: c.generate(sid, **kw) for sid, kw in crowd.items()}
         for sid, kw in crowd.items():
             c.submit(sid, **kw)

@@ -14,7 +14,7 @@ from functools import cached_property
 
 from meshnode.core.budget import deterministic_rows_problem, rows_problem
 from meshnode.core.endpoints import host_port
-from meshnode.engine import devices, llamacpp
+from meshnode.engine import devices, invariant, llamacpp
 from meshnode.engine.llamacpp import QUANTIZED_KV
 
 AMX_MAX_ROWS = 4  # the most sequences (rows a tick) for which f16 weights go to AMX buffers: see extra_buffers
@@ -64,13 +64,24 @@ class EngineConfig:
         return deterministic_rows_problem(self.n_batch, self.max_rows) or llamacpp.weights_problem(self.weight_types)
 
     @cached_property
+    def deterministic_cost(self) -> str:
+        """Why the default (deterministic unset) leaves the mode off where it could hold: it would make a session
+        decoding alone slower (engine/invariant.py, lone_cost); "" where it is free or was set."""
+        if self.deterministic is not None or self.deterministic_problem:
+            return ""
+        why = invariant.lone_cost(self.weight_types, self.type_k, self.type_v,
+                                  self.amx_eligible and self.weight_types == {"F16"}, self.threads)
+        return f"deterministic: off by default: {why}" if why else ""
+
+    @cached_property
     def weight_types(self) -> set[str]:
         """The formats of the weights the model multiplies by (read from the file once; empty before it exists)."""
         return llamacpp.matmul_weight_types(self.model_path) if os.path.isfile(self.model_path) else set()
 
     @property
     def wants_deterministic(self) -> bool:
-        return self.deterministic is True or (self.deterministic is None and not self.deterministic_problem)
+        return self.deterministic is True or (self.deterministic is None and not self.deterministic_problem
+                                              and not self.deterministic_cost)
 
     @property
     def extra_buffers(self) -> bool:
@@ -81,10 +92,18 @@ class EngineConfig:
         - on AMX CPUs for quantized weights, which crash this llama.cpp (llamacpp.amx_crashes), and for f16
           weights where a tick may carry more than AMX_MAX_ROWS rows: AMX's f16 kernel is faster for a few
           rows and slower for more than tinyBLAS is (docs/determinism.md, item 6)."""
-        if llamacpp.amx_crashes():
-            return (self.n_seq_max <= AMX_MAX_ROWS and bool(self.weight_types)
-                    and self.weight_types <= llamacpp.FLOAT_WEIGHTS)
-        return not self.wants_deterministic
+        return self.amx_eligible if llamacpp.amx_crashes() else not self.wants_deterministic
+
+    @property
+    def threads(self) -> int:
+        """The threads llama.cpp runs on (n_threads, or every core)."""
+        return self.n_threads or os.cpu_count() or 1
+
+    @property
+    def amx_eligible(self) -> bool:
+        """Weights that go to AMX buffers in either mode (see extra_buffers)."""
+        return (llamacpp.amx_crashes() and self.n_seq_max <= AMX_MAX_ROWS and bool(self.weight_types)
+                and self.weight_types <= llamacpp.FLOAT_WEIGHTS)
 
     @property
     def amx_weights(self) -> bool:

@@ -151,7 +151,7 @@ class Front:
                  self.telemetry_ep, cfg.model, self.recipe, self.link.pid, b.effective_active_cap, b.max_queue,
                  b.max_batch_size,
                  b.max_prefill_tokens_per_tick, b.kv_budget_bytes, b.kv_bytes_per_token, cfg.type_k, cfg.type_v,
-                 b.n_ctx_seq, b.weight_bytes, max_clients, cfg.layout, self.sched.deterministic,
+                 b.n_ctx_seq, b.weight_bytes, max_clients, cfg.layout, _deterministic_line(self.link.info),
                  _devices_line(self.link.info.devices),
                  f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
 
@@ -187,8 +187,8 @@ class Front:
                           pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
                           tick_target=self.settings.tick_target, deterministic=info.deterministic,
                           gather_ms=cfg.gather_ms, kv_events=bool(cfg.kv_events), policy=cfg.scheduling_policy,
-                          reserved_slots=cfg.priority_reserved_slots)
-        if info.deterministic_problem:
+                          reserved_slots=cfg.priority_reserved_slots, steps_ms=cfg.decode_steps_ms)
+        if "regression" in info.deterministic_problem:  # a promise this build broke (engine/invariant.py, promised)
             log.warning("deterministic mode off: %s", info.deterministic_problem)
         for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
             sched.cost.observe(Shape(*tick), ms, sized)
@@ -337,6 +337,11 @@ class Front:
         for obj, method in steps:
             if obj is not None:
                 getattr(obj, method)()
+
+
+def _deterministic_line(info) -> str:
+    """on, or off and why in the engine's words (the default's choice, a format or CPU it does not hold on)."""
+    return "on" if info.deterministic else f"off ({info.deterministic_problem or 'turned off'})"
 
 
 def _devices_line(devices) -> str:
