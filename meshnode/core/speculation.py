@@ -5,13 +5,20 @@ llama_decode computes K + 1 rows, and the target's own sampler takes each positi
 drafts it agrees with is kept (engine/drafts.py). The front still asks one token a tick per session, and
 the engine answers the next ticks from the kept run without computing: so a drafted tick pays when the
 ticks after it need no llama_decode at all, which at R sessions needs every one of them to be ahead. What
-a tick costs by its rows (`RowCost`, learned from the engine's own ticks) and how often each session's
-drafts were right (`Acceptance`) give the expected tokens per millisecond of each K (`draft_len`); K = 0
+a tick costs by its rows (`RowCost`, learned from the engine's own ticks) and how likely each session's
+next drafts are right (`Guesses`) give the expected tokens per millisecond of each K (`draft_len`); K = 0
 wins where drafts do not pay, which is every tick of a busy node on a CPU, where a row costs what a
-decode does.
+decode does, and every tick of free text, whose next token a lookup rarely knows.
+
+A lookup's guess is checked against every token a session samples, drafted or not (a guess costs no
+row), so what the policy knows of a session never depends on having paid to draft for it: where the
+guesses turn right (a copy begins) drafting starts, where they stop being right it stops. A guess is the
+likelier right the longer the match it follows (`Guesses`): llama-server's ngram-mod drafts long only
+behind a long match for the same reason.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from meshnode.core.costmodel import TILE_ROWS
@@ -33,7 +40,8 @@ def in_effect(mode: str, kv_layout: str) -> tuple[str, str]:
 @dataclass
 class Acceptance:
     """A session's record of drafted positions the sampler agreed with (right) or not (wrong): each drafted
-    position up to and including the first wrong one is a verdict; the ones after it were never asked."""
+    position up to and including the first wrong one is a verdict; the ones after it were never asked. For
+    a draft model's guesses, which cost a decode of their own to make."""
     right: float = PRIOR[0]
     wrong: float = PRIOR[1]
 
@@ -45,6 +53,53 @@ class Acceptance:
     def rate(self) -> float:
         """The chance that a drafted position is right given the ones before it were."""
         return self.right / (self.right + self.wrong)
+
+
+MATCHES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # the lower bounds of the buckets of match lengths counted in
+PRIOR_WEIGHT = 3.0  # pseudo-counts of a bucket's prior (every session's rate for it, or prior_right)
+OWN_DECAY = 0.9  # a session's counts: recent text counts more (a copy ends, a list begins)
+SHARED_DECAY = 0.995
+
+
+def prior_right(match: int) -> float:
+    """A guess's chance of being right behind a `match`-token match before anything is known: most guesses
+    behind 2 tokens are wrong, most behind 16 right (measured on SmolLM2's chats and code edits: 0.55 at 2-3,
+    0.7 at 4-5, 0.9 at 8-19, 0.96 past 20); pessimistic, since every session's counts soon replace it."""
+    return 1.0 - 0.9 / (1.0 + match / 4.0)
+
+
+class Guesses:
+    """How often a lookup's guess of a session's next token was right, by the length of the match it came
+    from (the longer the text it follows, the likelier the copy goes on: a code edit's unchanged lines, a
+    list's repeated form). A session's own counts (decaying) are drawn towards every session's (`shared`),
+    which are drawn towards prior_right."""
+
+    def __init__(self, shared: "Guesses | None" = None):
+        self.right, self.wrong = [0.0] * len(MATCHES), [0.0] * len(MATCHES)
+        self.shared = shared
+
+    def record(self, match: int, right: bool) -> None:
+        b = max(bisect_right(MATCHES, match) - 1, 0)
+        decay = OWN_DECAY if self.shared is not None else SHARED_DECAY
+        self.right[b] = self.right[b] * decay + right
+        self.wrong[b] = self.wrong[b] * decay + (not right)
+        if self.shared is not None:
+            self.shared.record(match, right)
+
+    def p(self, match: int) -> float:
+        """The chance that a guess behind a `match`-token match is right."""
+        b = max(bisect_right(MATCHES, match) - 1, 0)
+        base = self.shared.p(match) if self.shared is not None else prior_right(MATCHES[b])
+        r, w = self.right[b], self.wrong[b]
+        return (r + PRIOR_WEIGHT * base) / (r + w + PRIOR_WEIGHT)
+
+    def chain(self, match: int, k: int) -> list[float]:
+        """P(the first j guesses are all right) for j = 1..k: each right one makes the match a token longer."""
+        out, c = [], 1.0
+        for j in range(k):
+            c *= self.p(match + j)
+            out.append(c)
+        return out
 
 
 class RowCost:
@@ -79,33 +134,40 @@ class RowCost:
         return max(self._ms[lo] + slope * (rows - lo), 1e-3)
 
 
-def expected_skips(rates: list[float], k: int) -> float:
+def expected_skips(rates: list, k: int) -> float:
     """Ticks after a drafted one that need no llama_decode: the j-th does where every session had its first
-    j drafts right (sessions independent, each position right with its session's rate)."""
+    j drafts right (sessions independent). A rate is a session's chance of each draft being right; a chain
+    (Guesses.chain) its chance of the first j being right, j = 1, 2, ..."""
     return _skips(rates, k)[-1] if k > 0 else 0.0
 
 
-def _skips(rates: list[float], k_max: int) -> list[float]:
-    """expected_skips for every K from 1 to k_max, in one pass: the j-th term is the j-th power of the
-    product of the rates."""
-    every = 1.0
+def _skips(rates: list, k_max: int) -> list[float]:
+    """expected_skips for every K from 1 to k_max, in one pass."""
+    every = [1.0] * k_max
     for a in rates:
-        every *= a
-    out, run, total = [], 1.0, 0.0
-    for _ in range(k_max):
-        run *= every
-        total += run
+        if isinstance(a, (int, float)):
+            c = 1.0
+            for j in range(k_max):
+                c *= a
+                every[j] *= c
+        else:
+            for j in range(k_max):
+                every[j] *= a[j] if j < len(a) else 0.0
+    out, total = [], 0.0
+    for e in every:
+        total += e
         out.append(total)
     return out
 
 
-def draft_len(rates: list[float], base_rows: int, cost: RowCost, k_max: int, k_min: int = 1,
+def draft_len(rates: list, base_rows: int, cost: RowCost, k_max: int, k_min: int = 1,
               free: int = 0, per_draft_ms: float = 0.0) -> int:
     """The drafts per session for a tick of len(rates) decoding sessions that all may draft: the K in
     [k_min, k_max] (or 0) with the most tokens per ms over a drafted tick and the ticks it answers.
-    `base_rows`: the rows the tick computes without drafts (deterministic mode's padding included), `free`:
-    drafts that cost nothing (a lone row's padding row is a draft instead): at least that many.
-    `per_draft_ms`: what making one draft costs (a draft model's decode step; prompt lookup's is nothing)."""
+    `rates`: each session's rate or chain (expected_skips). `base_rows`: the rows the tick computes without
+    drafts (deterministic mode's padding included), `free`: drafts that cost nothing (a lone row's padding
+    row is a draft instead): at least that many. `per_draft_ms`: what making one draft costs (a draft
+    model's decode step; prompt lookup's is nothing)."""
     r = len(rates)
     if r == 0 or k_max <= 0:
         return 0
@@ -117,3 +179,9 @@ def draft_len(rates: list[float], base_rows: int, cost: RowCost, k_max: int, k_m
         if rate > best:
             best_k, best = k, rate
     return max(best_k, min(free, k_max))
+
+
+def could_pay(sessions: int, base_rows: int, cost: RowCost, k_max: int, k_min: int = 1) -> bool:
+    """Whether drafts that are always right would pay at all in a tick of this many sessions: where they would
+    not (a busy node on a CPU), nobody needs to look for drafts."""
+    return draft_len([1.0] * sessions, base_rows, cost, k_max, k_min) > 0

@@ -10,10 +10,12 @@ still good (its row saw only right tokens), the cells after it go through the en
 (`trim_kv`). The front asks a token a tick as before; the kept samples answer the ticks that follow
 (`Ahead`), with no llama_decode while every session in the tick is ahead.
 
-Drafts come from prompt lookup (`Lookup`: the tokens that followed the latest earlier occurrence of the
-sequence's last 2-4 tokens, prompt and output alike: llama-server's ngram-simple in small). K comes from
-the cost model (core/speculation.py) in `auto`, is the most allowed in `lookup`. A deterministic lone row
-needs a second row anyway (invariant.pads): it is always a draft (the lookup's, else the token itself).
+Drafts come from prompt lookup (`Lookup`: the tokens that followed the earlier occurrence of the
+sequence's last tokens that matches the most of them, prompt and output alike). K comes from the cost
+model (core/speculation.py) in `auto`, from how often the lookup's guesses behind a match of this length
+were right (each tick's guess is checked against the sample, drafted or not: `_observe`, `_learn`); it is
+the most allowed in `lookup`. A deterministic lone row that needs a padding row (invariant.pads) gets a
+draft instead (the lookup's, else the token itself).
 Not drafted: sessions with a response_format (their matcher would have to step back), prompt chunks,
 and the unified KV layout (draft cells could take cells another session was promised).
 """
@@ -24,10 +26,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from meshnode.core.speculation import MAX_DRAFTS, Acceptance, RowCost, draft_len
+from meshnode.core.speculation import MAX_DRAFTS, Acceptance, Guesses, RowCost, could_pay, draft_len
 from meshnode.core.types import SeqChunk, StepResult
 
-NGRAMS = (4, 3, 2)  # suffix lengths looked up, longest first
+KEY = 2  # tokens of the suffix an occurrence is found by
+CANDIDATES = 8  # the latest occurrences of a key kept: the one with the longest match is followed
+MAX_MATCH = 64  # a match is measured up to this many tokens
 
 
 class Ahead(NamedTuple):
@@ -41,27 +45,38 @@ class Ahead(NamedTuple):
 
 
 class Lookup:
-    """Per sequence, where each 2-4 token run last ended (the position of the token after it), indexed as
-    the history grows."""
+    """Per sequence, where each 2-token run of its history ended (the position of the token after it), the
+    latest CANDIDATES of each, indexed as the history grows."""
 
     def __init__(self):
-        self._ends: dict[int, dict[tuple, int]] = {}
+        self._ends: dict[int, dict[tuple, list[int]]] = {}
         self._upto: dict[int, int] = {}  # positions of the history indexed so far
+        self.match: dict[int, int] = {}  # sequence -> the length of the match its last proposal follows
 
     def propose(self, seq: int, tokens: list[int], k: int) -> list[int]:
-        """Up to k drafts to follow `tokens` (the sequence so far): what followed the latest earlier
-        occurrence of its longest indexed suffix, continued through the drafts themselves (a repeating
-        pattern repeats on); [] where no suffix came before."""
+        """Up to k drafts to follow `tokens` (the sequence so far): what followed the earlier occurrence of
+        its last tokens that matches the most of them (the latest of equals), continued through the drafts
+        themselves (a repeating pattern repeats on); [] where its last two tokens never came before."""
         index = self._ends.setdefault(seq, {})
         n = len(tokens)
-        for e in range(self._upto.get(seq, 0), n - 1):  # an end with a token after it
-            for g in NGRAMS:
-                if e + 1 >= g:
-                    index[tuple(tokens[e + 1 - g:e + 1])] = e + 1
+        for e in range(max(self._upto.get(seq, 0), KEY - 1), n - 1):  # an end with a token after it
+            ends = index.setdefault((tokens[e - 1], tokens[e]), [])
+            ends.append(e + 1)
+            if len(ends) > CANDIDATES:
+                del ends[0]
         self._upto[seq] = max(self._upto.get(seq, 0), n - 1)
-        q = next((index[key] for g in NGRAMS if n >= g and (key := tuple(tokens[n - g:])) in index), None)
-        if q is None or k <= 0:
+        self.match.pop(seq, None)
+        ends = index.get((tokens[n - 2], tokens[n - 1])) if n >= KEY else None
+        if not ends or k <= 0:
             return []
+        best, q = 0, 0
+        for e in reversed(ends):
+            m = KEY
+            while m < MAX_MATCH and e - 1 - m >= 0 and tokens[e - 1 - m] == tokens[n - 1 - m]:
+                m += 1
+            if m > best:
+                best, q = m, e
+        self.match[seq] = best
         out: list[int] = []
         for j in range(k):
             i = q + j
@@ -73,6 +88,7 @@ class Lookup:
         if keep <= self._upto.get(seq, 0):  # an index entry names positions up to _upto
             self._ends.pop(seq, None)
             self._upto.pop(seq, None)
+            self.match.pop(seq, None)
 
 
 class Drafted:
@@ -86,7 +102,11 @@ class Drafted:
         self.spec, self._k_max, self._k_min = mode, min(k_max, MAX_DRAFTS), k_min
         self._lookup, self._ahead = Lookup(), {}  # sequence -> deque of Ahead: its next ticks, computed
         self._model_drafts, self._source = model, "lookup"
-        self._acceptance: dict[tuple[int, str], Acceptance] = {}  # (sequence, source) -> its record
+        self._acceptance: dict[int, Acceptance] = {}  # sequence -> the draft model's record for it
+        self._shared_guesses = Guesses()  # every session's lookup guesses: a new session's prior
+        self._guesses: dict[int, Guesses] = {}  # sequence -> its lookup's guesses, right and wrong
+        self._guessed: dict[int, tuple[int, int]] = {}  # this tick's undrafted rows: (the lookup's guess, match)
+        self._looked: dict[int, tuple[int, int]] = {}  # this tick's drafted rows: (the lookup's own drafts, match)
         self.row_cost = RowCost()
         self._every_row: dict[int, SeqChunk] = {}  # this tick's drafted chunks: each of their rows is sampled
         self._rows = 0  # rows the tick computed (padding included): what it cost is RowCost's to learn
@@ -94,6 +114,7 @@ class Drafted:
     def _draft(self, chunks: list) -> dict[int, SeqChunk]:
         """The decode chunks that carry drafts this tick, by sequence, all with the same K (on streams one
         llama_decode call takes chunks of one length)."""
+        self._guessed, self._looked = {}, {}
         rows = [c for c in chunks if len(c.tokens) == 1 and c.draw >= 0]
         if not rows or self.spec == "off" or len(rows) < len(chunks) or self._ids is None:
             return {}
@@ -101,10 +122,12 @@ class Drafted:
             return {}  # a row that cannot be ahead: no tick can be skipped
         room = min(self.n_ctx_seq - 1 - c.pos for c in rows)
         k_max = min(self._k_max, room, (self.n_batch - len(rows)) // len(rows))
-        seen = {c.seq_id: self._history[c.seq_id][:c.pos] + [int(c.tokens[0])] for c in rows}
-        found = {c.seq_id: self._lookup.propose(c.seq_id, seen[c.seq_id], k_max) for c in rows}
         pads = self._pads(rows)  # deterministic mode's padding rows for the rows as they are
         free = 1 if pads and len(rows) == 1 else 0
+        if (self.spec == "auto" and not free and self._model_drafts is None
+                and not could_pay(len(rows), len(rows) + pads, self.row_cost, k_max, self._k_min)):
+            return {}  # nobody looks: even drafts that are always right would not pay
+        found = {c.seq_id: self._propose(c, k_max) for c in rows}
         model = self._model_drafts is not None and (self.spec == "draft" or not all(found.values()))
         source = "model" if model else "lookup"
         self._source = source
@@ -112,14 +135,22 @@ class Drafted:
             k = k_max if model or all(found.values()) else free
         elif not model and not all(found.values()):
             k = min(free, k_max)
-        else:
-            rates = [self._acceptance.setdefault((c.seq_id, source), Acceptance()).rate for c in rows]
-            per_draft = (self._model_drafts.step_ms or self.row_cost(len(rows))) if model else 0.0
+        elif model:
+            rates = [self._acceptance.setdefault(c.seq_id, Acceptance()).rate for c in rows]
+            per_draft = self._model_drafts.step_ms or self.row_cost(len(rows))
             k = draft_len(rates, len(rows) + pads, self.row_cost, k_max, self._k_min, 0, per_draft)
-            model = model and k > 0  # a free row alone is not worth a draft model's step: a guess fills it
+            model = k > 0  # a free row alone is not worth a draft model's step: a guess fills it
             k, self._source = max(k, min(free, k_max)), "model" if model else "lookup"
+        else:
+            chains = [self._guesses_of(c.seq_id).chain(self._match(c.seq_id), k_max) for c in rows]
+            k = draft_len(chains, len(rows) + pads, self.row_cost, k_max, self._k_min, free)
         if k > 0 and model:
+            seen = {c.seq_id: self._history[c.seq_id][:c.pos] + [int(c.tokens[0])] for c in rows}
             found = self._model_drafts.propose(seen, k) or {s: [] for s in seen}
+        elif self._source == "lookup":  # what the lookup guessed, to check against what is sampled
+            if k <= 0:
+                self._guessed = {s: (d[0], self._match(s)) for s, d in found.items() if d}
+            self._looked = {s: (min(len(d), k), self._match(s)) for s, d in found.items()}
         if k <= 0:
             return {}
         out = {}
@@ -128,6 +159,33 @@ class Drafted:
             d += [d[-1] if d else int(c.tokens[0])] * (k - len(d))  # a short or missing lookup: a guess
             out[c.seq_id] = SeqChunk(c.seq_id, c.pos, np.array([int(c.tokens[0]), *d], np.int32), draw=c.draw)
         return out
+
+    def _propose(self, c: SeqChunk, k: int) -> list[int]:
+        """The lookup's drafts after the chunk's token: the sequence's history gets the token for the call
+        (no copy of a long history every tick)."""
+        h = self._history[c.seq_id]
+        if len(h) != c.pos:
+            return self._lookup.propose(c.seq_id, h[:c.pos] + [int(c.tokens[0])], k)
+        h.append(int(c.tokens[0]))
+        try:
+            return self._lookup.propose(c.seq_id, h, k)
+        finally:
+            h.pop()
+
+    def _guesses_of(self, seq: int) -> Guesses:
+        g = self._guesses.get(seq)
+        if g is None:
+            g = self._guesses[seq] = Guesses(self._shared_guesses)
+        return g
+
+    def _match(self, seq: int) -> int:
+        return self._lookup.match.get(seq, KEY)
+
+    def _observe(self, res: StepResult) -> None:
+        """This tick's samples of rows computed without drafts, against what the lookup guessed for them."""
+        for s, (guess, match) in self._guessed.items():
+            if s in res.tokens:
+                self._guesses_of(s).record(match, res.tokens[s] == guess)
 
     def _verify(self, c: SeqChunk, first: int, res: StepResult) -> None:
         """A drafted chunk whose rows start at batch row `first`: the samples of its positions in turn while
@@ -147,10 +205,21 @@ class Drafted:
             self.sample(SeqChunk(c.seq_id, c.pos, toks[:i + 1], draw=c.draw + i), self._logits(first + i), step)
             prev, lp = step.tokens[c.seq_id], step.logprobs.get(c.seq_id)
             kept.append(Ahead(c.pos + i, int(toks[i]), c.draw + i, prev, lp))
-        self._acceptance.setdefault((c.seq_id, self._source), Acceptance()).record(i, k)
+        if self._source == "model":
+            self._acceptance.setdefault(c.seq_id, Acceptance()).record(i, k)
+        else:
+            self._learn(c.seq_id, i, k)
         self.trim_kv(c.seq_id, c.pos + 1 + i)
         if kept:
             self._ahead[c.seq_id] = kept
+
+    def _learn(self, seq: int, right: int, drafted: int) -> None:
+        """A drafted chunk's verdicts on the lookup's own drafts (not the guesses that filled a short one): the
+        first `right` of `drafted` were, each right one making the match a token longer."""
+        looked, match = self._looked.get(seq, (0, KEY))
+        g = self._guesses_of(seq)
+        for j in range(min(right + 1, looked)):
+            g.record(match + j, j < right)
 
     def _answered(self, chunks: list, res: StepResult) -> list:
         """The chunks left to compute: one that is a tick a draft computed already is answered from it; a
@@ -181,5 +250,5 @@ class Drafted:
         if self._model_drafts is not None:
             self._model_drafts.forget(seq_id, keep)
         if keep <= 0:
-            for source in ("lookup", "model"):
-                self._acceptance.pop((seq_id, source), None)
+            self._acceptance.pop(seq_id, None)
+            self._guesses.pop(seq_id, None)

@@ -42,7 +42,8 @@ class LlamaEngine(Drafted, Engine):
         self.cfg, self._lc = cfg, lc
         # deterministic_problem: why the mode is off where it was left to the engine ("" when on or turned off)
         self.deterministic = cfg.wants_deterministic
-        self.deterministic_problem = cfg.deterministic_problem if cfg.deterministic is None else ""
+        left = cfg.deterministic is None
+        self.deterministic_problem = (cfg.deterministic_problem or cfg.deterministic_cost) if left else ""
         if self.deterministic and cfg.weight_types & invariant.K_QUANTS:
             os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
         threads = self._load(cfg)
@@ -75,9 +76,8 @@ class LlamaEngine(Drafted, Engine):
             drafter = DraftModel(cfg.draft_model, vocab, self.n_seq_max, self.n_ctx_seq, threads)
         self._init_drafts(spec, cfg.draft_max, cfg.draft_min, drafter)
         self._alloc_batch(self.n_batch)
-        # a lone decode row gets a dummy neighbour (engine/invariant.py), but AMX's f16 kernel gives a lone row
-        # the bits it has in a crowd: where all the weights are f16 in AMX buffers, try without, as checked
-        self.pad_lone_rows = not (self.deterministic and cfg.amx_weights and cfg.weight_types == {"F16"})
+        # which lone decode rows get a dummy neighbour (engine/invariant.py): as the start-up check finds
+        self.lone_pads = invariant.LonePads(False, False)
         if self.deterministic:
             self._check_deterministic()
         self.recipe_fingerprint = cfg.recipe(self.deterministic, devices.fingerprint(self.devices))
@@ -97,7 +97,7 @@ class LlamaEngine(Drafted, Engine):
         if cfg.kv_layout == "streams":  # a stream past the trained context holds cells no position can reach
             cp.n_ctx = min(cfg.n_ctx, cfg.n_seq_max * lc.llama_model_n_ctx_train(self._model))
         cp.n_seq_max, cp.kv_unified = cfg.n_seq_max, cfg.kv_layout == "unified"
-        threads = cfg.n_threads or os.cpu_count() or 1
+        threads = cfg.threads
         cp.n_threads = cp.n_threads_batch = threads
         cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
         cp.no_perf = True
@@ -113,11 +113,16 @@ class LlamaEngine(Drafted, Engine):
         """The start-up self-check (engine/invariant.py): where a row's bits move with its neighbours, the
         mode is off with the reason, or, where it was required, the engine refuses to start."""
         cfg = self.cfg
-        problem = invariant.self_check(self)
-        if problem and not self.pad_lone_rows:
-            self.pad_lone_rows = True
-            problem = invariant.self_check(self)
-        if problem:
+        expected = invariant.expected_pads(cfg.weight_types, cfg.type_k, cfg.type_v,
+                                           cfg.amx_weights and cfg.weight_types == {"F16"}, cfg.threads)
+        problem, pads = invariant.self_check(self, expected)
+        if not problem and pads and cfg.deterministic is None:  # the default runs the mode only where it is free
+            where = "every token" if pads.shallow else f"every token past {invariant.SPLIT_KV_CELLS}"
+            self.deterministic_problem = (f"deterministic: off by default: the start-up check found that a session "
+                                          f"decoding alone would pay a padding row {where} on this CPU and model; "
+                                          "--deterministic requires it anyway (docs/determinism.md)")
+            self.deterministic = False
+        elif problem:
             if invariant.promised(cfg.weight_types, llamacpp.system_info()):
                 problem += ("; the mode is promised on this CPU and model (docs/determinism.md): a regression "
                             "of this build, please report it")
@@ -162,9 +167,9 @@ class LlamaEngine(Drafted, Engine):
                 call.sort(key=lambda c: self._ids[c.seq_id])
         return calls
 
-    def step(self, plan: Plan) -> StepResult:
+    def step_once(self, plan: Plan) -> StepResult:
         self._rows = 0
-        res = super().step(plan)
+        res = super().step_once(plan)
         if res.served == len(plan.chunks) and res.served:  # nothing computed: no tick for the cost model
             res.step_ms = 0.0
         elif self._rows and all(len(c.tokens) == 1 for c in plan.chunks):  # decode rows (and drafts) only
@@ -187,13 +192,15 @@ class LlamaEngine(Drafted, Engine):
                     self._verify(c, r + 1 - len(c.tokens), res)
                 elif c.draw >= 0:
                     self.sample(c, self._logits(r), res)
+        self._observe(res)
         return res
 
     def _pads(self, chunks: list) -> int:
         """Deterministic mode's padding rows for these decode rows (engine/invariant.py)."""
-        if not (self.deterministic and self.pad_lone_rows and self._ids is not None):
+        if not (self.deterministic and self.lone_pads and self._ids is not None):
             return 0
-        return len(invariant.pads([self._ids[c.seq_id] for c in chunks if len(c.tokens) == 1], self.n_seq_max))
+        rows = [(self._ids[c.seq_id], c.pos) for c in chunks if len(c.tokens) == 1]
+        return len(invariant.pads(rows, self.n_seq_max, self.lone_pads))
 
     def calibrate(self) -> tuple:
         """Ticks of known shapes, timed, before the first client (meshnode/engine/calibration.py); the ones
@@ -264,7 +271,8 @@ class LlamaEngine(Drafted, Engine):
             return []
         self._want[:n] = 1
         dummies = []
-        for s in invariant.pads(self._seq[:n].tolist(), self.n_seq_max) if self.pad_lone_rows else ():
+        placed = list(zip(self._seq[:n].tolist(), self._pos[:n].tolist())) if self.lone_pads else ()
+        for s in invariant.pads(placed, self.n_seq_max, self.lone_pads) if placed else ():
             p = int(self._lc.llama_memory_seq_pos_max(self._mem, s)) + 1
             k = n + len(dummies)
             self._tok[k], self._pos[k], self._seq[k], self._want[k] = self._tok[0], p, s, 1
