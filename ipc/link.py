@@ -176,6 +176,19 @@ def read_samples(arena, tick: int, plan: Plan, n_vocab: int, absent=()) -> dict[
     return tokens
 
 
+def check_earlier(earlier: dict, plan: Plan, last: dict, n_vocab: int) -> None:
+    """A multi-step tick's earlier samples (StepResult.earlier), as read_samples checks the last: only of the
+    plan's sequences, inside the vocabulary, and steps - 1 of them for each sequence with a last sample
+    (`last`), fewer for one that dropped out; ValueError otherwise."""
+    seqs = {c.seq_id for c in plan.chunks}
+    for seq in seqs | set(earlier):
+        n = len(earlier.get(seq, ()))
+        if seq not in seqs or n >= plan.steps or (seq in last and n != plan.steps - 1):
+            raise ValueError(f"engine sent {n} earlier samples for sequence {seq} of a {plan.steps}-step tick")
+        if any(not 0 <= t < n_vocab for t, _ in earlier.get(seq, ())):
+            raise ValueError(f"engine sampled a token for sequence {seq} outside the vocabulary of {n_vocab}")
+
+
 class MalformedTick(ValueError):
     """A tick whose fields do not decode, with its number when that is readable: refused in its place."""
 
@@ -199,7 +212,9 @@ def encode(msg: Message, arena=None) -> bytes:
                      "mem_available": msg.mem_available, "mem_total": msg.mem_total,
                      "cache_miss": list(r.cache_miss), "step_ms": r.step_ms, "kv_cells": r.kv_cells,
                      "logprobs": [[s, lp.logprob, [list(t) for t in lp.top]] for s, lp in r.logprobs.items()],
-                     "drafted": r.drafted, "served": r.served, "failed": [list(f) for f in r.failed.items()]})
+                     "drafted": r.drafted, "served": r.served, "failed": [list(f) for f in r.failed.items()],
+                     **({"earlier": [[s, [t for t, _ in xs], [_logprob(lp) for _, lp in xs]]
+                                     for s, xs in r.earlier.items()]} if r.earlier else {})})
     kind = {Stop: "stop", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
 
@@ -223,7 +238,8 @@ def _tick_map(msg: TickRequest, arena) -> dict:
     return {"kind": "tick", "tick": msg.tick, "release": [int(s) for s in msg.plan.release],
             "kv": [[_KV_CODES[type(op)], *map(int, op)] for op in msg.plan.kv], **cols,
             "sampling": sampling, "follow": follow, "resync": msg.resync, "fresh": msg.fresh,
-            **({"constraint": constraint} if constraint else {})}
+            **({"constraint": constraint} if constraint else {}), **({"steps": msg.plan.steps}
+                                                                      if msg.plan.steps != 1 else {})}
 
 
 def decode(data, arena=None, grammars: dict | None = None) -> Message:
@@ -243,7 +259,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
         if kind == "done":
             result = StepResult({}, list(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
                                 int(m["kv_cells"]), _logprobs(m.get("logprobs", [])), int(m.get("drafted", 0)),
-                                int(m.get("served", 0)), {int(q): str(why) for q, why in m.get("failed", [])})
+                                int(m.get("served", 0)), {int(q): str(why) for q, why in m.get("failed", [])},
+                                _earlier(m.get("earlier", [])))
             return TickDone(int(m["tick"]), result, float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
                             int(m["mem_total"]))
         if kind == "refused":
@@ -271,6 +288,22 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
 
 def _logprobs(v) -> dict[int, Logprob]:
     return {int(seq): Logprob(float(lp), tuple((int(t), float(p)) for t, p in top)) for seq, lp, top in v}
+
+
+def _logprob(lp: Logprob | None) -> list | None:
+    return None if lp is None else [lp.logprob, [list(t) for t in lp.top]]
+
+
+def _earlier(v) -> dict[int, list[tuple[int, Logprob | None]]]:
+    """A multi-step tick's samples before its last step (StepResult.earlier)."""
+    out = {}
+    for seq, toks, lps in v:
+        if len(toks) != len(lps):
+            raise ValueError("earlier samples and log-probabilities differ in length")
+        out[int(seq)] = [(int(t), None if lp is None else Logprob(float(lp[0]), tuple((int(a), float(b))
+                                                                                    for a, b in lp[1])))
+                         for t, lp in zip(_ints(toks, "earlier"), lps)]
+    return out
 
 
 def _ints(v, name: str) -> list[int]:
@@ -315,5 +348,8 @@ def _tick_request(m: dict, arena, grammars: dict) -> TickRequest:
         if kind is None or len(op) != len(kind._fields) + 1:
             raise ValueError(f"malformed KV operation {op!r}")
         kv.append(kind(*op[1:]))
-    return TickRequest(tick, Plan(chunks, _ints(m.get("release", []), "release"), kv), bool(m.get("resync")),
+    steps = m.get("steps", 1)
+    if not isinstance(steps, int):
+        raise ValueError(f"steps {steps!r} is not an integer")
+    return TickRequest(tick, Plan(chunks, _ints(m.get("release", []), "release"), kv, steps), bool(m.get("resync")),
                        bool(m.get("fresh")))

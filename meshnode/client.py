@@ -41,7 +41,7 @@ class Result:
     id: str
     admission: dict  # the admitted or rejected event
     tokens: list[int] = field(default_factory=list)  # as streamed
-    token_times: list[float] = field(default_factory=list)  # monotonic arrival of each tokens event
+    token_times: list[float] = field(default_factory=list)  # monotonic arrival of each token (of its event)
     done: dict | None = None
     events: list[dict] = field(default_factory=list)  # the tokens events, as received (text, logprobs)
 
@@ -172,7 +172,7 @@ class Client:
         elif kind == "tokens":
             r = results[sid]
             r.tokens += ev["tokens"]
-            r.token_times.append(time.monotonic())
+            r.token_times += [time.monotonic()] * len(ev["tokens"])
             r.events.append(ev)
         elif kind == "done":
             results[sid].done = ev

@@ -14,8 +14,12 @@ from meshnode.dev.nodeproc import NodeProcess
 
 
 # -- client faults --------------------------------------------------------------------------------
+# a tokens event a token (one decode step a tick: core/steps.py): enough messages to fill a client's queue
+ONE_STEP = ("--decode-steps-ms", "0")
+
+
 def test_client_that_stops_reading_loses_its_sessions_only(tiny_model, zctx):
-    with NodeProcess(tiny_model, "--max-active", "8", "--ctx", "8192") as n:
+    with NodeProcess(tiny_model, "--max-active", "8", "--ctx", "8192", *ONE_STEP) as n:
         s = deaf_client(zctx, n.listen)
         for i in range(6):  # never read: the node's send queue to us fills up
             s.send_multipart(P.encode_request(P.Submit(f"stall{i}", 1000, [3 + i, 4], ignore_eos=True)))
@@ -31,7 +35,7 @@ def test_client_that_stops_reading_loses_its_sessions_only(tiny_model, zctx):
 def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model, zctx):
     """Eight sessions stream to a client that stops reading for a while: the node cancels them when
     its send queue to the client is full, and keeps each `done` until the client reads again."""
-    with NodeProcess(tiny_model, "--max-active", "8", "--ctx", "8192") as n:
+    with NodeProcess(tiny_model, "--max-active", "8", "--ctx", "8192", *ONE_STEP) as n:
         s = deaf_client(zctx, n.listen)
         ids = [f"p{i}" for i in range(8)]
         for i, sid in enumerate(ids):

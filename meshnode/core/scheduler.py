@@ -55,6 +55,7 @@ from meshnode.core.pipeline import Tick
 from meshnode.core.priority import displaceable, policy_problem, victims
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Event, Session
 from meshnode.core.seqs import Sequences
+from meshnode.core.steps import decode_steps
 from meshnode.core.types import Constrained, Plan, Release, SeqChunk, StepResult
 
 
@@ -77,7 +78,7 @@ class Scheduler:
     def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
                  prefix_cache: str = "off", pool_cells: int = 0,
                  tick_target: TickTarget = TickTarget(), deterministic: bool = False, gather_ms: float = 0.0,
-                 kv_events: bool = False, policy: str = "fcfs", reserved_slots: int = 0):
+                 kv_events: bool = False, policy: str = "fcfs", reserved_slots: int = 0, steps_ms: float = 0.0):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
         tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `prefix_cache`: its
         scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
@@ -104,6 +105,7 @@ class Scheduler:
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
         self.gather_ms = gather_ms
+        self.steps_ms = steps_ms  # a decode-only tick's steps fit this (core/steps.py); 0: one step a tick
         why = policy_problem(policy, reserved_slots, budget.effective_active_cap)
         if why:  # NodeConfig.resolve() refuses this at start; here for schedulers built otherwise
             raise ConfigError(why)
@@ -204,8 +206,23 @@ class Scheduler:
             c.occupancy_sum += len(chunks)
         tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused, planned=self._plans)
         self._arrived = None
-        tick.predicted_ms = self._predicted_ms(tick.plan.chunks)
+        tick.plan.steps = self._steps(chunks, prompts)
+        tick.predicted_ms = self._predicted_ms(tick.plan.chunks) * tick.plan.steps
         return tick
+
+    def _steps(self, chunks: list[tuple[Session, SeqChunk]], prompts: list[Session]) -> int:
+        """Decode steps for this tick (core/steps.py): more than one only where every running session
+        decodes in it, nobody waits, and no session's text is watched for stop strings (the front finds
+        those, a token at a time); the sessions' positions and draws in flight move with them."""
+        if (not chunks or prompts or self.waiting or len(chunks) < len(self.running) or self.steps_ms <= 0
+                or any(c.draw < 0 or len(c.tokens) != 1 or s.stop_text for s, c in chunks)):
+            return 1
+        left = min(s.max_tokens - s.n_generated - s.draws_in_flight for s, _ in chunks)
+        n = decode_steps(self.cost.measured_decode_ms(len(chunks)), 1 + left, self.steps_ms)
+        for s, _ in chunks:
+            s.n_planned += n - 1
+            s.draws_in_flight += n - 1
+        return n
 
     def _predicted_ms(self, chunks: list[SeqChunk]) -> float:
         """What the tick will take, by the cost model (0 before it can say): the front plans the next tick
@@ -255,40 +272,48 @@ class Scheduler:
     def apply(self, tick: Tick, result: StepResult) -> list[Event]:
         """Turn the engine's result for `tick` (answered, off the pipeline) into per-session events."""
         events: list[Event] = []
+        steps = tick.plan.steps
         if tick.plan.chunks and result.step_ms > 0:
             spans = [(c.pos, len(c.tokens)) for c in tick.plan.chunks]
-            self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms, sized(spans),
-                              decode_only=all(n == 1 for _, n in spans))
+            self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms / steps,
+                              sized(spans), decode_only=all(n == 1 for _, n in spans))
         missed = set(result.cache_miss)
         for seq_id in missed:  # a finished session's last tick may have lost its cached KV: nothing to keep
             self.seqs.lost(seq_id)
         for s, c in tick.chunks:
             if not self._current(s, c, tick):
                 continue  # cancelled, ended or preempted while the tick ran: its result is stale
+            if c.draw >= 0:
+                s.draws_in_flight -= steps
+                if self._deliver(s, result.samples(c.seq_id), events):
+                    continue  # it ended on one of them; the steps after were computed for nothing
             if c.seq_id in missed:
                 events.append(self._end(s, R.CACHE_MISS))  # released again: see engine/followups.py
-                continue
-            if c.seq_id in result.failed:  # its own request can never complete; the tick went on for the rest
+            elif c.seq_id in result.failed:  # its own request can never complete; the tick went on for the rest
                 self.counters.constraint_failures += 1
                 events.append(self._end(s, R.BAD_REQUEST, result.failed[c.seq_id]))
-                continue
-            if c.draw < 0:
-                continue
-            s.draws_in_flight -= 1
-            tok = result.tokens[c.seq_id]
-            s.tokens.append(tok)
-            self.counters.decode_tokens += 1
-            if s.n_generated == 1 and not s.t_first:
-                s.t_first = self.clock()
-            lp = result.logprobs.get(c.seq_id)
-            events.append(Event("tokens", s, [tok], logprobs=[lp] if lp else None))
-            reason = self._finish_reason(s, tok)
-            if reason:
-                events.append(self._end(s, reason))
         for s in tick.reused:  # its Keep or Share found the KV gone (an earlier tick's miss) before any chunk ran
             if self._running_since(s, tick) and s.seq_id in missed:
                 events.append(self._end(s, R.CACHE_MISS))
         return events
+
+    def _deliver(self, s: Session, samples: list, events: list[Event]) -> bool:
+        """A tick's samples for the session, in order, as one tokens event, up to the one that ends it (then
+        its done too); whether it ended."""
+        for i, (tok, _) in enumerate(samples):
+            s.tokens.append(tok)
+            self.counters.decode_tokens += 1
+            if s.n_generated == 1 and not s.t_first:
+                s.t_first = self.clock()
+            reason = self._finish_reason(s, tok)
+            if reason or i == len(samples) - 1:
+                lps = [lp for _, lp in samples[:i + 1]]
+                events.append(Event("tokens", s, [t for t, _ in samples[:i + 1]],
+                                    logprobs=lps if all(lps) else None))
+            if reason:
+                events.append(self._end(s, reason))
+                return True
+        return False
 
     def _finish_reason(self, s: Session, tok: int) -> str | None:
         if tok in self.eog and not s.ignore_eos:
@@ -314,7 +339,7 @@ class Scheduler:
             for s, c in tk.chunks if tk is not tick else ():
                 if self._current(s, c, tk):
                     s.n_planned = min(s.n_planned, c.pos)
-                    s.draws_in_flight -= c.draw >= 0
+                    s.draws_in_flight -= tk.plan.steps if c.draw >= 0 else 0
             for s in tk.reused:  # its Keep or Share did not run: start it over from position 0
                 if self._running_since(s, tk):
                     s.n_planned = s.n_reused = 0

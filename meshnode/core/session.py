@@ -36,6 +36,7 @@ class Session:
     owner: Hashable = None  # whose cached KV it may reuse (the client identity; meshnode/core/prefix.py)
     grammar: Grammar | None = None  # compiled response_format (meshnode/text/constraints.py)
     priority: int = 0  # lower is served earlier, under the priority policy (Scheduler)
+    stop_text: bool = False  # the front watches its text for stop strings, a token at a time
     order: tuple = (0, 0)  # where it stands in the queue: (priority under that policy, else 0; arrival)
     # progress: `tokens` is prompt + generated. tokens[:n_planned] are in the KV or in a tick on
     # its way there; `draws_in_flight` samples are asked for and not back yet (pipelined ticks)

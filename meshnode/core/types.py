@@ -154,10 +154,13 @@ KvOp = Union[Release, Keep, Share]
 @dataclass
 class Plan:
     """One tick: `release` runs first, then `kv` in order (each op sees the ones before it), then the
-    chunks, which start where those left each sequence."""
+    chunks, which start where those left each sequence. `steps` > 1 (every chunk a one-token row that
+    samples): the rows run that many times in a row, each step's sample the next step's token and its draw
+    the next, so each sequence gains `steps` positions and samples (core/steps.py says when)."""
     chunks: list[SeqChunk] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
     kv: list[KvOp] = field(default_factory=list)
+    steps: int = 1
 
     @property
     def n_tokens(self) -> int:
@@ -189,6 +192,14 @@ class StepResult:
     served: int = 0  # tokens answered from drafts an earlier tick verified
     # seq_id -> why its response_format failed (the library's words): that session ends, the tick goes on
     failed: dict[int, str] = field(default_factory=dict)
+    # a multi-step tick (Plan.steps): seq_id -> the samples of its steps before the last, in order, with their
+    # log-probabilities (None where not asked); `tokens` and `logprobs` are the last step's
+    earlier: dict[int, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
+
+    def samples(self, seq_id: int) -> list[tuple[int, Logprob | None]]:
+        """Every sample the tick drew for the sequence, in order, with its log-probabilities."""
+        last = [(self.tokens[seq_id], self.logprobs.get(seq_id))] if seq_id in self.tokens else []
+        return self.earlier.get(seq_id, []) + last
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The engine process wraps its engine in `Faulty` only when its configuration
 carries faults and names this class as their wrapper (only the test and drill
 entry, meshnode/dev/serve.py, can put them there; the worker imports it by that
 name, so no production module imports this one). Start-up faults happen while it is built, before the engine
-says hello; a tick fault happens inside the `at_tick`-th step.
+says hello; a tick fault happens inside the tick that holds the `at_tick`-th decode step.
 """
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ class Faulty:
         return getattr(self.engine, name)
 
     def step(self, plan):
-        self.steps += 1
-        kind = self.faults.get("kind") if self.steps == self.faults.get("at_tick") else None
+        before, self.steps = self.steps, self.steps + plan.steps  # a multi-step tick's steps each count
+        at = self.faults.get("at_tick")
+        kind = self.faults.get("kind") if at is not None and before < at <= self.steps else None
         if kind == "fatal":
             raise FatalEngineError("injected: llama_decode returned -3")
         if kind == "raise":

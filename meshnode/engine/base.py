@@ -18,6 +18,8 @@ from meshnode.core.types import (GREEDY, Constrained, ConstraintFailed, InvalidP
                                  SeqChunk, Share, StepResult)
 from meshnode.engine.sampling import logprobs, sample
 
+MAX_STEPS = 64  # the most steps one plan may ask for (Plan.steps)
+
 
 def _kv_after(plan: Plan, n_seq_max: int, next_pos: list[int]) -> dict[int, int]:
     """Where the plan's releases and KV operations leave each sequence they touch; InvalidPlan for one that
@@ -62,6 +64,12 @@ def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_c
         raise InvalidPlan("a chunk's tokens are not a 1-d integer array") from None
     if n_tokens > n_batch:
         raise InvalidPlan(f"plan has {n_tokens} tokens, more than n_batch={n_batch}")
+    steps = plan.steps
+    if steps != 1:
+        if not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+            raise InvalidPlan(f"steps {steps!r} outside [1, {MAX_STEPS}]")
+        if any(len(c.tokens) != 1 or c.draw < 0 for c in plan.chunks):
+            raise InvalidPlan("a multi-step plan's chunks are one-token rows that sample")
     after = _kv_after(plan, n_seq_max, next_pos)  # where the release and kv ops leave a sequence
     # per chunk, the same checks in the fewest steps: this runs for every row, between two decodes
     fresh = after  # sequences the ops above restarted: their sampling parameters went with their old KV
@@ -83,8 +91,8 @@ def validate_plan(plan: Plan, *, n_vocab: int, n_seq_max: int, n_batch: int, n_c
         expect = after[s] if s in after else next_pos[s]
         if p != expect:
             raise InvalidPlan(f"sequence {s} chunk starts at pos {p}, expected {expect}")
-        if p + n > n_ctx_seq:
-            raise InvalidPlan(f"sequence {s} would reach pos {p + n} > context {n_ctx_seq}")
+        if p + n + steps - 1 > n_ctx_seq:
+            raise InvalidPlan(f"sequence {s} would reach pos {p + n + steps - 1} > context {n_ctx_seq}")
         # a decode row's one token is read as is, not through two reductions
         lo, hi = (toks.item(0),) * 2 if n == 1 else (toks.min(), toks.max())
         if lo < 0 or hi >= n_vocab:
@@ -113,12 +121,40 @@ class Engine:
         self._constraints: dict = {}  # seq -> engine/constraint.Constraint, for sessions with a response_format
 
     def step(self, plan: Plan) -> StepResult:
-        """Run one tick: validate, release, compute every chunk, sample where asked."""
+        """Run one tick: validate, release, compute every chunk, sample where asked; a multi-step plan's rows
+        again with their samples, `plan.steps` times in all."""
+        res = self.step_once(plan)
+        return self._more_steps(plan, res) if plan.steps > 1 else res
+
+    def step_once(self, plan: Plan) -> StepResult:
         t0 = time.perf_counter()
         self.begin(plan)
         res = self._run(plan)
         self.end(plan, res)
         res.step_ms = (time.perf_counter() - t0) * 1e3
+        return res
+
+    def _more_steps(self, plan: Plan, res: StepResult) -> StepResult:
+        """Steps 2..plan.steps of a multi-step tick: each row that sampled decodes its sample at the next
+        position with the next draw. A sequence that lost its KV or failed drops out; what it drew before
+        stays in `earlier`."""
+        rows, earlier = plan.chunks, {}
+        for _ in range(1, plan.steps):
+            rows = [c for c in rows if c.seq_id in res.tokens]
+            if not rows:
+                break
+            for c in rows:
+                earlier.setdefault(c.seq_id, []).append((res.tokens[c.seq_id], res.logprobs.get(c.seq_id)))
+            rows = [SeqChunk(c.seq_id, c.pos + 1, np.array([res.tokens[c.seq_id]], np.int32), draw=c.draw + 1)
+                    for c in rows]
+            nxt = self.step_once(Plan(rows))
+            nxt.cache_miss = res.cache_miss + nxt.cache_miss
+            nxt.failed = {**res.failed, **nxt.failed}
+            nxt.step_ms += res.step_ms
+            nxt.drafted += res.drafted
+            nxt.served += res.served
+            res = nxt
+        res.earlier = earlier
         return res
 
     def begin(self, plan: Plan) -> None:

@@ -19,6 +19,8 @@ sequences with it:
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshnode.core.types import InvalidPlan, Keep, Plan, Share, StepResult
 
 AWAITING_RESYNC = "refused: an earlier tick failed and the front has not resynchronised yet"
@@ -47,7 +49,7 @@ class Followups:
             gone |= {op.dst for op in plan.kv if isinstance(op, Share) and op.src in lost}
             if gone:
                 kv = [op for op in plan.kv if not (isinstance(op, (Keep, Share)) and _target(op) in gone)]
-                plan, lost = Plan(plan.chunks, plan.release, kv), lost | gone
+                plan, lost = replace(plan, kv=kv), lost | gone
         restarted = plan.restarted if plan.release or plan.kv else ()  # most ticks restart nothing
         dropped = [c.seq_id for c in plan.chunks if c.seq_id in lost and c.seq_id not in restarted] if lost else []
         dropped += sorted(gone - set(dropped))  # reported even without a chunk here: their session must end
@@ -58,7 +60,7 @@ class Followups:
                     raise InvalidPlan(f"sequence {c.seq_id} follows a sample the last tick did not draw")
                 c.tokens[0], c.follow = tok, False
         if dropped:
-            plan = Plan([c for c in plan.chunks if c.seq_id not in dropped], plan.release, plan.kv)
+            plan = replace(plan, chunks=[c for c in plan.chunks if c.seq_id not in dropped])
         return plan, dropped
 
     def run(self, engine, plan: Plan, resync: bool = False) -> StepResult:

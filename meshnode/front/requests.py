@@ -146,7 +146,8 @@ class Requests:
         # no max_tokens: what the session's context share leaves (llama-server's n_predict -1, vLLM's default)
         max_tokens = req.max_tokens or max(1, self.sched.budget.n_ctx_seq - len(prompt))
         s = Session((ident, req.id), prompt, max_tokens, req.sampling, frozenset(req.stop_tokens),
-                    req.ignore_eos, req.recipe, owner=ident, grammar=grammar, priority=req.priority, t_submit=arrived)
+                    req.ignore_eos, req.recipe, owner=ident, grammar=grammar, priority=req.priority, t_submit=arrived,
+                    stop_text=bool(req.stop))
         d = self.sched.submit(s)
         if d.accepted:  # a queued session it displaced (priority policy) gets its `done` right after
             for _ in d.displaced:

@@ -80,6 +80,8 @@ class Ticks:
         try:
             absent = {*res.cache_miss, *res.failed} if res.cache_miss or res.failed else ()
             tokens = link.read_samples(self.engine.arena, tick.t, tick.plan, self.engine.n_vocab, absent)
+            if tick.plan.steps > 1:
+                link.check_earlier(res.earlier, tick.plan, tokens, self.engine.n_vocab)
         except ValueError as e:  # garbage from the engine: restart it, re-prefill
             self.engine.broke(f"engine sent a bad reply: {e}")
             return None

@@ -1,0 +1,22 @@
+"""How many decode steps a tick runs (Plan.steps): one plan, one answer and one client message for several tokens.
+
+A tick costs the node more than its llama_decode: the front plans it and applies its answer, the link carries
+it both ways, each client hears of it. On a small CPU that work runs beside the next decode and slows it
+(a lone session on 2 cores: 6.0 ms a token in process, 7.5-8 through the node: evidence/README.md, "One
+user"). Where the next tick's plan could not differ (every running session decoding, nobody queued or
+prefilling), a tick runs its decode rows several times in a row instead (vLLM's multi-step scheduling):
+as many as fit `budget_ms` by what decode ticks of these rows took lately, never past a session's last token.
+What it costs: a request that arrives meanwhile waits at most `budget_ms` longer to start, a cancel as long
+to take effect, and tokens reach a client a few at a time (every `budget_ms` at most).
+"""
+from __future__ import annotations
+
+MAX_STEPS = 16  # the most steps one tick runs, however fast a step (engine/base.py accepts up to 64)
+
+
+def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
+    """Steps for a decode-only tick whose rows' ticks took `decode_ms` lately (None: not known yet), where
+    the session nearest its end may sample `left` more tokens."""
+    if not decode_ms or budget_ms <= 0 or left <= 1:
+        return 1
+    return max(1, min(MAX_STEPS, left, int(budget_ms // decode_ms)))
