@@ -7,7 +7,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from helpers import deterministic_node
+from helpers import promised
 from meshnode.core import reasons as R
 from meshnode.core.types import ResponseFormat, Sampling
 from meshnode.dev.nodeproc import NodeProcess
@@ -45,14 +45,36 @@ def test_the_name_resolves_to_the_packaged_file_and_its_requantized_copies(tmp_p
         real_model("gpt-5")
 
 
-def test_a_greedy_chat_answer_is_right_and_ends_at_the_turns_end(node):
-    with node.client(timeout_s=120) as c:
-        r = c.generate("capital", messages=CAPITAL, max_tokens=64)
-        hi = c.generate("hi", messages=[{"role": "user", "content": "hi"}], max_tokens=64)
-    assert r.done["text"] == "The capital of France is Paris.", r.done["text"]
-    assert r.done["reason"] == R.EOS and r.tokens[-1] == 2, r.done  # <|im_end|>, before max_tokens
-    # llama-server's greedy answer with the same template (the built-in format guess wrote 120 tokens)
-    assert hi.done["text"] == "Hello there! How can I assist you today?" and hi.done["reason"] == R.EOS
+def llama_greedy(path: str, messages: list[dict], n: int) -> tuple[list[int], list[int]]:
+    """The prompt tokens as the node renders `messages`, and llama-cpp-python's own greedy continuation (its
+    high-level `Llama`, the same llama.cpp on the same CPU), up to and with the first end-of-turn token."""
+    from llama_cpp import Llama
+
+    from meshnode.text.tokenizer import Tokenizer
+
+    tok = Tokenizer(path)
+    prompt = [t for part in tok.prompt_slices(tok.chat_prompt(messages)) for t in part]
+    tok.close()
+    llm = Llama(path, n_ctx=512, n_threads=1, flash_attn=True, verbose=False)  # as the node runs it
+    want = []
+    for t in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        want.append(int(t))
+        if len(want) == n or llm.token_eos() == want[-1] or t in (0, 2):
+            break
+    llm.close()
+    return prompt, want
+
+
+def test_a_greedy_chat_answer_is_llama_cpps_and_ends_at_the_turns_end(node, smollm2):
+    """The model's greedy answer, rendered by its own template, is the one llama.cpp gives the same tokens
+    and ends with <|im_end|> before max_tokens. (Which words it is depends on the CPU's SIMD width: on an
+    AVX2 EPYC "The capital of France is Paris." as llama-server answers there; on an AVX-512 one another.)"""
+    for messages in (CAPITAL, [{"role": "user", "content": "hi"}]):
+        with node.client(timeout_s=120) as c:
+            r = c.generate("a", messages=messages, max_tokens=64)
+        _, want = llama_greedy(smollm2, messages, 64)
+        assert r.done["reason"] == R.EOS and r.tokens[-1] == 2, r.done  # <|im_end|>, before max_tokens
+        assert r.tokens == want and r.done["text"].strip(), (r.done["text"], want)
 
 
 def test_the_templates_default_system_turn_is_rendered(node, smollm2):
@@ -101,31 +123,21 @@ def test_structured_output_on_the_49k_vocab_validates(node):
 
 
 def test_greedy_tokens_equal_llama_cpp_pythons_own_generation(node, smollm2):
-    """The same prompt tokens, greedy, 24 new tokens: the node's and llama-cpp-python's high-level `Llama`."""
-    from llama_cpp import Llama
-
-    from meshnode.text.tokenizer import Tokenizer
-
-    tok = Tokenizer(smollm2)
-    prompt = [t for part in tok.prompt_slices(tok.chat_prompt(CAPITAL)) for t in part]
-    tok.close()
+    """The same prompt tokens, greedy, up to 24 new tokens or the end of the turn: the node's and
+    llama-cpp-python's high-level `Llama`."""
+    prompt, want = llama_greedy(smollm2, CAPITAL, 24)
     with node.client(timeout_s=120) as c:
         got = c.generate("g", tokens=prompt, max_tokens=24, ignore_eos=True).tokens
-    llm = Llama(smollm2, n_ctx=512, n_threads=1, verbose=False)
-    want = []
-    for tok in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-        want.append(int(tok))
-        if len(want) == 24:
-            break
-    llm.close()
-    assert got == want
+    assert got[:len(want)] == want
 
 
 def test_deterministic_mode_holds_on_a_q8_0_copy_alone_and_in_a_crowd(tmp_path):
+    """By default where it is free: q8_0 weights beside a q8_0 K cache, where no lone row needs a padding row."""
     q8 = str(real_model("smollm2-q8_0", tmp_path))
     job = dict(messages=CAPITAL, max_tokens=40, ignore_eos=True, logprobs=2, sampling=Sampling(0.8, 0, 1.0, 5))
-    with NodeProcess(q8) as n, n.client(timeout_s=120) as c:
-        assert deterministic_node(c, q8)
+    with NodeProcess(q8, "--cache-type-k", "q8_0") as n, n.client(timeout_s=120) as c:
+        node = c.status()["node"]
+        assert node["deterministic"] or not promised(q8), node["deterministic_problem"]
         alone = c.generate("alone", **job)
         for i in range(5):
             c.submit(f"o{i}", messages=[{"role": "user", "content": f"count to {i + 3}"}], max_tokens=30,

@@ -80,9 +80,12 @@ def test_auto_answers_with_text_or_a_call_and_none_is_plain_chat(oa):
         m = r.choices[0].message
         assert (m.tool_calls and r.choices[0].finish_reason == "tool_calls") or \
                (isinstance(m.content, str) and r.choices[0].finish_reason == "stop"), r.choices[0]
-    plain = oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
-                                       tool_choice="none", temperature=0, max_tokens=64)
-    assert plain.choices[0].message.content == "Hello there! How can I assist you today?"
+    hi = [{"role": "user", "content": "hi"}]
+    plain = oa.chat.completions.create(model="m", messages=hi, tools=[WEATHER], tool_choice="none", temperature=0,
+                                       max_tokens=64)
+    chat = oa.chat.completions.create(model="m", messages=hi, temperature=0, max_tokens=64)  # no tools at all
+    assert plain.choices[0].message.content == chat.choices[0].message.content and plain.choices[0].finish_reason == \
+        "stop"
 
 
 def test_a_streamed_call_comes_as_openai_sends_it(oa):
@@ -122,6 +125,27 @@ def test_a_conversation_with_a_call_and_its_result_goes_on(oa):
 def test_malformed_tool_requests_are_named(body, words):
     with pytest.raises(tools.ToolError, match=words):
         tools.parse({"messages": ASK, **body})
+
+
+def test_arguments_are_closed_as_the_schema_says_and_parallel_calls_bounded():
+    """An object that declares its properties takes no others unless its schema allows them; one that declares
+    none takes a bounded number; a parallel answer holds at most MAX_CALLS calls. (A small model otherwise
+    writes keys or calls until max_tokens cuts the answer.)"""
+    loose = {"type": "object", "properties": {"city": {"type": "string"}, "opts": {"type": "object"},
+                                              "more": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                       "additionalProperties": True}}}
+    use = tools.parse({"tools": [{"type": "function", "function": {"name": "f", "parameters": loose}}],
+                       "tool_choice": "required"})
+    schema = use.schema()
+    call = lambda args, n=1: {"tool_calls": [{"name": "f", "arguments": args}] * n}  # noqa: E731
+    jsonschema.validate(call({"city": "Paris", "opts": {"a": 1}, "more": {"x": 1, "y": 2}}), schema)
+    for bad in ({"city": "Paris", "country": "FR"}, {"opts": {f"k{i}": i for i in range(tools.MAX_OPEN_KEYS + 1)}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(call(bad), schema)
+    jsonschema.validate(call({"city": "x"}, tools.MAX_CALLS), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(call({"city": "x"}, tools.MAX_CALLS + 1), schema)
+    assert loose["properties"]["opts"] == {"type": "object"}  # the request's own schema is left as it was
 
 
 def test_the_schema_and_the_answer_forms():
