@@ -136,7 +136,7 @@ def main() -> int:
                f"{peers['node_tok_s']:.1f} tok/s: **{peers['ratio']:.2f}x** (target >= 2.0x). "
                f"Greedy tokens identical for {peers['identical_jobs']}/{peers['jobs']} jobs.", ""]
     md += front.overhead_before_after()
-    md += sections.burst() + sections.ticks() + sections.layout() + sections.spec() + sections.chat()
+    md += sections.burst() + sections.ticks() + sections.layout() + sections.spec() + sections.kvroute() + sections.chat()
     md += sections.sampling()
     md += sections.abuse()
     md += sections.rpc()

@@ -39,13 +39,41 @@ def layout() -> list[str]:
 
 
 def spec() -> list[str]:
-    return _spec("spec-bench-smollm2.json", "speculative decoding vs llama-server's (SmolLM2-135M-Instruct q8_0, "
-                 "a real model)", "--model smollm2-q8_0 --llama-server PATH --rounds 3") + _spec(
+    out = []
+    for name, model in (("", "q8_0"), ("-q4_1", "Q4_1, as packaged"), ("-f16", "f16"), ("-q4_k_m", "q4_K_M")):
+        arg = {"": "smollm2-q8_0", "-q4_1": "smollm2"}.get(name, f"smollm2{name}")
+        out += _spec(f"spec-bench-smollm2{name}.json", f"node defaults vs llama-server's (SmolLM2-135M-Instruct "
+                     f"{model}, a real model)", f"--model {arg} --llama-server PATH --rounds 3")
+    return out + _spec(
         "spec-draft-bench-smollm2.json", "a draft model (SmolLM2 Q4_1 drafting for its f16 copy, a real model)",
         "--model smollm2-f16 --draft-model smollm2 --llama-server PATH --sides ... --rounds 3") + _spec(
         "spec-f16-bench-smollm2.json", "the f16 target, prompt lookup and the draft model vs llama-server's ngram "
         "(SmolLM2-135M-Instruct f16, a real model)",
         "--model smollm2-f16 --draft-model smollm2 --llama-server PATH --sides ... --rounds 2") + _rows()
+
+
+def kvroute() -> list[str]:
+    d = load("kvroute-smollm2.json")
+    if not d:
+        return []
+    pairs, base = d["pairs"], d["pairs"]["f16/f16"]
+    depths, pre = list(base["lone_ms"]), list(base["prefill_ms"])
+    md = ["## K/V cache types: a lone row's bits, speed and quality (SmolLM2-135M-Instruct q8_0)", "",
+          f"`python -m benchmarks kvroute --model smollm2-q8_0 --json evidence/kvroute-smollm2.json`, on {d['build']}, "
+          f"{d['threads']} threads: a lone row unpadded beside 1, 2 and 7 neighbours at {d['depth']} cells (bitwise), "
+          "ms a token of a lone row by depth, prefill ms, and the perplexity of "
+          f"{os.path.basename(d['text'])} ({d['text_tokens']} tokens). docs/determinism.md reads it.", "",
+          "| K/V | lone row keeps its bits | " + " | ".join(f"ms at {x}" for x in depths) + " | "
+          + " | ".join(f"prefill {x}" for x in pre) + " | perplexity |", "|---|---|" + "---|" * (len(depths) + len(pre) + 1)]
+    for name, row in pairs.items():
+        same = "yes" if all(row["bitwise"].values()) else "no"
+        md.append(f"| {name} | {same} | " + " | ".join(f"{row['lone_ms'][x]:.2f}" for x in depths) + " | "
+                  + " | ".join(f"{row['prefill_ms'][x]:.0f}" for x in pre) + f" | {row['perplexity']:.4f} |")
+    pad = base.get("padded_ms", {})
+    if pad:
+        md.append("| f16/f16 with a padding row | (deterministic mode) | " + " | ".join(f"{pad[x]:.2f}" for x in depths)
+                  + " |" + " - |" * (len(pre) + 1))
+    return md + [""]
 
 
 def _rows() -> list[str]:
@@ -68,32 +96,19 @@ def _spec(name: str, title: str, args: str) -> list[str]:
     if not d:
         return []
     sides = list(d["rounds"][0])
+    tasks = [t for t, v in d["rounds"][0][sides[0]].items() if isinstance(v, dict) and t != "crowd"]
     md = [f"## One user alone: {title}", "",
           f"`python -m benchmarks spec {args} --json evidence/{name}`, on {d['build']}: one session alone, greedy, "
-          f"{d['new_tokens']} new "
-          "tokens, the same rendered prompt tokens to every side (code-edit: a 40-line file asked back with one "
-          f"function renamed, {d['prompt_tokens']['code-edit']} tokens; chat: a free question, "
-          f"{d['prompt_tokens']['chat']} tokens); decode tok/s from the first token to the last; crowd: 8 "
-          "code-edit sessions at once (node only). docs/speculative.md reads it.", "",
-          "| side | code-edit tok/s (rounds) | drafted / accepted | chat tok/s (rounds) | drafted / accepted "
-          "| crowd of 8 tok/s |", "|---|---|---|---|---|---|"]
+          f"up to {d['new_tokens']} new tokens, the same rendered prompt tokens to every side (code-edit: a 40-line "
+          f"file asked back with one function renamed, {d['prompt_tokens']['code-edit']} tokens; the others free "
+          "chats); decode tok/s from the first token to the last, median of the rounds; crowd: 8 code-edit "
+          "sessions at once (node only). docs/speculative.md and docs/determinism.md read it.", "",
+          "| side | " + " | ".join(tasks) + " | crowd of 8 |", "|---|" + "---|" * (len(tasks) + 1)]
     for side in sides:
-        cells = []
-        for task in ("code-edit", "chat"):
-            xs = [r[side][task]["tok_s"] for r in d["rounds"]]
-            last = d["rounds"][-1][side][task]
-            cells.append(f"{np.median(xs):.1f} ({', '.join(f'{x:.1f}' for x in xs)})")
-            cells.append(f"{last.get('drafted', 0)} / {last.get('accepted', 0)}")
+        cells = [f"{np.median([r[side][t]['tok_s'] for r in d['rounds']]):.1f}" for t in tasks]
         crowd = [r[side]["crowd"]["tok_s"] for r in d["rounds"] if "crowd" in r[side]]
         md.append(f"| {side} | " + " | ".join(cells) + f" | {f'{np.median(crowd):.1f}' if crowd else '-'} |")
-    peers = [p for p in sides if p.startswith("llama-server")]
-    ratios = []
-    for side in [s for s in sides if s.startswith("node") and "spec off" not in s]:
-        for peer in peers:  # per round, side by side
-            per = {t: [r[side][t]["tok_s"] / r[peer][t]["tok_s"] for r in d["rounds"]] for t in ("code-edit", "chat")}
-            ratios.append(f"- {side} / {peer}: " + ", ".join(
-                f"{t} {np.median(v):.2f}x ({', '.join(f'{x:.2f}' for x in v)})" for t, v in per.items()))
-    return md + [""] + [f"- {v}" for v in d["verdicts"]] + ratios + [""]
+    return md + [""] + [f"- {v}" for v in d["verdicts"]] + [""]
 
 
 def chat() -> list[str]:

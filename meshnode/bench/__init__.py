@@ -24,8 +24,8 @@ BENCHES = {
 def add_args(p: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
     p.add_argument("which", choices=sorted(benches), help="; ".join(f"{k}: {v}" for k, v in benches.items()))
     p.add_argument("--preset", default="bench", choices=["tiny", "tiny-f16", "bench", "bench-32k", "bench-long"])
-    p.add_argument("--model", help="a GGUF, or a packaged model by name (smollm2, smollm2-q8_0, smollm2-f16), "
-                   "instead of the preset")
+    p.add_argument("--model", help="a GGUF, or a packaged model by name (smollm2, smollm2-q8_0, smollm2-f16, "
+                   "smollm2-q4_k_m), instead of the preset")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = all)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per session (gateway: its c1 and c8 "
                    "pairs' sessions, when above 64)")
@@ -59,7 +59,7 @@ def add_args(p: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
 
 
 def model_path(a) -> str:
-    """--model: a GGUF, or a packaged model's name (smollm2, smollm2-q8_0, smollm2-f16); else the preset's."""
+    """--model: a GGUF, or a packaged model's name (smollm2 and its requantized copies); else the preset's."""
     if a.model:
         from meshnode.ops import realmodel
 

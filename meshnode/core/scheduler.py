@@ -15,20 +15,19 @@ Policy (fixed but for the queue's order):
    generating) gets a row, up to `max_batch_size` sequences; when more wait,
    the ones scheduled longest ago go first, so none starves.
 3. Then prefill: sessions with more than one token pending, oldest first (the
-   priority policy: in the queue's order), get
-   prompt chunks into the sequence slots left, up to
-   `max_prefill_tokens_per_tick` tokens in all (at least 1, so a huge prompt
-   still progresses). A long prompt spans ticks: prefill never stalls decode.
+   priority policy: in the queue's order), get prompt chunks into the sequence
+   slots left, up to `max_prefill_tokens_per_tick` tokens in all (at least 1, so
+   a huge prompt still progresses). Prefill never stalls decode.
+4. A tick of decode rows only, with nobody waiting, runs them for several steps
+   (core/steps.py): fewer ticks for the same tokens.
 A chunk that reaches the end of a session's tokens samples the next one.
 
 `plan()` then `apply(tick, result)` is one tick. Whoever drives the ticks
 (the front's meshnode/front/ticks.py, tests' drivers) may plan the next ones
-before the first one's result is back, keeping them in a TickPipeline
-(meshnode/core/pipeline.py): a session whose sample is still in flight decodes
-it as a `follow` chunk the engine fills in, so the engine never idles while the
-front works. After an
-engine restart, `engine_restarted()` marks every running session's KV as gone,
-and the same chunked prefill rebuilds prompt + generated tokens.
+before the first one's result is back (meshnode/core/pipeline.py): a session
+whose sample is still in flight decodes it as a `follow` chunk the engine fills
+in. After an engine restart, `engine_restarted()` marks every running session's
+KV as gone, and the same chunked prefill rebuilds prompt + generated tokens.
 
 Where a session's KV lives (its sequence id, what it reuses from the prefix cache,
 what is released when) is meshnode/core/seqs.py's: a session that starts where
@@ -55,7 +54,7 @@ from meshnode.core.pipeline import Tick
 from meshnode.core.priority import displaceable, policy_problem, victims
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Event, Session
 from meshnode.core.seqs import Sequences
-from meshnode.core.steps import decode_steps
+from meshnode.core.steps import plan_steps
 from meshnode.core.types import Constrained, Plan, Release, SeqChunk, StepResult
 
 
@@ -206,23 +205,10 @@ class Scheduler:
             c.occupancy_sum += len(chunks)
         tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused, planned=self._plans)
         self._arrived = None
-        tick.plan.steps = self._steps(chunks, prompts)
+        tick.plan.steps = plan_steps(chunks, len(self.running), bool(prompts or self.waiting),
+                                     self.cost.measured_decode_ms(len(chunks)), self.steps_ms)
         tick.predicted_ms = self._predicted_ms(tick.plan.chunks) * tick.plan.steps
         return tick
-
-    def _steps(self, chunks: list[tuple[Session, SeqChunk]], prompts: list[Session]) -> int:
-        """Decode steps for this tick (core/steps.py): more than one only where every running session
-        decodes in it, nobody waits, and no session's text is watched for stop strings (the front finds
-        those, a token at a time); the sessions' positions and draws in flight move with them."""
-        if (not chunks or prompts or self.waiting or len(chunks) < len(self.running) or self.steps_ms <= 0
-                or any(c.draw < 0 or len(c.tokens) != 1 or s.stop_text for s, c in chunks)):
-            return 1
-        left = min(s.max_tokens - s.n_generated - s.draws_in_flight for s, _ in chunks)
-        n = decode_steps(self.cost.measured_decode_ms(len(chunks)), 1 + left, self.steps_ms)
-        for s, _ in chunks:
-            s.n_planned += n - 1
-            s.draws_in_flight += n - 1
-        return n
 
     def _predicted_ms(self, chunks: list[SeqChunk]) -> float:
         """What the tick will take, by the cost model (0 before it can say): the front plans the next tick

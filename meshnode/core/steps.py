@@ -20,3 +20,19 @@ def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
     if not decode_ms or budget_ms <= 0 or left <= 1:
         return 1
     return max(1, min(MAX_STEPS, left, int(budget_ms // decode_ms)))
+
+
+def plan_steps(chunks: list, running: int, waiting: bool, decode_ms: float | None, budget_ms: float) -> int:
+    """Steps for a tick of (session, chunk) pairs: more than one only where every one of the `running`
+    sessions decodes in it, nobody `waiting` (a queue, a prompt to prefill), and no session's text is
+    watched for stop strings (the front finds those, a token at a time). The sessions' planned positions
+    and draws in flight move with the steps."""
+    if (not chunks or waiting or len(chunks) < running or budget_ms <= 0
+            or any(c.draw < 0 or len(c.tokens) != 1 or s.stop_text for s, c in chunks)):
+        return 1
+    n = decode_steps(decode_ms, 1 + min(s.max_tokens - s.n_generated - s.draws_in_flight for s, _ in chunks),
+                     budget_ms)
+    for s, _ in chunks:
+        s.n_planned += n - 1
+        s.draws_in_flight += n - 1
+    return n

