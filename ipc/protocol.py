@@ -72,6 +72,10 @@ class Submit:
     special: bool = False  # `text` spells special tokens (<|im_start|>): parse them, as llama-server's completions
     tools: list[dict] | None = None  # functions the template lists ({name, description, parameters}: ipc/chat.py)
     priority: int = 0  # vLLM's meaning: lower is served earlier (a node with --scheduling-policy priority)
+    # vLLM's chat options (messages only); None: llama-server's way (the assistant's turn opened; a final
+    # assistant message continued)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 @dataclass
@@ -87,6 +91,11 @@ class Status:
 @dataclass
 class Ping:
     pass
+
+
+@dataclass
+class Metrics:
+    """The node's Prometheus text, as its /metrics serves it (the HTTP gateway's /metrics asks for it)."""
 
 
 def _is_int(v) -> bool:
@@ -220,6 +229,8 @@ def decode_request(frames: list[bytes], n_vocab: int):
     id = raw_id if isinstance(raw_id, str) and 1 <= len(raw_id) <= MAX_ID_CHARS else None
     if op == "ping":
         return Ping()
+    if op == "metrics":
+        return Metrics()
     if op == "status":
         pt = msg.get("prompt_tokens")
         _check(pt is None or (_is_int(pt) and 1 <= pt <= MAX_NEW_TOKENS),
@@ -265,12 +276,20 @@ def _submit(msg: dict, id: str, n_vocab: int) -> Submit:
     priority = msg.get("priority", 0)
     _check(_is_int(priority) and -PRIORITY_RANGE <= priority <= PRIORITY_RANGE,
            f"priority must be an int in [-{PRIORITY_RANGE}, {PRIORITY_RANGE}] (lower is served earlier)", id)
+    turn = {k: msg.get(k) for k in ("add_generation_prompt", "continue_final_message")}
+    for k, v in turn.items():
+        _check(v is None or (isinstance(v, bool) and has_msgs), f"{k} must be a bool, and only with messages", id)
+    _check(not (turn["add_generation_prompt"] and turn["continue_final_message"]),
+           "add_generation_prompt and continue_final_message cannot both be true: a continued message opens no "
+           "new turn", id)
+    _check(not turn["continue_final_message"] or (has_msgs and messages and messages[-1]["role"] == "assistant"),
+           "continue_final_message needs the last message to be the assistant's", id)
     return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special, tools,
-                  priority)
+                  priority, turn["add_generation_prompt"], turn["continue_final_message"])
 
 def encode_request(req) -> list[bytes]:
     """Client side: a request dataclass -> the two frames."""
-    op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping"}[type(req)]
+    op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping", Metrics: "metrics"}[type(req)]
     body = {"op": op}
     for k, v in asdict(req).items():
         if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special", "priority") and not v):
@@ -300,6 +319,10 @@ def event(kind: str, **fields) -> list[bytes]:
 
 def pong() -> list[bytes]:
     return event("pong")
+
+
+def metrics(text: str) -> list[bytes]:
+    return event("metrics", text=text)
 
 
 def status(node: dict, telemetry: dict, capacity: dict) -> list[bytes]:

@@ -3,6 +3,7 @@ import random
 import threading
 
 import msgpack
+import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,6 +60,26 @@ def test_every_submit_field_round_trips_through_the_wire_codec():
     assert P.decode_request(P.encode_request(sub), 512) == sub
     chat = dataclasses.replace(sub, tokens=None, messages=[{"role": "user", "content": "hi"}])
     assert P.decode_request(P.encode_request(chat), 512) == chat
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He"}]
+    for turn in (dict(add_generation_prompt=False), dict(continue_final_message=True, add_generation_prompt=False),
+                 dict(continue_final_message=False, add_generation_prompt=True)):
+        ask = dataclasses.replace(chat, messages=said, **turn)
+        assert P.decode_request(P.encode_request(ask), 512) == ask
+
+
+@pytest.mark.parametrize("turn, words", [
+    (dict(add_generation_prompt=True, continue_final_message=True), "cannot both be true"),
+    (dict(continue_final_message=True, messages=[{"role": "user", "content": "hi"}]), "the assistant's"),
+    (dict(add_generation_prompt="yes"), "must be a bool"),
+    (dict(continue_final_message=True, messages=None, text="x"), "only with messages"),
+])
+def test_vllms_turn_options_are_checked_by_the_node(turn, words):
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He"}]
+    sub = P.Submit("t", 5, None, None, messages=said)
+    body = {**{k: v for k, v in vars(sub).items() if v is not None and k != "sampling"}, **turn, "op": "submit"}
+    body = {k: v for k, v in body.items() if v is not None}
+    with pytest.raises(P.ProtocolError, match=words):
+        P.decode_request([P.VERSION, msgpack.packb(body)], 512)
 
 
 def random_frames(rng: random.Random):

@@ -158,7 +158,7 @@ def test_response_format_json_schema_answers_parse(served):
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n = 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 9}, 400, "n must be an integer in [1, 8]"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "each tool must be"),
     ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400, "functions"),
@@ -166,7 +166,7 @@ def test_response_format_json_schema_answers_parse(served):
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text content"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
         "schema": {"type": "objekt"}}}}, 400, "objekt"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": True}, 400, "n = 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": True}, 400, "n must be"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, 400, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "model": 5}, 400, "model"),
     ({"messages": [{"role": "user", "content": "x"}], "seed": 2 ** 64}, 400, "seed"),
@@ -233,6 +233,64 @@ def test_keys_models_health_and_metrics(served):
     assert "meshnode_requests_running" in text
     assert_routable(text, "tiny.gguf")  # the node's figures under vLLM's names, through the gateway
     assert httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers=auth(), timeout=5).status_code == 400
+
+
+def test_n_choices_are_sessions_of_their_own_with_their_own_draws(served):
+    """`n` choices: one session each (choice i draws with seed + i), streamed with their indexes and given
+    back whole in index order; usage counts the prompt once and every choice's completion."""
+    oa = served[1]
+    ask = dict(model="m", messages=[{"role": "user", "content": "count"}], max_tokens=12, temperature=1.0, seed=5)
+    r = oa.chat.completions.create(n=3, **ask)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.content for c in r.choices}) > 1
+    alone = [oa.chat.completions.create(**{**ask, "seed": 5 + i}).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in r.choices] == alone
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens == oa.chat.completions.create(
+        **ask).usage.prompt_tokens
+    text, finishes = {}, {}
+    for chunk in oa.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **ask):
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == 24
+    assert text == {0: alone[0], 1: alone[1]} and finishes == {0: "length", 1: "length"}
+
+
+def test_the_api_answers_without_v1_and_pages_of_this_host_by_cors(served):
+    """llama-server's and vLLM's clients call the OpenAI paths without /v1 too; a browser page on this host
+    gets CORS answers (preflight and the request), another origin only when configured."""
+    base = served[0]
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    assert httpx.post(f"{base}/chat/completions", json=body, headers=auth(), timeout=30).status_code == 200
+    assert httpx.post(f"{base}/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth(),
+                      timeout=30).json()["object"] == "text_completion"
+    assert httpx.get(f"{base}/models", headers=auth(), timeout=5).json()["object"] == "list"
+    page = "http://localhost:3000"
+    pre = httpx.options(f"{base}/v1/chat/completions", headers={
+        "Origin": page, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"}, timeout=5)
+    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == page
+    assert "POST" in pre.headers["access-control-allow-methods"] and "authorization" in pre.headers[
+        "access-control-allow-headers"]
+    r = httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": True}, headers={**auth(), "Origin": page},
+                   timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+    other = httpx.options(f"{base}/v1/models", headers={"Origin": "https://elsewhere.example",
+                                                        "Access-Control-Request-Method": "GET"}, timeout=5)
+    assert other.status_code == 403 and "access-control-allow-origin" not in other.headers
+    plain = httpx.post(f"{base}/v1/chat/completions", json=body, headers={**auth(), "Origin": "https://x.example"},
+                       timeout=30)
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
+def test_cors_origins_as_configured():
+    from meshnode.gateway.cors import Cors
+
+    assert Cors().allowed("http://127.0.0.1:8080") == "http://127.0.0.1:8080" and Cors().allowed("http://[::1]")
+    assert Cors().allowed("http://localhost.evil.example") is None and Cors().allowed(None) is None
+    some = Cors.of("https://chat.example.com/, https://b.example")
+    assert some.allowed("https://chat.example.com") == "https://chat.example.com" and not some.allowed("https://c.x")
+    assert Cors.of("*").allowed("https://anything.example") == "*"
 
 
 def test_a_full_node_answers_429_with_retry_after_and_a_disconnect_cancels(served):
@@ -399,7 +457,7 @@ def test_a_stream_of_events_becomes_openais_chunks():
     chunks += ans.end({"event": "done", "id": "s1", "reason": R.EOS, "tokens": [5, 6, 7], "text": "hello",
                        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "cached_tokens": 2}})
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    assert deltas == [{"role": "assistant", "content": ""}, {"content": "he"}, {"content": "llo"}, {}]
+    assert deltas == [{"role": "assistant", "content": None}, {"content": "he"}, {"content": "llo"}, {}]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == [None, None, None, "stop"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 2}}

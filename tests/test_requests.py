@@ -14,8 +14,8 @@ CHATML = "<|im_start|>{role}\n{content}<|im_end|>\n"
 SPECIALS = Specials({"<s>": 1, "</s>": 2, "<|im_start|>": 500, "<|im_end|>": 501})
 
 
-def apply_chatml(messages):
-    return "".join(CHATML.format(**m) for m in messages) + "<|im_start|>assistant\n"
+def apply_chatml(messages, opened=True):
+    return "".join(CHATML.format(**m) for m in messages) + ("<|im_start|>assistant\n" if opened else "")
 
 
 class Tok:
@@ -25,8 +25,10 @@ class Tok:
     def min_tokens(self, p):
         return max(1, len(p) // 4)
 
-    def chat_prompt(self, messages, special_in_content=False, tools=None):
-        return chat_prompt(apply_chatml, SPECIALS, messages, special_in_content)
+    def chat_prompt(self, messages, special_in_content=False, tools=None, add_generation_prompt=None,
+                    continue_final=None):
+        return chat_prompt(apply_chatml, SPECIALS, messages, special_in_content, True, tools, add_generation_prompt,
+                           continue_final)
 
 
 class Texts:
@@ -155,3 +157,19 @@ def test_a_template_that_changes_around_a_content_gets_the_contents_as_sent():
 
     got = chat_prompt(heads, SPECIALS, [{"role": "user", "content": "hi"}])
     assert got.parts == (500, "user\nhi", 501, "\n")
+
+
+def test_vllms_turn_options_open_no_turn_continue_the_last_or_close_it():
+    """add_generation_prompt: false renders no assistant turn after the last message; a final assistant
+    message is continued by default (llama-server's way) or with continue_final_message: true, and is a
+    finished turn followed by a new one with continue_final_message: false (vLLM's default)."""
+    tok = Tok()
+    start, end = SPECIALS.by_text["<|im_start|>"], SPECIALS.by_text["<|im_end|>"]
+    user = [{"role": "user", "content": "hi"}]
+    opened, closed = tok.chat_prompt(user), tok.chat_prompt(user, add_generation_prompt=False)
+    assert opened.parts[-2:] == (start, "assistant\n") and closed.parts[-1] == "\n" and closed.parts[-2] == end
+    said = user + [{"role": "assistant", "content": "Hel"}]
+    for cont in (None, True):
+        assert tok.chat_prompt(said, continue_final=cont).parts[-2:] == (start, "assistant\nHel")
+    turned = tok.chat_prompt(said, continue_final=False).parts
+    assert turned[-2:] == (start, "assistant\n") and turned.count(end) == 2

@@ -148,6 +148,23 @@ def test_arguments_are_closed_as_the_schema_says_and_parallel_calls_bounded():
     assert loose["properties"]["opts"] == {"type": "object"}  # the request's own schema is left as it was
 
 
+def test_a_call_cut_by_max_tokens_is_no_text_and_a_cut_text_answer_keeps_its_text():
+    from meshnode.gateway.api import Answer, parse
+
+    def ended(text, choice="required"):
+        req = parse({"messages": ASK, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 8}, True, "m",
+                    lambda: "s1")
+        a = Answer(req)
+        a.tokens({"event": "tokens", "id": "s1", "tokens": [5], "text": text})
+        return a.end({"event": "done", "id": "s1", "reason": "LENGTH", "tokens": [5], "text": text,
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 8}})[0]["choices"][0]
+
+    cut = ended('{"tool_calls":[{"name":"get_weather","arguments":{"ci')
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None and "tool_calls" not in cut["message"]
+    text = ended('{"response": "It is sunny in Par', "auto")
+    assert text["finish_reason"] == "length" and text["message"]["content"] == "It is sunny in Par"
+
+
 def test_the_schema_and_the_answer_forms():
     use = tools.parse({"tools": [WEATHER, TIME], "tool_choice": "auto"})
     good = {"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC"}}]}

@@ -23,7 +23,9 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 KV_LAYOUTS = ("streams", "unified")  # n_ctx / n_seq_max cells per sequence, or one pool for all
 MAX_SEQ = 256  # LLAMA_MAX_SEQ: llama.cpp refuses a context with more sequences
 _TYPE_SIZE = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18)}  # ggml type -> block, bytes
-_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}  # ggml_log_level
+# ggml_log_level -> ours: llama.cpp's INFO is its loader's chatter (~70 lines a load), DEBUG here; the node's own
+# ready lines say what matters of it
+_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
 _LOG_CB = None  # ctypes keeps only a weak pointer: a collected callback crashes the process
 _ABORT_CB = None
 _ERRORS: deque[str] = deque(maxlen=8)  # llama.cpp's last error lines

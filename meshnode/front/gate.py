@@ -31,8 +31,9 @@ from meshnode.ops.config import EVICT_AFTER_S
 log = logging.getLogger("meshnode.front")
 
 # libzmq 4.3.5's ipc listener asserts on EMFILE (ipc_listener.cpp:297; its tcp listener drops the connection
-# instead): below this limit a flood on ipc:// faster than the gate closes connections can abort the front
-SAFE_IPC_FDS = 65536
+# instead): below this limit a flood on ipc:// faster than the gate closes connections can abort the front (1,100
+# idle connections did at 1,024); past it a flood must outrun the gate by thousands of connections, from this host
+SAFE_IPC_FDS = 8192
 RESERVE_FDS = 256  # the node's own: engine restarts, metrics, logs, libzmq internals, a burst of accepts
 # at the cap, a tcp connection that has not sent one byte for this long (no ZeroMQ greeting: every ZeroMQ peer
 # sends one at once) gives way first: 1,100 such sockets held every new client out while they stayed

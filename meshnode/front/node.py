@@ -23,6 +23,7 @@ import time
 import zmq
 
 from ipc import link as wire
+from ipc import protocol as P
 from ipc.shm import TokenArena, clean_stale
 from ipc.transport import Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
@@ -109,6 +110,7 @@ class Front:
                                      self.fd_limit, self.sched.deterministic, self.link.info.devices,
                                      self.tok.tool_format))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
+                                 metrics=lambda: P.metrics(self.exposition.render(self.report.snapshot()).decode()),
                                  special_in_content=cfg.chat_special_in_content)
         self.poller = zmq.Poller()
         self.clients.register(self.poller)
@@ -118,7 +120,7 @@ class Front:
         self._log_ready(max_clients)
         if cfg.http:
             self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
-                                        cfg.metrics_listen)
+                                        cfg.http_cors_origins)
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
 

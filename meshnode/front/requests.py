@@ -48,11 +48,12 @@ Action = Answer | Opened | Event
 
 class Requests:
     def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, status,
-                 special_in_content: bool = False):
-        """`status(prompt_tokens) -> frames`: the node's status answer (front/report.py). `special_in_content`:
-        chat content may spell special tokens (llama-server's behaviour; meshnode/text/chat.py)."""
+                 metrics=lambda: [], special_in_content: bool = False):
+        """`status(prompt_tokens) -> frames`: the node's status answer (front/report.py); `metrics() -> frames`:
+        its Prometheus text (front/prom.py). `special_in_content`: chat content may spell special tokens
+        (llama-server's behaviour; meshnode/text/chat.py)."""
         self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
-        self.status = status
+        self.status, self.metrics = status, metrics
         self.special_in_content = special_in_content
         self.held: dict[bytes, deque] = {}  # per client waiting behind its text: (frames, arrival)
         self._constraints = None  # llguidance over the served vocab, built for the first response_format
@@ -80,6 +81,8 @@ class Requests:
             return [Answer(ident, P.pong())]
         if isinstance(req, P.Status):
             return [Answer(ident, self.status(req.prompt_tokens))]
+        if isinstance(req, P.Metrics):
+            return [Answer(ident, self.metrics())]
         if isinstance(req, P.Cancel):
             ev = self.sched.cancel((ident, req.id))
             if ev is not None:
@@ -108,7 +111,8 @@ class Requests:
         prompt = self.tok.special_prompt(req.text) if req.special else req.text
         if req.messages is not None:
             try:
-                prompt = self.tok.chat_prompt(req.messages, self.special_in_content, req.tools)
+                prompt = self.tok.chat_prompt(req.messages, self.special_in_content, req.tools,
+                                              req.add_generation_prompt, req.continue_final_message)
             except ValueError as e:
                 return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
         ask = Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe, req.priority)

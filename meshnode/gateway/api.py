@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ipc import protocol as P
 from meshnode.core import reasons as R
@@ -30,6 +30,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 RETRY_AFTER_S = 1
 ARGUMENT_PIECE = 32  # characters of a streamed tool call's arguments a chunk
 UNSUPPORTED = ("functions", "echo", "suffix", "best_of", "logit_bias")
+MAX_CHOICES = 8  # `n`: choices one request may ask for (each a session of the node, admitted like any)
 
 
 class ApiError(Exception):
@@ -59,6 +60,15 @@ class Request:
     top_logprobs: int | None  # None: no logprobs asked; else how many alternatives per token (0..20)
     model: str
     tools: tools.ToolUse | None = None  # the functions the answer may call (gateway/tools.py)
+    n: int = 1  # choices: sessions of the same prompt, each its own draws (submits)
+
+    def submits(self) -> list[P.Submit]:
+        """One submit a choice: choice i draws with seed + i (greedy choices are the same answer, as OpenAI's)."""
+        if self.n == 1:
+            return [self.submit]
+        s = self.submit
+        return [replace(s, id=f"{s.id}-{i}", sampling=replace(s.sampling, seed=(s.sampling.seed + i) % (1 << 63)))
+                for i in range(self.n)]
 
 
 def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") -> Request:
@@ -107,17 +117,20 @@ def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") ->
     # ignore_eos: llama-server's extension (benchmarks, load tests)
     # a completions prompt is the client's own template: special tokens it spells are parsed, as llama-server does
     # priority: vLLM's extension (lower first), for a node with --scheduling-policy priority
+    # vLLM's chat options: the node checks them (a final assistant message continued, or a turn left unopened)
+    turn = {k: body.get(k) for k in ("add_generation_prompt", "continue_final_message")} if chat else {}
     submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
                       _stop(body.get("stop")), messages, fmt, special=text is not None, tools=listed,
-                      priority=body.get("priority", 0))
-    return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model, use)
+                      priority=body.get("priority", 0), **turn)
+    return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model, use,
+                   body.get("n") or 1)
 
 
 def _check_fields(body: dict) -> None:
     """The fields that must be right before anything else is read, each named when it is not."""
     n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):  # type: true == 1 in Python, and is no count
-        raise ApiError(400, "only n = 1 is supported: send the request again for another answer", param="n")
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):  # type: true == 1, and is no count
+        raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}]", param="n")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise ApiError(400, "model must be a string", param="model")
     for key, v in body.items():  # past 64 bits nothing reaches the node to judge it: say which field here
@@ -242,8 +255,8 @@ class Answer:
     whole response at the end. `piece(token) -> bytes` names tokens for logprobs (the model's vocab);
     `fingerprint`, the node's recipe, is OpenAI's `system_fingerprint`: what produced the answer."""
 
-    def __init__(self, req: Request, piece=None, fingerprint: str = ""):
-        self.req, self.piece, self.fingerprint = req, piece, fingerprint
+    def __init__(self, req: Request, piece=None, fingerprint: str = "", index: int = 0):
+        self.req, self.piece, self.fingerprint, self.index = req, piece, fingerprint, index
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + req.submit.id
         self.created = int(time.time())
         self.text: list[str] = []
@@ -266,14 +279,14 @@ class Answer:
         out = []
         if self.req.chat and not self.sent_role:
             self.sent_role = True
-            out.append(self._chunk({"role": "assistant", "content": ""}, None, None))
+            out.append(self._chunk({"role": "assistant", "content": None}, None, None))
         if (ev["text"] or lps) and self.req.tools is None:  # a tools answer is JSON: told at its end
             out.append(self._chunk({"content": ev["text"]} if self.req.chat else ev["text"], lps, None))
         return out
 
     def _chunk(self, delta, lps, finish) -> dict:
-        choice = {"index": 0, ("delta" if self.req.chat else "text"): delta, "logprobs": self._wrap(lps) if lps else None,
-                  "finish_reason": finish}
+        choice = {"index": self.index, ("delta" if self.req.chat else "text"): delta,
+                  "logprobs": self._wrap(lps) if lps else None, "finish_reason": finish}
         return {**self._base(True), "choices": [choice], **({"usage": None} if self.req.include_usage else {})}
 
     def _logprobs(self, ev: dict) -> list:
@@ -304,36 +317,40 @@ class Answer:
         return {"tokens": [t for t, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
                 "top_logprobs": [top for _, _, top in lps], "text_offset": []}
 
-    def end(self, done: dict) -> list[dict]:
-        """The `done` event -> the last stream chunks (finish reason, usage), or the whole response."""
+    def end(self, done: dict, with_usage: bool = True) -> list[dict]:
+        """The `done` event -> the last stream chunks (finish reason, and usage unless the caller sends the
+        choices' together), or the whole response."""
         finish = FINISH[done["reason"]]
         if self.req.tools is not None:
-            return self._tools_end(done, finish)
+            return self._tools_end(done, finish, with_usage)
         if self.req.stream:
             last = self._chunk({} if self.req.chat else "", None, finish)
             out = [last]
-            if self.req.include_usage:
+            if self.req.include_usage and with_usage:
                 out.append({**self._base(True), "choices": [], "usage": usage(done)})
             return out
         text = "".join(self.text)
         lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps, "finish_reason": finish}
-                  if self.req.chat else {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish})
+        choice = ({"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                   "finish_reason": finish}
+                  if self.req.chat else {"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish})
         return [{**self._base(False), "choices": [choice], "usage": usage(done)}]
 
-    def _tools_end(self, done: dict, finish: str) -> list[dict]:
+    def _tools_end(self, done: dict, finish: str, with_usage: bool = True) -> list[dict]:
         """A tools answer, parsed once whole: `tool_calls` (finish `tool_calls`) or the response's text.
         Streamed as OpenAI streams calls: per call its index, id, type and name first, then its arguments in
         fragments."""
         text = "".join(self.text)
-        content, calls = tools.answer(text, self.req.tools.form) if finish != "length" else (text, None)
+        # cut by max_tokens: no half call passes as text (a text answer's part is kept where it can be read)
+        content, calls = tools.answer(text, self.req.tools.form) if finish != "length" else (
+            tools.cut_text(text, self.req.tools.form), None)
         finish = "tool_calls" if calls else finish
         if not self.req.stream:
             msg = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
-            return [{**self._base(False), "choices": [{"index": 0, "message": msg, "logprobs": lps,
+            return [{**self._base(False), "choices": [{"index": self.index, "message": msg, "logprobs": lps,
                                                         "finish_reason": finish}], "usage": usage(done)}]
-        out = [] if self.sent_role else [self._chunk({"role": "assistant", "content": ""}, None, None)]
+        out = [] if self.sent_role else [self._chunk({"role": "assistant", "content": None}, None, None)]
         if content:
             out.append(self._chunk({"content": content}, None, None))
         for i, c in enumerate(calls or ()):
@@ -345,6 +362,6 @@ class Answer:
                 out.append(self._chunk({"tool_calls": [{"index": i, "function": {
                     "arguments": args[k:k + ARGUMENT_PIECE]}}]}, None, None))
         out.append(self._chunk({}, None, finish))
-        if self.req.include_usage:
+        if self.req.include_usage and with_usage:
             out.append({**self._base(True), "choices": [], "usage": usage(done)})
         return out

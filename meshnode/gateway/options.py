@@ -14,7 +14,10 @@ def add_args(p) -> None:
     p.add_argument("--insecure", action="store_true", help="a non-loopback address without API keys")
     p.add_argument("--model", help="the GGUF the node serves, for token names in logprobs (default: the "
                    "node's model path, where this host can read it)")
-    p.add_argument("--metrics-from", help="the node's /metrics URL, served again at /metrics")
+    p.add_argument("--metrics-from", help="the node's /metrics URL, served again at /metrics (default: the node's "
+                   "own text, asked over its protocol)")
+    p.add_argument("--cors-origins", help="web origins beside this host's (localhost, 127.0.0.1, [::1]) whose pages "
+                   "may call the API, comma-separated, or * for any")
     p.add_argument("--header-timeout-s", type=float, default=HEADER_S, help="a request's line and headers must "
                    "arrive within this long of its first byte, or the connection is closed (slow clients)")
     p.add_argument("--curve-server-key", help="the node's public certificate, for a CURVE node")

@@ -21,6 +21,7 @@ from ipc import protocol as P
 from ipc.transport import api_keys
 from meshnode.core.endpoints import host_port
 from meshnode.gateway import api, deadline
+from meshnode.gateway.cors import Cors
 from meshnode.gateway.options import refusal
 from meshnode.gateway.upstream import Upstream
 
@@ -30,15 +31,19 @@ BODY_S = 60.0  # a request's body must arrive within this long of its headers (4
 
 class Gateway:
     def __init__(self, up: Upstream, model: str, piece=None, keys: set[bytes] | None = None, metrics_from: str = "",
-                 recipe: str = "", tool_format: str = "generic"):
+                 recipe: str = "", tool_format: str = "generic", cors: Cors | None = None):
         self.up, self.model, self.piece, self.keys, self.metrics_from = up, model, piece, keys or set(), metrics_from
-        self.recipe, self.tool_format = recipe, tool_format
+        self.recipe, self.tool_format, self.cors = recipe, tool_format, cors or Cors()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_deadline, self._auth], client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
-        app.add_routes([web.post("/v1/chat/completions", self.chat), web.post("/v1/completions", self.completions),
-                        web.get("/v1/models", self.models), web.get("/health", self.health),
-                        web.get("/metrics", self.metrics)])
+        app = web.Application(middlewares=[_deadline, self.cors.preflight, self._auth],
+                              client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
+        routes = [web.post("/chat/completions", self.chat), web.post("/completions", self.completions),
+                  web.get("/models", self.models)]
+        # OpenAI's paths under /v1, and without it as llama-server and vLLM's clients also call them
+        app.add_routes([*routes, *(web.route(r.method, "/v1" + r.path, r.handler) for r in routes),
+                        web.get("/health", self.health), web.get("/metrics", self.metrics)])
+        app.on_response_prepare.append(self.cors.headers)
         return app
 
     @web.middleware
@@ -73,46 +78,65 @@ class Gateway:
         if req.top_logprobs is not None and self.piece is None:
             raise api.ApiError(400, "logprobs need the model's vocabulary, which this gateway cannot read (run it "
                                     "where the model file is, or give --model)", param="logprobs")
-        sid = req.submit.id
+        submits, open_ = req.submits(), {}
         try:
-            q = self.up.open(req.submit)
-        except OverflowError as e:
-            raise api.ApiError(413, f"{e}: send a shorter prompt or schema") from None
-        except ValueError as e:
-            raise api.ApiError(400, str(e)) from None
-        ended = False
+            for i, submit in enumerate(submits):
+                try:
+                    open_[i] = (submit.id, self.up.open(submit))
+                except OverflowError as e:
+                    raise api.ApiError(413, f"{e}: send a shorter prompt or schema") from None
+                except ValueError as e:
+                    raise api.ApiError(400, str(e)) from None
+            for i, (sid, q) in open_.items():  # every choice admitted before a byte of the answer
+                first = await q.get()
+                if first["event"] != "admitted":
+                    self.up.finished(sid)
+                    del open_[i]
+                    raise api.rejection(first)
+            return await self._answer(request, req, open_)
+        finally:
+            for sid, _ in open_.values():  # the client went away, or a sibling choice was refused
+                self.up.abandon(sid)
+
+    async def _answer(self, request: web.Request, req: api.Request, open_: dict) -> web.StreamResponse:
+        """The admitted choices' events, as they come, into one answer: stream chunks with each choice's index,
+        or one response with every choice (usage: the prompt once, every choice's completion)."""
+        answers = {i: api.Answer(req, self.piece, self.recipe, i) for i in open_}
+        merged: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(i, q, merged)) for i, (_, q) in open_.items()]
+        resp = await self._stream_start(request) if req.stream else None
+        ends: dict[int, dict] = {}
         try:
-            first = await q.get()
-            if first["event"] != "admitted":
-                ended = True
-                raise api.rejection(first)
-            answer = api.Answer(req, self.piece, self.recipe)
-            resp = await self._stream_start(request) if req.stream else None
-            ev = await q.get()
-            while ev["event"] == "tokens":
-                chunks, ev = answer.tokens(ev), None
-                while not q.empty():  # the client is behind: what waits goes in one write
-                    ev = q.get_nowait()
-                    if ev["event"] != "tokens":
-                        break
-                    chunks, ev = chunks + answer.tokens(ev), None
+            while len(ends) < len(answers):
+                batch = [await merged.get()]
+                while not merged.empty():  # the client is behind: what waits goes in one write
+                    batch.append(merged.get_nowait())
+                chunks, err = [], None
+                for i, ev in batch:
+                    if ev["event"] == "tokens":
+                        chunks += answers[i].tokens(ev)
+                        continue
+                    self.up.finished(open_.pop(i)[0])
+                    ends[i] = ev
+                    err = err or (api.rejection(ev) if ev["event"] == "error" else api.finish_error(ev))
+                    if resp is not None and not err:
+                        chunks += answers[i].end(ev, with_usage=len(answers) == 1)
+                if err:
+                    if resp is None:
+                        raise err
+                    await resp.write(_sse(chunks + [err.body()]) + b"data: [DONE]\n\n")
+                    return resp
                 if resp is not None and chunks:
                     await resp.write(_sse(chunks))
-                if ev is None:
-                    ev = await q.get()
-            ended = True
-            err = api.rejection(ev) if ev["event"] == "error" else api.finish_error(ev)
-            if resp is None:
-                if err:
-                    raise err
-                return web.json_response(answer.end(ev)[0])
-            await resp.write(_sse([err.body()] if err else answer.end(ev)) + b"data: [DONE]\n\n")
-            return resp
         finally:
-            if ended:
-                self.up.finished(sid)
-            else:  # the client went away (the handler was cancelled, or a write failed)
-                self.up.abandon(sid)
+            for task in pumps:
+                task.cancel()
+        if resp is None:
+            return web.json_response(_whole(answers, ends))
+        if len(answers) > 1 and req.include_usage:
+            await resp.write(_sse([{**answers[0]._base(True), "choices": [], "usage": _usage(ends)}]))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
     @staticmethod
     async def _stream_start(request: web.Request) -> web.StreamResponse:
@@ -133,10 +157,16 @@ class Gateway:
         return web.json_response({"status": "ok" if healthy else "unhealthy"}, status=200 if healthy else 503)
 
     async def metrics(self, request: web.Request):
-        if not self.metrics_from:
-            raise api.ApiError(404, "this gateway was not given the node's /metrics (--metrics-from)")
-        text = await asyncio.to_thread(lambda: urllib.request.urlopen(self.metrics_from, timeout=5).read())
-        return web.Response(body=text, content_type="text/plain", charset="utf-8")
+        """The node's Prometheus text (the same as its --metrics-listen serves), where the API is scraped."""
+        if self.metrics_from:
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(self.metrics_from, timeout=5).read())
+        else:
+            try:
+                text = (await self.up.ask(P.Metrics(), timeout_s=5.0))["text"].encode()
+            except (asyncio.TimeoutError, ConnectionError):
+                raise api.ApiError(503, "the node does not answer") from None
+        return web.Response(body=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
 
 
 @web.middleware
@@ -150,6 +180,31 @@ async def _deadline(request: web.Request, handler):
     finally:
         if wrapper is not None:
             wrapper.handled()
+
+
+async def _pump(i: int, q: asyncio.Queue, merged: asyncio.Queue) -> None:
+    """One choice's events into the answer's queue, tagged with its index, up to its final one."""
+    while True:
+        ev = await q.get()
+        await merged.put((i, ev))
+        if ev["event"] not in ("tokens", "admitted"):
+            return
+
+
+def _usage(ends: dict[int, dict]) -> dict:
+    """The choices' usage: their prompt once (the same prompt), every one's completion."""
+    per = [api.usage(ev) for ev in ends.values()]
+    prompt = per[0]["prompt_tokens"]
+    done = sum(u["completion_tokens"] for u in per)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": per[0]["prompt_tokens_details"]["cached_tokens"]}}
+
+
+def _whole(answers: dict, ends: dict[int, dict]) -> dict:
+    """The non-streamed answer: each choice's, in index order, with the choices' usage."""
+    bodies = [answers[i].end(ends[i])[0] for i in sorted(answers)]
+    return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
+            "usage": _usage(ends) if len(bodies) > 1 else bodies[0]["usage"]}
 
 
 def _sse(chunks: list[dict]) -> bytes:
@@ -180,7 +235,7 @@ async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
 
         piece = Tokenizer(path).piece
     gw = Gateway(up, os.path.basename(node["model"]), piece, keys, a.metrics_from or "", node.get("recipe", ""),
-                 node.get("tool_format", "generic"))
+                 node.get("tool_format", "generic"), Cors.of(a.cors_origins))
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     host, port = host_port(a.listen)

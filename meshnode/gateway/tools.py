@@ -208,6 +208,23 @@ def answer(text: str, form: str = "generic") -> tuple[str | None, list[dict] | N
     return text, None
 
 
+def cut_text(text: str, form: str = "generic") -> str | None:
+    """An answer max_tokens cut short, as text a client may be shown: None where it was a call (half a call
+    is no text), the text of a generic `{"response": ...}` answer as far as it went, a native form's text."""
+    if form in NATIVE:
+        return None if text.lstrip().startswith(("<tool_call>", "{")) else text
+    m = re.match(r'\s*\{\s*"response"\s*:\s*"((?:[^"\\]|\\.)*)', text, re.S)
+    if not m:
+        return None
+    raw = m.group(1)
+    for end in range(len(raw), max(-1, len(raw) - 7), -1):  # a cut escape sequence: drop its start
+        try:
+            return json.loads(f'"{raw[:end]}"')
+        except ValueError:
+            continue
+    return None
+
+
 def _loaded(text: str):
     try:
         return json.loads(text)

@@ -163,6 +163,9 @@ class NodeConfig:
                                          example="127.0.0.1:9108")
     http: str | None = setting(None, "serve the OpenAI HTTP API on HOST:PORT (`meshnode gateway` as a supervised child); "
                                "unset = off", example="127.0.0.1:8080")
+    http_cors_origins: str | None = setting(None, "web origins beside this host's whose pages may call the HTTP API "
+                                            "(CORS), comma-separated, or * for any; unset = this host's only",
+                                            example="https://chat.example.com")
     http_api_key_file: str | None = setting(None, "API keys the HTTP API accepts, one per line (Authorization: Bearer); "
                                             "needed for an address others can reach, unless insecure",
                                             example="/etc/meshnode/api-keys")

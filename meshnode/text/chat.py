@@ -45,20 +45,22 @@ class Specials:
         return [self.by_text[p] if k % 2 else p for k, p in enumerate(self.pattern.split(text))]
 
 
-def conversation(messages: list[dict], system_role: bool = True) -> tuple[list[dict], str | None]:
+def conversation(messages: list[dict], system_role: bool = True,
+                 continue_final: bool | None = None) -> tuple[list[dict], str | None]:
     """The messages as llama-server hands them to the template, and the text it continues with:
     - `developer` is `system` (every template but gpt-oss's);
     - a template without a system role (Gemma's raises on one) gets the system text at the head of the next
       message, or nothing where it stands alone;
     - a conversation ending with an assistant message is a prefill: the others are rendered with the
-      assistant's turn opened and that message's content follows as it is, to be continued."""
+      assistant's turn opened and that message's content follows as it is, to be continued; unless
+      `continue_final` is False (vLLM's continue_final_message: false), where it is a finished turn."""
     msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
     if msgs and msgs[0]["role"] == "system" and not system_role:
         head = msgs.pop(0)
         if msgs:
             msgs[0] = {**msgs[0], "content": head["content"] + "\n" + msgs[0]["content"]}
     prefill = None
-    if msgs and msgs[-1]["role"] == "assistant":
+    if msgs and msgs[-1]["role"] == "assistant" and continue_final is not False:
         prefill = msgs.pop()["content"]
     return msgs, prefill
 
@@ -103,8 +105,10 @@ def _pieces(apply_template, messages: list[dict]) -> list:
 
 
 def prompt(apply_template, specials: Specials, messages: list[dict], special_in_content: bool = False,
-           system_role: bool = True, tools: list | None = None) -> ChatPrompt:
-    """`apply_template([{role, content, ...}, ...]) -> str` renders; the contents come back in as text.
+           system_role: bool = True, tools: list | None = None, add_generation_prompt: bool | None = None,
+           continue_final: bool | None = None) -> ChatPrompt:
+    """`apply_template([{role, content, ...}, ...], opened=True) -> str` renders (`opened`: the assistant's turn
+    opened after the messages); the contents come back in as text.
     `system_role`: whether the template has one (`has_system_role`). Tool calls, tool results' ids and the
     tools the template lists are its text, searched for special tokens: one that spells a special token is
     refused (unless `special_in_content`), as a content spelling one would be a turn of its own."""
@@ -115,7 +119,9 @@ def prompt(apply_template, specials: Specials, messages: list[dict], special_in_
             raise ValueError(f"a tool, tool call or tool result id spells the special token {spelled.group(0)!r}, "
                              "which the template's text would turn into that token; this node keeps clients' "
                              "text literal (chat_special_in_content)")
-    msgs, prefill = conversation(messages, system_role)
+    msgs, prefill = conversation(messages, system_role, continue_final)
+    if add_generation_prompt is False and prefill is None:  # vLLM's: no assistant turn opened after the last one
+        apply_template = (lambda render: lambda m: render(m, False))(apply_template)
     parts: list = []
     for piece in _pieces(apply_template, msgs):
         if isinstance(piece, str):

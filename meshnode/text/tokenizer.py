@@ -140,12 +140,14 @@ class Tokenizer:
         """The messages in the model's own chat template, as one text (what llama-server tokenizes)."""
         return chat.render(self._apply_template, messages, self._system_role())
 
-    def chat_prompt(self, messages: list[dict], special_in_content: bool = False,
-                    tools: list | None = None) -> ChatPrompt:
+    def chat_prompt(self, messages: list[dict], special_in_content: bool = False, tools: list | None = None,
+                    add_generation_prompt: bool | None = None, continue_final: bool | None = None) -> ChatPrompt:
         """The messages in the model's chat template, its own markers as special tokens and the clients'
-        content as plain text (meshnode/text/chat.py says why); `tools` (ipc/chat.py's shape) listed by it."""
-        return chat.prompt(lambda msgs: self._apply_template(msgs, tools), self._specials, messages,
-                           special_in_content, self._system_role(), tools)
+        content as plain text (meshnode/text/chat.py says why); `tools` (ipc/chat.py's shape) listed by it;
+        vLLM's `add_generation_prompt` and `continue_final_message` where given (chat.conversation)."""
+        return chat.prompt(lambda msgs, opened=True: self._apply_template(msgs, tools, opened), self._specials,
+                           messages, special_in_content, self._system_role(), tools, add_generation_prompt,
+                           continue_final)
 
     def vocab_difference(self, path: str) -> str:
         """Why another GGUF's tokens are not this model's ("" when they are): a draft model's check, before
@@ -173,7 +175,7 @@ class Tokenizer:
         for a client that templates its own prompts, where every character of it is its own."""
         return chat.parsed(self._specials, text)
 
-    def _apply_template(self, messages: list[dict], tools: list | None = None) -> str:
+    def _apply_template(self, messages: list[dict], tools: list | None = None, opened: bool = True) -> str:
         """The GGUF's own `tokenizer.chat_template` run over the messages, the assistant's turn opened
         (meshnode/text/jinja.py). ValueError, in a sentence, when there is none or it fails."""
         if self._template is None:
@@ -183,7 +185,7 @@ class Tokenizer:
             self._template = ChatTemplate(src.decode("utf-8", "replace"), self._special_text(self.bos),
                                           self._special_text(self._lc.llama_vocab_eos(self._vocab)), self.add_bos,
                                           self._lc.llama_vocab_get_add_eos(self._vocab))
-        return self._template.render(messages, tools)
+        return self._template.render(messages, tools, opened)
 
     def _special_text(self, token: int) -> str:
         """A control token's own text (<|im_start|>, <s>), as the template's bos_token / eos_token."""
