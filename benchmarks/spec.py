@@ -182,6 +182,12 @@ def main(a) -> int:
         draft = str(realmodel.real_model(a.draft_model)) if a.draft_model in realmodel.NAMES else a.draft_model
         node_sides["node draft model"] = ("--draft-model", draft)
         server_sides["llama-server draft model"] = ("-md", draft, "--spec-type", "draft-simple")
+    from meshnode.engine.llamacpp import deterministic_problem
+
+    refused = deterministic_problem(path)
+    if refused:  # the node refuses --deterministic for these weights (exit 2): no such side
+        print(f"  (no 'node deterministic' side: {refused})", flush=True)
+        del node_sides["node deterministic"]
     sides = list(node_sides) + (list(server_sides) if a.llama_server else [])
     if a.sides:
         node_sides |= ONE_STEP
