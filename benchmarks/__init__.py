@@ -16,6 +16,7 @@ EXPERIMENTS = {
     "chat": "8 users x 6 turns re-sending their history: prefix cache on vs off (vs llama-server)",
     "ticks": "what a tick costs by shape (chunk sizes around the attention tile, deep, beside decode rows)",
     "rpc": "the model split over 1 and 2 ggml RPC workers vs local, and behind 0.2-5 ms of round trip",
+    "embed": "/v1/embeddings through the node's gateway vs llama-server --embedding: cosine per input, time",
     "kvroute": "K/V cache types: a lone row's bits unpadded, its speed by depth, prefill, perplexity vs f16/f16",
     "rows": "what a tick of one sequence's 1-48 rows costs (the price of K drafts), deterministic and not",
     "spec": "one session alone, code-edit and chat: speculative decoding auto vs off (deterministic and not) vs "

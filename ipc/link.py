@@ -12,12 +12,13 @@ tokens and the front has read its samples.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from ipc import seqpacket
 from ipc.protocol import pack, unpack
-from meshnode.core.types import (Constrained, Device, EngineInfo, Grammar, Keep, Logprob, Plan, Release, Sampling,
-                                 SeqChunk, Share, StepResult)
+from meshnode.core.types import (POOLINGS, Constrained, Device, EngineInfo, Grammar, Keep, Logprob, Plan, Release,
+                                 Sampling, SeqChunk, Share, StepResult)
 
 HALVES = 2
 MAX_GRAMMAR_BYTES = seqpacket.MAX_MESSAGE - 4096  # a compiled grammar and its message's other fields
@@ -169,7 +170,7 @@ def read_samples(arena, tick: int, plan: Plan, n_vocab: int, absent=()) -> dict[
     _, out = _bases(tick, arena)
     samples = arena.output
     tokens = {c.seq_id: int(samples[out + k]) for k, c in enumerate(plan.chunks)
-              if c.draw >= 0 and c.seq_id not in absent}
+              if c.draw >= 0 and not c.embed and c.seq_id not in absent}  # an embedding's result is its vector
     for seq, tok in tokens.items():
         if not 0 <= tok < n_vocab:
             raise ValueError(f"engine sampled token {tok} for sequence {seq}, outside the vocabulary of {n_vocab}")
@@ -187,6 +188,14 @@ def check_earlier(earlier: dict, plan: Plan, last: dict, n_vocab: int) -> None:
             raise ValueError(f"engine sent {n} earlier samples for sequence {seq} of a {plan.steps}-step tick")
         if any(not 0 <= t < n_vocab for t, _ in earlier.get(seq, ())):
             raise ValueError(f"engine sampled a token for sequence {seq} outside the vocabulary of {n_vocab}")
+
+
+def check_embeddings(embeddings: dict, plan: Plan) -> None:
+    """A tick's embedding vectors: only for the plan's embedding chunks that asked for one, finite."""
+    asked = {c.seq_id for c in plan.chunks if c.embed and c.draw >= 0}
+    for seq, v in embeddings.items():
+        if seq not in asked or not v or not all(math.isfinite(x) for x in v):
+            raise ValueError(f"engine sent an embedding for sequence {seq}, which asked none or is not finite")
 
 
 class MalformedTick(ValueError):
@@ -214,7 +223,8 @@ def encode(msg: Message, arena=None) -> bytes:
                      "logprobs": [[s, lp.logprob, [list(t) for t in lp.top]] for s, lp in r.logprobs.items()],
                      "drafted": r.drafted, "served": r.served, "failed": [list(f) for f in r.failed.items()],
                      **({"earlier": [[s, [t for t, _ in xs], [_logprob(lp) for _, lp in xs]]
-                                     for s, xs in r.earlier.items()]} if r.earlier else {})})
+                                     for s, xs in r.earlier.items()]} if r.earlier else {}),
+                     **({"embeddings": [[s, v] for s, v in r.embeddings.items()]} if r.embeddings else {})})
     kind = {Stop: "stop", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
 
@@ -222,7 +232,7 @@ def encode(msg: Message, arena=None) -> bytes:
 def _tick_map(msg: TickRequest, arena) -> dict:
     off, _ = _bases(msg.tick, arena)
     buf, cols = arena.input, {"seq": [], "pos": [], "offset": [], "n": [], "draw": []}
-    sampling, follow, constraint = [], [], []
+    sampling, follow, constraint, embed = [], [], [], []
     for c in msg.plan.chunks:
         n = len(c.tokens)
         buf[off:off + n] = c.tokens
@@ -234,12 +244,14 @@ def _tick_map(msg: TickRequest, arena) -> dict:
             constraint.append({"seq": c.seq_id, "key": c.constraint.grammar.key, "n_prompt": c.constraint.n_prompt})
         if c.follow:
             follow.append(c.seq_id)
+        if c.embed:
+            embed.append([c.seq_id, c.embed])
         off += n
     return {"kind": "tick", "tick": msg.tick, "release": [int(s) for s in msg.plan.release],
             "kv": [[_KV_CODES[type(op)], *map(int, op)] for op in msg.plan.kv], **cols,
             "sampling": sampling, "follow": follow, "resync": msg.resync, "fresh": msg.fresh,
-            **({"constraint": constraint} if constraint else {}), **({"steps": msg.plan.steps}
-                                                                      if msg.plan.steps != 1 else {})}
+            **({"constraint": constraint} if constraint else {}), **({"embed": embed} if embed else {}),
+            **({"steps": msg.plan.steps} if msg.plan.steps != 1 else {})}
 
 
 def decode(data, arena=None, grammars: dict | None = None) -> Message:
@@ -260,7 +272,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
             result = StepResult({}, list(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
                                 int(m["kv_cells"]), _logprobs(m.get("logprobs", [])), int(m.get("drafted", 0)),
                                 int(m.get("served", 0)), {int(q): str(why) for q, why in m.get("failed", [])},
-                                _earlier(m.get("earlier", [])))
+                                _earlier(m.get("earlier", [])),
+                                {int(q): [float(x) for x in v] for q, v in m.get("embeddings", [])})
             return TickDone(int(m["tick"]), result, float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
                             int(m["mem_total"]))
         if kind == "refused":
@@ -329,6 +342,11 @@ def _tick_request(m: dict, arena, grammars: dict) -> TickRequest:
             raise ValueError(f"constraint names grammar {str(c['key'])[:40]!r}, which this engine was not sent")
         constraint[c["seq"]] = Constrained(grammars[c["key"]], c["n_prompt"])
     follow = set(_ints(m.get("follow", []), "follow"))
+    embed = {}
+    for e in m.get("embed", []):
+        if not (isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and e[1] in POOLINGS):
+            raise ValueError(f"malformed embed entry {str(e)[:80]!r}")
+        embed[e[0]] = e[1]
     tick = m.get("tick")
     if not isinstance(tick, int):
         raise ValueError(f"tick number {tick!r} is not an integer")
@@ -340,7 +358,7 @@ def _tick_request(m: dict, arena, grammars: dict) -> TickRequest:
         if off < 0 or n < 0 or off + n > arena.n_input:
             raise ValueError(f"chunk of sequence {seq} points outside the arena")
         chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling.get(seq), seq in follow,
-                               constraint.get(seq)))
+                               constraint.get(seq), embed.get(seq, "")))
     kv = []
     for op in m.get("kv", []):
         op = _ints(op, "kv")

@@ -18,7 +18,7 @@ import numpy as np
 
 from ipc import chat
 from meshnode.core import reasons as R
-from meshnode.core.types import FORMATS, ResponseFormat, Sampling
+from meshnode.core.types import FORMATS, POOLINGS, ResponseFormat, Sampling
 
 VERSION = b"MN1"
 TELEMETRY_TOPIC = b"telemetry"
@@ -76,6 +76,8 @@ class Submit:
     # assistant message continued)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    embed: str | bool | None = None  # an embedding, not a generation: how its rows pool (mean, cls, last; true:
+    # the node's `pooling`)
 
 
 @dataclass
@@ -284,8 +286,13 @@ def _submit(msg: dict, id: str, n_vocab: int) -> Submit:
            "new turn", id)
     _check(not turn["continue_final_message"] or (has_msgs and messages and messages[-1]["role"] == "assistant"),
            "continue_final_message needs the last message to be the assistant's", id)
+    embed = msg.get("embed")
+    _check(embed is None or ((embed is True or embed in POOLINGS) and (has_tokens or has_text) and mt is None
+                             and fmt is None),
+           f"embed must be true (the node's pooling) or one of {', '.join(POOLINGS)}, with tokens or text, and "
+           "without max_tokens or response_format", id)
     return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special, tools,
-                  priority, turn["add_generation_prompt"], turn["continue_final_message"])
+                  priority, turn["add_generation_prompt"], turn["continue_final_message"], embed)
 
 def encode_request(req) -> list[bytes]:
     """Client side: a request dataclass -> the two frames."""
@@ -319,6 +326,10 @@ def event(kind: str, **fields) -> list[bytes]:
 
 def pong() -> list[bytes]:
     return event("pong")
+
+
+def embedding(id: str, vector: list[float], prompt_tokens: int) -> list[bytes]:
+    return event("embedding", id=id, embedding=vector, prompt_tokens=prompt_tokens)
 
 
 def metrics(text: str) -> list[bytes]:

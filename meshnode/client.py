@@ -42,6 +42,7 @@ class Result:
     admission: dict  # the admitted or rejected event
     tokens: list[int] = field(default_factory=list)  # as streamed
     token_times: list[float] = field(default_factory=list)  # monotonic arrival of each token (of its event)
+    embedding: list[float] | None = None  # an embedding session's vector
     done: dict | None = None
     events: list[dict] = field(default_factory=list)  # the tokens events, as received (text, logprobs)
 
@@ -174,6 +175,9 @@ class Client:
             r.tokens += ev["tokens"]
             r.token_times += [time.monotonic()] * len(ev["tokens"])
             r.events.append(ev)
+        elif kind == "embedding":
+            results[sid].embedding = ev["embedding"]
+            results[sid].events.append(ev)
         elif kind == "done":
             results[sid].done = ev
             open_.discard(sid)

@@ -17,7 +17,10 @@ class Stop(Exception):
 
 
 class LlamaServer:
-    def __init__(self, binary: str, model: str, threads: int, slots: int, ctx: int, extra: tuple = ()):
+    def __init__(self, binary: str, model: str, threads: int, slots: int, ctx: int, extra: tuple = (),
+                 probe: str = "/completion"):
+        """`probe`: what says it is ready: a short /completion (its weights paged in), or a GET of this path
+        (an --embedding server, which generates nothing)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -27,8 +30,14 @@ class LlamaServer:
         deadline = time.monotonic() + 120
         while True:
             try:
-                self.complete([3, 4, 5], 2)  # ready, and its weights paged in as the node's warm-up does
-                return
+                if probe == "/completion":
+                    self.complete([3, 4, 5], 2)  # ready, and its weights paged in as the node's warm-up does
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", probe)
+                if conn.getresponse().status == 200:
+                    return
+                raise RuntimeError("not ready")
             except (OSError, RuntimeError):
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.close()

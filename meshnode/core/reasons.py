@@ -31,6 +31,7 @@ CANCELLED = "CANCELLED"
 CACHE_MISS = "CACHE_MISS"
 ENGINE_ERROR = "ENGINE_ERROR"
 DRAINED = "DRAINED"
+EMBEDDED = "EMBEDDED"  # extension: an embedding session's vector was sent (its `embedding` event)
 
 # error event codes
 BAD_REQUEST = "BAD_REQUEST"

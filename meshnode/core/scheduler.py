@@ -250,7 +250,8 @@ class Scheduler:
         chunk = SeqChunk(s.seq_id, start, np.asarray(known + [-1] * (n - len(known)), dtype=np.int32),
                          draw=s.n_generated + s.draws_in_flight if end else -1,
                          sampling=s.sampling if start == s.n_reused else None, follow=follow,
-                         constraint=Constrained(s.grammar, len(s.prompt)) if s.grammar and start == s.n_reused else None)
+                         constraint=Constrained(s.grammar, len(s.prompt)) if s.grammar and start == s.n_reused else None,
+                         embed=s.embed)
         s.n_planned += n
         s.draws_in_flight += end
         return s, chunk
@@ -271,6 +272,9 @@ class Scheduler:
                 continue  # cancelled, ended or preempted while the tick ran: its result is stale
             if c.draw >= 0:
                 s.draws_in_flight -= steps
+                if c.seq_id in result.embeddings:  # an embedding session's one result
+                    events += [Event("embedding", s, embedding=result.embeddings[c.seq_id]), self._end(s, R.EMBEDDED)]
+                    continue
                 if self._deliver(s, result.samples(c.seq_id), events):
                     continue  # it ended on one of them; the steps after were computed for nothing
             if c.seq_id in missed:

@@ -44,7 +44,7 @@ class Sequences:
     def place(self, s: Session, running: list[Session]) -> None:
         """Give a starting session its id and whatever KV it can reuse (or a leader to wait for)."""
         hit = lead = None
-        if self.cache.on:
+        if self.cache.on and not s.embed:  # an embedding pools every row of its prompt: none may be reused
             live = [(r.seq_id, r.tokens[:min(r.n_planned, len(r.tokens))], r.owner, len(r.prompt))
                     for r in running if r.n_planned >= MIN_SHARE]
             hit = self.cache.find(s.prompt, s.owner, live)

@@ -37,6 +37,7 @@ class Session:
     grammar: Grammar | None = None  # compiled response_format (meshnode/text/constraints.py)
     priority: int = 0  # lower is served earlier, under the priority policy (Scheduler)
     stop_text: bool = False  # the front watches its text for stop strings, a token at a time
+    embed: str = ""  # an embedding session (its prompt's pooled vector, how pooled: engine/embeddings.py)
     order: tuple = (0, 0)  # where it stands in the queue: (priority under that policy, else 0; arrival)
     # progress: `tokens` is prompt + generated. tokens[:n_planned] are in the KV or in a tick on
     # its way there; `draws_in_flight` samples are asked for and not back yet (pipelined ticks)
@@ -98,9 +99,10 @@ class Session:
 @dataclass
 class Event:
     """What a tick (or an end) meant for one session, for the output stage to send."""
-    kind: str  # "tokens" or "done"
+    kind: str  # "tokens", "embedding" or "done"
     session: Session
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     detail: str = ""  # why, in a sentence, when the reason alone does not say (a `done` only)
     logprobs: list[Logprob] | None = None  # per token, when the session asked
+    embedding: list[float] | None = None  # an `embedding` event's vector

@@ -28,7 +28,7 @@ def plan_steps(chunks: list, running: int, waiting: bool, decode_ms: float | Non
     watched for stop strings (the front finds those, a token at a time). The sessions' planned positions
     and draws in flight move with the steps."""
     if (not chunks or waiting or len(chunks) < running or budget_ms <= 0
-            or any(c.draw < 0 or len(c.tokens) != 1 or s.stop_text for s, c in chunks)):
+            or any(c.draw < 0 or len(c.tokens) != 1 or s.stop_text or c.embed for s, c in chunks)):
         return 1
     n = decode_steps(decode_ms, 1 + min(s.max_tokens - s.n_generated - s.draws_in_flight for s, _ in chunks),
                      budget_ms)

@@ -47,6 +47,7 @@ class FatalEngineError(EngineError):
 
 
 FORMATS = ("json_schema", "json_object", "regex", "grammar", "lark")  # response_format types (docs/protocol.md)
+POOLINGS = ("mean", "cls", "last")  # how an embedding session's rows pool (meshnode/engine/embeddings.py)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ class SeqChunk:
     `follow` marks a one-token chunk whose token is the one this sequence sampled in the tick
     before, which the front has not seen yet when it plans one tick ahead (its token here is
     -1); the engine process fills it in (meshnode/engine/followups.py) before the engine runs.
+
+    `embed` marks an embedding session's chunk (engine/embeddings.py): its rows' final hidden states
+    are pooled, and where it asks a draw, the session's pooled, L2-normalized vector is its result.
     """
 
     seq_id: int
@@ -126,6 +130,7 @@ class SeqChunk:
     sampling: Sampling | None = None
     follow: bool = False
     constraint: Constrained | None = None
+    embed: str = ""  # an embedding session's chunk: how its rows pool (mean, cls, last); its draw asks the vector
 
 
 class Release(NamedTuple):
@@ -195,6 +200,7 @@ class StepResult:
     # a multi-step tick (Plan.steps): seq_id -> the samples of its steps before the last, in order, with their
     # log-probabilities (None where not asked); `tokens` and `logprobs` are the last step's
     earlier: dict[int, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
+    embeddings: dict[int, list[float]] = field(default_factory=dict)  # an embedding session's pooled vector
 
     def samples(self, seq_id: int) -> list[tuple[int, Logprob | None]]:
         """Every sample the tick drew for the sequence, in order, with its log-probabilities."""

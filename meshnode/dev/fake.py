@@ -62,7 +62,10 @@ class FakeEngine(Engine):
             for t in np.asarray(c.tokens).tolist():
                 h = extend(h, t)
                 hs.append(h)
-            if c.draw >= 0:
+            if c.draw >= 0 and c.embed:  # an embedding: a unit vector of the sequence's contents
+                v = np.random.default_rng(h).standard_normal(8)
+                res.embeddings[c.seq_id] = (v / np.linalg.norm(v)).tolist()
+            elif c.draw >= 0:
                 tok = self.token(h, self._samplers[c.seq_id].seed, c.draw)
                 if c.seq_id in self.corrupt:
                     tok = 3 + (tok - 3 + 1) % (self.n_vocab - 3)

@@ -115,7 +115,7 @@ class Drafted:
         """The decode chunks that carry drafts this tick, by sequence, all with the same K (on streams one
         llama_decode call takes chunks of one length)."""
         self._guessed, self._looked = {}, {}
-        rows = [c for c in chunks if len(c.tokens) == 1 and c.draw >= 0]
+        rows = [c for c in chunks if len(c.tokens) == 1 and c.draw >= 0 and not c.embed]
         if not rows or self.spec == "off" or len(rows) < len(chunks) or self._ids is None:
             return {}
         if any(c.seq_id in self._constraints or c.sampling is not None for c in rows):

@@ -23,6 +23,7 @@ from meshnode.engine import calibration, devices, invariant, llamacpp
 from meshnode.engine.base import Engine
 from meshnode.engine.config import EngineConfig
 from meshnode.engine.drafts import Drafted
+from meshnode.engine.embeddings import Pools
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES
 from meshnode.engine.seqmap import SeqMap
 
@@ -60,11 +61,13 @@ class LlamaEngine(Drafted, Engine):
         self.n_ctx_seq = min(lc.llama_n_ctx_seq(self._ctx), lc.llama_model_n_ctx_train(self._model))
         self.weight_bytes = int(lc.llama_model_size(self._model))
         n_layer = lc.llama_model_n_layer(self._model)
-        head_dim = lc.llama_model_n_embd(self._model) // lc.llama_model_n_head(self._model)
+        self.n_embd = lc.llama_model_n_embd(self._model)
+        head_dim = self.n_embd // lc.llama_model_n_head(self._model)
         row = lc.llama_model_n_head_kv(self._model) * head_dim
         k, v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
         self.kv_bytes_per_token = n_layer * (llamacpp.row_bytes(row, k) + llamacpp.row_bytes(row, v))
         self._init_sequences()
+        self._pools = Pools()  # embedding sessions' rows, pooled as they come (engine/embeddings.py)
         self._ids = SeqMap(self.n_seq_max) if cfg.kv_layout == "streams" else None
         self._ran: dict[int, int] = {}  # sequence -> the step of its last chunk (streams: who is live)
         self._step_no = 0
@@ -160,8 +163,12 @@ class LlamaEngine(Drafted, Engine):
 
     def _groups(self, chunks: list) -> list[list]:
         """The llama_decode calls a tick takes (core/costmodel.py, llama_calls, which the tick cost model
-        counts too); on streams each call's chunks ordered by stream, so that consecutive ones are one ubatch."""
-        calls = llama_calls(chunks, lambda c: len(c.tokens), self.cfg.kv_layout == "unified")
+        counts too); on streams each call's chunks ordered by stream, so that consecutive ones are one ubatch.
+        Embedding chunks go in calls of their own (their rows are all outputs: engine/embeddings.py)."""
+        unified = self.cfg.kv_layout == "unified"
+        embed = [c for c in chunks if c.embed]
+        calls = llama_calls([c for c in chunks if not c.embed] if embed else chunks, lambda c: len(c.tokens), unified)
+        calls += llama_calls(embed, lambda c: len(c.tokens), unified) if embed else []
         if self._ids is not None:
             for call in calls:
                 call.sort(key=lambda c: self._ids[c.seq_id])
@@ -187,6 +194,9 @@ class LlamaEngine(Drafted, Engine):
                 res.cache_miss += [c.seq_id for c in call]
                 continue
             self._rows += self._batch.n_tokens
+            if call[0].embed:
+                self._embedded(call, rows, res)
+                continue
             for c, r in zip(call, rows):  # read before the next call overwrites the logits
                 if drafts.get(c.seq_id) is c:
                     self._verify(c, r + 1 - len(c.tokens), res)
@@ -194,6 +204,15 @@ class LlamaEngine(Drafted, Engine):
                     self.sample(c, self._logits(r), res)
         self._observe(res)
         return res
+
+    def _embedded(self, call: list, rows: list[int], res: StepResult) -> None:
+        """An embedding call's rows into their sessions' pools; the vector of each chunk that asks for it."""
+        n = self._batch.n_tokens
+        out = np.ctypeslib.as_array(self._lc.llama_get_embeddings(self._ctx), shape=(n, self.n_embd))
+        for c, r in zip(call, rows):
+            self._pools.add(c.seq_id, out[r + 1 - len(c.tokens):r + 1], c.pos == 0)
+            if c.draw >= 0:
+                res.embeddings[c.seq_id] = self._pools.take(c.seq_id, c.embed)
 
     def _pads(self, chunks: list) -> int:
         """Deterministic mode's padding rows for these decode rows (engine/invariant.py)."""
@@ -230,8 +249,15 @@ class LlamaEngine(Drafted, Engine):
         if not chunks:
             return []
         rows = self._fill(chunks)
-        dummies = self._even(chunks, rows) if self.deterministic else []
-        rc = self._lc.llama_decode(self._ctx, self._batch)
+        embed = bool(chunks[0].embed)  # a call of embedding chunks: every row an output (embeddings.py)
+        dummies = self._even(chunks, rows) if self.deterministic and not embed else []
+        if embed:
+            self._lc.llama_set_embeddings(self._ctx, True)
+        try:
+            rc = self._lc.llama_decode(self._ctx, self._batch)
+        finally:
+            if embed:
+                self._lc.llama_set_embeddings(self._ctx, False)
         for s, p in dummies:
             self._lc.llama_memory_seq_rm(self._mem, s, p, -1)
         if rc == 1:
@@ -254,7 +280,7 @@ class LlamaEngine(Drafted, Engine):
             self._seq[i:i + n] = self._phys(c.seq_id)
             i += n
             self._want[i - 1] = 1 if c.draw >= 0 else 0
-            if self._every_row.get(c.seq_id) is c:  # a drafted chunk: every position is sampled
+            if self._every_row.get(c.seq_id) is c or c.embed:  # drafted or embedding: every row is an output
                 self._want[i - n:i] = 1
             rows.append(i - 1)
         self._batch.n_tokens = i
@@ -326,6 +352,7 @@ class LlamaEngine(Drafted, Engine):
     def release_kv(self, seq_id: int) -> None:
         self._ran.pop(seq_id, None)
         self._forget_drafts(seq_id)
+        self._pools.forget(seq_id)
         p = seq_id if self._ids is None else self._ids.drop(seq_id)
         if p is not None:
             self._lc.llama_memory_seq_rm(self._mem, p, -1, -1)

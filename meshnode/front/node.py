@@ -111,7 +111,7 @@ class Front:
                                      self.tok.tool_format))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
                                  metrics=lambda: P.metrics(self.exposition.render(self.report.snapshot()).decode()),
-                                 special_in_content=cfg.chat_special_in_content)
+                                 special_in_content=cfg.chat_special_in_content, pooling=cfg.pooling)
         self.poller = zmq.Poller()
         self.clients.register(self.poller)
         self.poller.register(self.texts.fileno(), zmq.POLLIN)

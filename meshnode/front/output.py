@@ -69,6 +69,9 @@ class Output:
         for ev in events:
             if ev.kind == "tokens":
                 self._tokens(ev, finishes)
+            elif ev.kind == "embedding":
+                key = ev.session.key
+                self._deliver(key[0], P.embedding(key[1], ev.embedding, len(ev.session.prompt)), False, finishes)
             elif ev.session.key in self.streams:  # not ended here already (a stop string on its last token)
                 self._done(ev.session.key, ev.reason, ev.detail, finishes)
         return finishes

@@ -77,6 +77,7 @@ class Report:
                 "devices": [asdict(d) for d in n.devices]}
         info["spec"], info["spec_problem"] = speculation.in_effect(n.cfg.spec, n.cfg.layout)
         info["draft_max"], info["draft_min"], info["tool_format"] = n.cfg.draft_max, n.cfg.draft_min, n.tool_format
+        info["pooling"] = n.cfg.pooling
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
         cap = snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens)
         # the prefix cache's blocks, keyed as its KV events key them (core/kvevents.py): what a router that

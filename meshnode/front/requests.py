@@ -48,12 +48,12 @@ Action = Answer | Opened | Event
 
 class Requests:
     def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, status,
-                 metrics=lambda: [], special_in_content: bool = False):
+                 metrics=lambda: [], special_in_content: bool = False, pooling: str = "mean"):
         """`status(prompt_tokens) -> frames`: the node's status answer (front/report.py); `metrics() -> frames`:
         its Prometheus text (front/prom.py). `special_in_content`: chat content may spell special tokens
         (llama-server's behaviour; meshnode/text/chat.py)."""
         self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
-        self.status, self.metrics = status, metrics
+        self.status, self.metrics, self.pooling = status, metrics, pooling  # pooling: an `embed: true`'s
         self.special_in_content = special_in_content
         self.held: dict[bytes, deque] = {}  # per client waiting behind its text: (frames, arrival)
         self._constraints = None  # llguidance over the served vocab, built for the first response_format
@@ -148,10 +148,11 @@ class Requests:
     def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float,
                grammar: Grammar | None = None) -> list[Action]:
         # no max_tokens: what the session's context share leaves (llama-server's n_predict -1, vLLM's default)
-        max_tokens = req.max_tokens or max(1, self.sched.budget.n_ctx_seq - len(prompt))
+        # an embedding asks one result (its vector) where a generation's token would come
+        max_tokens = 1 if req.embed else req.max_tokens or max(1, self.sched.budget.n_ctx_seq - len(prompt))
         s = Session((ident, req.id), prompt, max_tokens, req.sampling, frozenset(req.stop_tokens),
                     req.ignore_eos, req.recipe, owner=ident, grammar=grammar, priority=req.priority, t_submit=arrived,
-                    stop_text=bool(req.stop))
+                    stop_text=bool(req.stop), embed=self.pooling if req.embed is True else req.embed or "")
         d = self.sched.submit(s)
         if d.accepted:  # a queued session it displaced (priority policy) gets its `done` right after
             for _ in d.displaced:

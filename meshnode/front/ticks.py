@@ -82,6 +82,8 @@ class Ticks:
             tokens = link.read_samples(self.engine.arena, tick.t, tick.plan, self.engine.n_vocab, absent)
             if tick.plan.steps > 1:
                 link.check_earlier(res.earlier, tick.plan, tokens, self.engine.n_vocab)
+            if res.embeddings:
+                link.check_embeddings(res.embeddings, tick.plan)
         except ValueError as e:  # garbage from the engine: restart it, re-prefill
             self.engine.broke(f"engine sent a bad reply: {e}")
             return None

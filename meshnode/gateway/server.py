@@ -20,7 +20,7 @@ from aiohttp import web
 from ipc import protocol as P
 from ipc.transport import api_keys
 from meshnode.core.endpoints import host_port
-from meshnode.gateway import api, deadline
+from meshnode.gateway import api, deadline, embeddings
 from meshnode.gateway.cors import Cors
 from meshnode.gateway.options import refusal
 from meshnode.gateway.upstream import Upstream
@@ -39,7 +39,7 @@ class Gateway:
         app = web.Application(middlewares=[_deadline, self.cors.preflight, self._auth],
                               client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
         routes = [web.post("/chat/completions", self.chat), web.post("/completions", self.completions),
-                  web.get("/models", self.models)]
+                  web.post("/embeddings", self.embeddings), web.get("/models", self.models)]
         # OpenAI's paths under /v1, and without it as llama-server and vLLM's clients also call them
         app.add_routes([*routes, *(web.route(r.method, "/v1" + r.path, r.handler) for r in routes),
                         web.get("/health", self.health), web.get("/metrics", self.metrics)])
@@ -66,15 +66,7 @@ class Gateway:
         return await self._generate(request, chat=False)
 
     async def _generate(self, request: web.Request, chat: bool):
-        try:
-            body = await asyncio.wait_for(request.json(), BODY_S)
-        except asyncio.TimeoutError:
-            raise api.ApiError(408, f"the request body did not arrive within {BODY_S:g} s") from None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise api.ApiError(400, "the request body is not JSON") from None
-        except RecursionError:
-            raise api.ApiError(400, "the request body nests deeper than this server reads") from None
-        req = api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format)
+        req = api.parse(await _body(request), chat, self.model, lambda: secrets.token_hex(12), self.tool_format)
         if req.top_logprobs is not None and self.piece is None:
             raise api.ApiError(400, "logprobs need the model's vocabulary, which this gateway cannot read (run it "
                                     "where the model file is, or give --model)", param="logprobs")
@@ -97,6 +89,35 @@ class Gateway:
         finally:
             for sid, _ in open_.values():  # the client went away, or a sibling choice was refused
                 self.up.abandon(sid)
+
+    async def embeddings(self, request: web.Request):
+        """Each input an embedding session of the node (batched beside generation by its scheduler), the
+        vectors in the inputs' order."""
+        submits, enc = embeddings.parse(await _body(request), lambda: secrets.token_hex(12))
+        open_, vectors, tokens = {}, {}, 0
+        try:
+            for i, submit in enumerate(submits):
+                try:
+                    open_[i] = (submit.id, self.up.open(submit))
+                except (OverflowError, ValueError) as e:
+                    raise api.ApiError(413 if isinstance(e, OverflowError) else 400, str(e)) from None
+            for i in list(open_):
+                sid, q = open_[i]
+                ev = await q.get()
+                while ev["event"] in ("admitted", "embedding"):
+                    if ev["event"] == "embedding":
+                        vectors[i], tokens = ev["embedding"], tokens + ev["prompt_tokens"]
+                    ev = await q.get()
+                self.up.finished(sid)
+                del open_[i]
+                if ev["event"] != "done" or i not in vectors:
+                    raise api.rejection(ev) if ev["event"] != "done" else (
+                        api.finish_error(ev) or api.ApiError(500, "the node ended the embedding without a vector"))
+        finally:
+            for sid, _ in open_.values():
+                self.up.abandon(sid)
+        return web.json_response(embeddings.answer([vectors[i] for i in range(len(submits))], tokens,
+                                                       self.model, enc))
 
     async def _answer(self, request: web.Request, req: api.Request, open_: dict) -> web.StreamResponse:
         """The admitted choices' events, as they come, into one answer: stream chunks with each choice's index,
@@ -180,6 +201,18 @@ async def _deadline(request: web.Request, handler):
     finally:
         if wrapper is not None:
             wrapper.handled()
+
+
+async def _body(request: web.Request):
+    """The request's JSON body, or the 4xx that says why not."""
+    try:
+        return await asyncio.wait_for(request.json(), BODY_S)
+    except asyncio.TimeoutError:
+        raise api.ApiError(408, f"the request body did not arrive within {BODY_S:g} s") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise api.ApiError(400, "the request body is not JSON") from None
+    except RecursionError:
+        raise api.ApiError(400, "the request body nests deeper than this server reads") from None
 
 
 async def _pump(i: int, q: asyncio.Queue, merged: asyncio.Queue) -> None:

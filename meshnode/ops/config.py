@@ -22,7 +22,7 @@ from meshnode.core.prefix import SCOPES
 from meshnode.core.priority import POLICIES, policy_problem
 from meshnode.core.scheduler import GATHER_SPAN
 from meshnode.core.speculation import MAX_DRAFTS, MODES as SPEC_MODES
-from meshnode.core.types import ConfigError
+from meshnode.core.types import POOLINGS, ConfigError
 from meshnode.engine.config import EngineConfig
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ  # llama.cpp's own limits, defined once
 from meshnode.ops import realmodel
@@ -163,6 +163,8 @@ class NodeConfig:
                                          example="127.0.0.1:9108")
     http: str | None = setting(None, "serve the OpenAI HTTP API on HOST:PORT (`meshnode gateway` as a supervised child); "
                                "unset = off", example="127.0.0.1:8080")
+    pooling: str = setting("mean", "how an embedding's rows pool (llama-server's --pooling): mean, cls (the first "
+                           "token), last", choices=POOLINGS)
     http_cors_origins: str | None = setting(None, "web origins beside this host's whose pages may call the HTTP API "
                                             "(CORS), comma-separated, or * for any; unset = this host's only",
                                             example="https://chat.example.com")
