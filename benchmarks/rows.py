@@ -16,6 +16,7 @@ import numpy as np
 from meshnode.bench import llama_build, model_path
 from meshnode.core.types import GREEDY, Keep, Plan, SeqChunk
 from meshnode.engine.llama import LlamaEngine
+from meshnode.engine.llamacpp import deterministic_problem
 from meshnode.ops.config import NodeConfig
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
@@ -48,6 +49,10 @@ def main(a) -> int:
     got = {}
     for det in (True, False):
         name = "deterministic" if det else "not deterministic"
+        refused = deterministic_problem(path) if det else ""
+        if refused:
+            print(f"  (no {name} pass: {refused})")
+            continue
         got[name] = costs(path, threads, det, depth)
         one = got[name][1]
         print(f"  {name:<18} " + "  ".join(f"{n}: {ms:.1f} ms ({ms / one:.2f}x)" for n, ms in got[name].items()))

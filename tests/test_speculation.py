@@ -42,9 +42,26 @@ def test_acceptance_follows_recent_drafts_and_row_cost_interpolates():
     assert a.rate < 0.2
     assert CPU(3) == 47.0 and CPU(32) == 210.0 + 16 * (210.0 - 107.0) / 8  # between points, and past the last two
     assert RowCost()(5) == 5.0 and RowCost([(4, 8.0)])(2) == 4.0
-    seen = RowCost([(2, 10.0)])
+    seen = RowCost([(1, 5.0), (2, 10.0), (4, 12.0)])
     seen.observe(2, 20.0)
-    assert 10.0 < seen(2) < 20.0  # what ticks take now moves the estimate, a step at a time
+    assert seen(2) == 20.0  # the first tick in service replaces the warm calibration's figure
+    seen.observe(2, 10.0)
+    assert 10.0 < seen(2) < 20.0  # later ones move it a step at a time
+    assert seen(4) > 12.0  # a count not seen yet: its seed, scaled as the seen ones ran from theirs
+    seen.observe(4, 8.0)
+    assert seen(4) == seen(2)  # never less than a smaller count's
+
+
+def test_row_cost_of_unseen_counts_follows_service():
+    """The calibration timed 3 rows warm at 1.5x one; in service (between single rows) they take 2x: the
+    policy must not keep believing the warm figure for the counts it has not tried yet (4, 6)."""
+    cost = RowCost([(1, 6.0), (2, 8.0), (3, 9.0), (4, 10.0), (6, 12.0)])
+    assert draft_len([[0.6, 0.36, 0.2, 0.1, 0.05]], 1, cost, 5) > 0  # the warm figures: drafts pay
+    for _ in range(3):
+        cost.observe(1, 6.0)
+        cost.observe(3, 12.0)
+    assert cost(4) > 10.0 * 1.2 and cost(6) > 12.0 * 1.2
+    assert draft_len([[0.6, 0.36, 0.2, 0.1, 0.05]], 1, cost, 5) == 0  # in service they do not
 
 
 def test_drafting_needs_per_sequence_streams():

@@ -28,6 +28,8 @@ MAX_DRAFTS = TILE_ROWS - 2  # a drafted chunk stays below the flash-attention ti
 PRIOR = (1.0, 1.0)  # an unknown session's drafts: (right, wrong) pseudo-counts
 DECAY = 0.5  # what a verdict weighs a drafted tick later: prompt lookup is right in runs (a copy) and wrong in runs
 SERVED_MS = 0.3  # a tick answered from kept drafts: the front's round trip, no llama_decode
+UNLIKELY = 0.03  # a draft this unlikely to be reached and right is never worth its row: K stops before it
+LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the Ks `could_pay` tries (it runs every tick)
 
 
 def in_effect(mode: str, kv_layout: str) -> tuple[str, str]:
@@ -98,40 +100,66 @@ class Guesses:
         out, c = [], 1.0
         for j in range(k):
             c *= self.p(match + j)
+            if c < UNLIKELY:
+                break
             out.append(c)
         return out
 
 
 class RowCost:
-    """What a tick of n rows costs, in ms: the mean of ticks of each row count seen, seeded by the engine's
-    start-up calibration, linear between known counts and past the last two; n rows cost n before any is
-    known (only the ratios matter to `draft_len`)."""
+    """What a tick of n rows costs, in ms, as ticks in service take it. Seeded by the engine's start-up
+    calibration (`points`), which times each shape warm, ticks of one shape in a row; in service a drafted
+    tick's shape comes between single rows, and costs more (llama.cpp builds the graph again, the caches
+    hold another shape's data). So the first tick seen of a row count replaces its seed, later ones move
+    it a step at a time, and a count not seen yet is its seed scaled by how far seen ticks ran from theirs.
+    Never less than a smaller count's: a row more never makes a tick cheaper, whatever the noise says.
+    Linear between known counts and past the last two; n rows cost n before any is known (only the ratios
+    matter to `draft_len`)."""
 
     def __init__(self, points=()):
-        self._ms: dict[int, float] = {}
-        for rows, ms in points:
-            self.observe(rows, ms)
+        self._seed = {rows: ms for rows, ms in points}
+        self._ms: dict[int, float] = {}  # row count -> ms in service
+        self._drift = 1.0  # how many times their seeds the ticks of several rows seen in service take
+        self._known: dict[int, float] = {}
 
     def observe(self, rows: int, ms: float, weight: float = 0.2) -> None:
         old = self._ms.get(rows)
         self._ms[rows] = ms if old is None else old + weight * (ms - old)
+        self._known.clear()  # asked each tick for every K: figures from one observation to the next
+        seen = [v / _between(self._seed, n) for n, v in self._ms.items() if n > 1] if self._seed else []
+        self._drift = sum(seen) / len(seen) if seen else 1.0
 
     def __call__(self, rows: int) -> float:
-        known = sorted(self._ms)
-        if not known:
+        ms = self._known.get(rows)
+        if ms is not None:
+            return ms
+        if not self._ms and not self._seed:
             return float(rows)
         if rows in self._ms:
-            return self._ms[rows]
-        if len(known) == 1:
-            return self._ms[known[0]] * rows / known[0]
-        lo = max([k for k in known if k < rows], default=None)
-        hi = min([k for k in known if k > rows], default=None)
-        if lo is None:
-            lo, hi = known[0], known[1]
-        elif hi is None:
-            lo, hi = known[-2], known[-1]
-        slope = (self._ms[hi] - self._ms[lo]) / (hi - lo)
-        return max(self._ms[lo] + slope * (rows - lo), 1e-3)
+            ms = self._ms[rows]
+        elif self._seed:
+            ms = _between(self._seed, rows) * (self._drift if rows > 1 else 1.0)
+        else:
+            ms = _between(self._ms, rows)
+        ms = self._known[rows] = max([ms, *(v for n, v in self._ms.items() if n < rows)])
+        return ms
+
+
+def _between(ms: dict[int, float], rows: int) -> float:
+    """ms of `rows` rows from the known counts' ms: theirs, linear between two, past the last two (or
+    proportional to the only one)."""
+    if rows in ms:
+        return ms[rows]
+    known = sorted(ms)
+    if len(known) == 1:
+        return ms[known[0]] * rows / known[0]
+    lo = max([k for k in known if k < rows], default=None)
+    hi = min([k for k in known if k > rows], default=None)
+    if lo is None:
+        lo, hi = known[0], known[1]
+    elif hi is None:
+        lo, hi = known[-2], known[-1]
+    return max(ms[lo] + (ms[hi] - ms[lo]) / (hi - lo) * (rows - lo), 1e-3)
 
 
 def expected_skips(rates: list, k: int) -> float:
@@ -155,6 +183,8 @@ def _skips(rates: list, k_max: int) -> list[float]:
                 every[j] *= a[j] if j < len(a) else 0.0
     out, total = [], 0.0
     for e in every:
+        if e < UNLIKELY and out:
+            break
         total += e
         out.append(total)
     return out
@@ -184,4 +214,6 @@ def draft_len(rates: list, base_rows: int, cost: RowCost, k_max: int, k_min: int
 def could_pay(sessions: int, base_rows: int, cost: RowCost, k_max: int, k_min: int = 1) -> bool:
     """Whether drafts that are always right would pay at all in a tick of this many sessions: where they would
     not (a busy node on a CPU), nobody needs to look for drafts."""
-    return draft_len([1.0] * sessions, base_rows, cost, k_max, k_min) > 0
+    base = 1.0 / cost(base_rows)
+    return any((1.0 + k) / (cost(sessions * (k + 1)) + k * SERVED_MS) > base
+               for k in LADDER if k_min <= k <= k_max)

@@ -196,8 +196,9 @@ def weights_problem(weight_types: set[str]) -> str:
     bad = weight_types - INVARIANT_WEIGHTS
     if bad:
         return (f"deterministic: not for {', '.join(sorted(bad))} weights, which no test here has proven "
-                "batch-invariant; serve f32, f16, q8_0 or q4_k_m weights (meshnode make-model --quant, or "
-                "llama-quantize), or run without deterministic mode")
+                "batch-invariant; serve a file whose matrices are all F32, F16, Q8_0, Q4_K or Q6_K (meshnode "
+                "make-model --quant q8_0, or llama-quantize; a q4_k_m file of a model whose rows are not a "
+                "multiple of 256 falls back to other types), or run without deterministic mode")
     return ""
 
 
