@@ -263,6 +263,21 @@ class Answer:
         self.logprobs: list[dict] = []  # chat: OpenAI's content entries; completions: (token, lp, top)
         self.sent_role = False
 
+    closing = b"data: [DONE]\n\n"  # what ends the stream after the last chunk
+
+    def start(self) -> list[dict]:
+        """The chunks a stream opens with before any token (a chat's role chunk waits for the first)."""
+        return []
+
+    def error(self, err: ApiError) -> list[dict]:
+        """What ends a stream that cannot finish: the error body as the last chunk."""
+        return [err.body()]
+
+    @staticmethod
+    def frame(chunks: list[dict]) -> bytes:
+        """Server-sent events for the chunks, written at once: one wake-up of the client, one syscall."""
+        return b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
+
     def _base(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.req.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model,

@@ -20,7 +20,7 @@ from aiohttp import web
 from ipc import protocol as P
 from ipc.transport import api_keys
 from meshnode.core.endpoints import host_port
-from meshnode.gateway import api, deadline, embeddings
+from meshnode.gateway import api, deadline, embeddings, responses
 from meshnode.gateway.cors import Cors
 from meshnode.gateway.options import refusal
 from meshnode.gateway.upstream import Upstream
@@ -39,7 +39,8 @@ class Gateway:
         app = web.Application(middlewares=[_deadline, self.cors.preflight, self._auth],
                               client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
         routes = [web.post("/chat/completions", self.chat), web.post("/completions", self.completions),
-                  web.post("/embeddings", self.embeddings), web.get("/models", self.models)]
+                  web.post("/responses", self.responses), web.post("/embeddings", self.embeddings),
+                  web.get("/models", self.models)]
         # OpenAI's paths under /v1, and without it as llama-server and vLLM's clients also call them
         app.add_routes([*routes, *(web.route(r.method, "/v1" + r.path, r.handler) for r in routes),
                         web.get("/health", self.health), web.get("/metrics", self.metrics)])
@@ -60,13 +61,22 @@ class Gateway:
             return _error(e)
 
     async def chat(self, request: web.Request):
-        return await self._generate(request, chat=True)
+        return await self._generate(request, self._parse(await _body(request), chat=True))
 
     async def completions(self, request: web.Request):
-        return await self._generate(request, chat=False)
+        return await self._generate(request, self._parse(await _body(request), chat=False))
 
-    async def _generate(self, request: web.Request, chat: bool):
-        req = api.parse(await _body(request), chat, self.model, lambda: secrets.token_hex(12), self.tool_format)
+    async def responses(self, request: web.Request):
+        """OpenAI's Responses API: a chat in other clothes (gateway/responses.py), stateless."""
+        body = await _body(request)
+        req = self._parse(responses.to_chat(body), chat=True)
+        return await self._generate(request, req, lambda i: responses.ResponseAnswer(req, body, self.recipe))
+
+    def _parse(self, body, chat: bool) -> api.Request:
+        return api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format)
+
+    async def _generate(self, request: web.Request, req: api.Request, answer=None):
+        """`answer(i)`: choice i's answer builder (api.Answer where not given)."""
         if req.top_logprobs is not None and self.piece is None:
             raise api.ApiError(400, "logprobs need the model's vocabulary, which this gateway cannot read (run it "
                                     "where the model file is, or give --model)", param="logprobs")
@@ -85,7 +95,8 @@ class Gateway:
                     self.up.finished(sid)
                     del open_[i]
                     raise api.rejection(first)
-            return await self._answer(request, req, open_)
+            return await self._answer(request, req, open_,
+                                      answer or (lambda i: api.Answer(req, self.piece, self.recipe, i)))
         finally:
             for sid, _ in open_.values():  # the client went away, or a sibling choice was refused
                 self.up.abandon(sid)
@@ -119,13 +130,17 @@ class Gateway:
         return web.json_response(embeddings.answer([vectors[i] for i in range(len(submits))], tokens,
                                                        self.model, enc))
 
-    async def _answer(self, request: web.Request, req: api.Request, open_: dict) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, req: api.Request, open_: dict, answer) -> web.StreamResponse:
         """The admitted choices' events, as they come, into one answer: stream chunks with each choice's index,
         or one response with every choice (usage: the prompt once, every choice's completion)."""
-        answers = {i: api.Answer(req, self.piece, self.recipe, i) for i in open_}
+        answers = {i: answer(i) for i in open_}
+        first = answers[0]
         merged: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(_pump(i, q, merged)) for i, (_, q) in open_.items()]
         resp = await self._stream_start(request) if req.stream else None
+        opening = first.start() if resp is not None else []
+        if opening:
+            await resp.write(first.frame(opening))
         ends: dict[int, dict] = {}
         try:
             while len(ends) < len(answers):
@@ -145,18 +160,18 @@ class Gateway:
                 if err:
                     if resp is None:
                         raise err
-                    await resp.write(_sse(chunks + [err.body()]) + b"data: [DONE]\n\n")
+                    await resp.write(first.frame(chunks + first.error(err)) + first.closing)
                     return resp
                 if resp is not None and chunks:
-                    await resp.write(_sse(chunks))
+                    await resp.write(first.frame(chunks))
         finally:
             for task in pumps:
                 task.cancel()
         if resp is None:
             return web.json_response(_whole(answers, ends))
         if len(answers) > 1 and req.include_usage:
-            await resp.write(_sse([{**answers[0]._base(True), "choices": [], "usage": _usage(ends)}]))
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(first.frame([{**first._base(True), "choices": [], "usage": _usage(ends)}]))
+        await resp.write(first.closing)
         return resp
 
     @staticmethod
@@ -238,11 +253,6 @@ def _whole(answers: dict, ends: dict[int, dict]) -> dict:
     bodies = [answers[i].end(ends[i])[0] for i in sorted(answers)]
     return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
             "usage": _usage(ends) if len(bodies) > 1 else bodies[0]["usage"]}
-
-
-def _sse(chunks: list[dict]) -> bytes:
-    """Server-sent events for the chunks, written at once: one wake-up of the client, one syscall."""
-    return b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
 
 
 def _error(e: api.ApiError) -> web.Response:
