@@ -18,7 +18,7 @@ import numpy as np
 
 from ipc import chat
 from meshnode.core import reasons as R
-from meshnode.core.types import FORMATS, POOLINGS, ResponseFormat, Sampling
+from meshnode.core.types import FORMATS, POOLINGS, SAMPLING_OPTIONS, ResponseFormat, Sampling
 
 VERSION = b"MN1"
 TELEMETRY_TOPIC = b"telemetry"
@@ -132,20 +132,20 @@ def _token_list(v, name: str, n_vocab: int, id, limit: int = MAX_LIST) -> list[i
 def _sampling(v, id, logprobs: int) -> Sampling:
     _check(isinstance(v, dict), "sampling must be a map", id)
     d = Sampling()
-    t, k, p, seed = (v.get("temperature", d.temperature), v.get("top_k", d.top_k), v.get("top_p", d.top_p),
-                     v.get("seed", d.seed))
-    _check(_is_num(t) and 0 <= t <= 100, "sampling.temperature must be a number in [0, 100]", id)
-    _check(_is_int(k) and 0 <= k <= MAX_LIST, "sampling.top_k must be an int >= 0", id)
-    _check(_is_num(p) and 0 < p <= 1, "sampling.top_p must be a number in (0, 1]", id)
-    _check(_is_int(seed) and -(1 << 63) <= seed < (1 << 64), "sampling.seed must be a 64-bit int", id)
-    mp, rp, rn = v.get("min_p", d.min_p), v.get("repeat_penalty", d.repeat_penalty), v.get("repeat_last_n", d.repeat_last_n)
-    pp, fp = v.get("presence_penalty", d.presence_penalty), v.get("frequency_penalty", d.frequency_penalty)
-    _check(_is_num(mp) and 0 <= mp <= 1, "sampling.min_p must be a number in [0, 1]", id)
-    _check(_is_num(rp) and 0 < rp <= 10, "sampling.repeat_penalty must be a number in (0, 10] (1 = off)", id)
-    _check(_is_int(rn) and 0 <= rn <= MAX_LIST, f"sampling.repeat_last_n must be an int in [0, {MAX_LIST}]", id)
-    _check(_is_num(pp) and -2 <= pp <= 2, "sampling.presence_penalty must be a number in [-2, 2]", id)
-    _check(_is_num(fp) and -2 <= fp <= 2, "sampling.frequency_penalty must be a number in [-2, 2]", id)
-    return Sampling(float(t), int(k), float(p), int(seed), float(mp), float(rp), int(rn), float(pp), float(fp), logprobs)
+    o = {name: v.get(name, getattr(d, name)) for name in SAMPLING_OPTIONS}
+    _check(_is_num(o["temperature"]) and 0 <= o["temperature"] <= 100,
+           "sampling.temperature must be a number in [0, 100]", id)
+    _check(_is_int(o["top_k"]) and 0 <= o["top_k"] <= MAX_LIST, "sampling.top_k must be an int >= 0", id)
+    _check(_is_num(o["top_p"]) and 0 < o["top_p"] <= 1, "sampling.top_p must be a number in (0, 1]", id)
+    _check(_is_int(o["seed"]) and -(1 << 63) <= o["seed"] < (1 << 64), "sampling.seed must be a 64-bit int", id)
+    _check(_is_num(o["min_p"]) and 0 <= o["min_p"] <= 1, "sampling.min_p must be a number in [0, 1]", id)
+    _check(_is_num(o["repeat_penalty"]) and 0 < o["repeat_penalty"] <= 10,
+           "sampling.repeat_penalty must be a number in (0, 10] (1 = off)", id)
+    _check(_is_int(o["repeat_last_n"]) and 0 <= o["repeat_last_n"] <= MAX_LIST,
+           f"sampling.repeat_last_n must be an int in [0, {MAX_LIST}]", id)
+    for name in ("presence_penalty", "frequency_penalty"):
+        _check(_is_num(o[name]) and -2 <= o[name] <= 2, f"sampling.{name} must be a number in [-2, 2]", id)
+    return Sampling(**{name: type(getattr(d, name))(o[name]) for name in SAMPLING_OPTIONS}, logprobs=logprobs)
 
 
 def _response_format(v, id) -> ResponseFormat | None:

@@ -103,6 +103,9 @@ class Sampling:
 
 
 GREEDY = Sampling()
+# the sampling options by name, as a wire message or an HTTP body names them (logprobs aside: each API asks
+# for it its own way): a Sampling is built from a map by these names, never by position
+SAMPLING_OPTIONS = tuple(f for f in Sampling.__dataclass_fields__ if f != "logprobs")
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from ipc import protocol as P
 from meshnode.core import reasons as R
-from meshnode.core.types import ResponseFormat, Sampling
+from meshnode.core.types import SAMPLING_OPTIONS, ResponseFormat, Sampling
 from meshnode.gateway import tools
 
 FINISH = {R.EOS: "stop", R.STOP: "stop", R.LENGTH: "length"}  # others end a stream with an error chunk
@@ -93,11 +93,11 @@ def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") ->
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     top = _logprobs(body, chat)
-    sampling = Sampling(body.get("temperature", 1.0), body.get("top_k", 0), body.get("top_p", 1.0),
-                        body["seed"] if body.get("seed") is not None else int.from_bytes(os.urandom(8), "little") >> 1,
-                        body.get("min_p", 0.0), body.get("repeat_penalty", 1.0), body.get("repeat_last_n", 64),
-                        body.get("presence_penalty", 0.0), body.get("frequency_penalty", 0.0),
-                        0 if top is None else max(1, top))
+    # OpenAI's names are the node's: passed as sent (the node judges them); absent or null, the node's default,
+    # but OpenAI's temperature (1) and a random seed, so that repeated requests differ, as OpenAI's do
+    given = {name: body[name] for name in SAMPLING_OPTIONS if body.get(name) is not None}
+    sampling = Sampling(**{"temperature": 1.0, "seed": int.from_bytes(os.urandom(8), "little") >> 1, **given},
+                        logprobs=0 if top is None else max(1, top))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     text, tokens, messages, listed = None, None, None, None
     fmt = _response_format(body)
