@@ -43,13 +43,14 @@ class Gateway:
                   web.get("/models", self.models)]
         # OpenAI's paths under /v1, and without it as llama-server and vLLM's clients also call them
         app.add_routes([*routes, *(web.route(r.method, "/v1" + r.path, r.handler) for r in routes),
-                        web.get("/health", self.health), web.get("/metrics", self.metrics)])
+                        web.get("/health", self.health), web.get("/v1/health", self.health),
+                        web.get("/metrics", self.metrics)])
         app.on_response_prepare.append(self.cors.headers)
         return app
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self.keys and request.path != "/health":
+        if self.keys and request.path not in ("/health", "/v1/health"):
             # as bytes: compare_digest refuses a str that is not ASCII, and a header may hold anything
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not (given.startswith(b"Bearer ") and any(secrets.compare_digest(given[7:], k) for k in self.keys)):
@@ -251,8 +252,10 @@ def _usage(ends: dict[int, dict]) -> dict:
 def _whole(answers: dict, ends: dict[int, dict]) -> dict:
     """The non-streamed answer: each choice's, in index order, with the choices' usage."""
     bodies = [answers[i].end(ends[i])[0] for i in sorted(answers)]
+    if len(bodies) == 1:
+        return bodies[0]
     return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
-            "usage": _usage(ends) if len(bodies) > 1 else bodies[0]["usage"]}
+            "usage": _usage(ends)}
 
 
 def _error(e: api.ApiError) -> web.Response:

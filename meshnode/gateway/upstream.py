@@ -75,7 +75,7 @@ class Upstream:
             self._send(P.encode_request(P.Cancel(sid)))
 
     async def ask(self, req, timeout_s: float = 5.0) -> dict:
-        """A status or ping answer."""
+        """A status, metrics or ping answer."""
         fut = asyncio.get_running_loop().create_future()
         self._replies.append(fut)
         self._send(P.encode_request(req))
@@ -114,7 +114,7 @@ class Upstream:
                 del self.sessions[sid]
         elif sid is None and ev["event"] == "error":  # no request of ours is answered so: not a status reply
             log.error("an error from the node that names no request, dropped: %s", ev.get("detail"))
-        elif sid is None and ev["event"] in ("status", "pong") and self._replies:
+        elif sid is None and ev["event"] in ("status", "pong", "metrics") and self._replies:
             fut = self._replies.popleft()
             if fut is not None and not fut.done():
                 fut.set_result(ev)
