@@ -40,7 +40,8 @@ def served(tiny_model, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text("# one per line\nsk-test-1\n")
     with NodeProcess(tiny_model, "--http", f"127.0.0.1:{port}", "--http-api-key-file", str(keys),
-                     "--metrics-listen", f"127.0.0.1:{metrics}", "--max-active", "2", "--max-queue", "0") as n, \
+                     "--metrics-listen", f"127.0.0.1:{metrics}", "--max-active", "2", "--max-queue", "0",
+                     "--served-model-name", "tiny-chat") as n, \
             n.client() as c:
         base = f"http://127.0.0.1:{port}"
         gateway_up(base)
@@ -228,10 +229,10 @@ def test_keys_models_health_and_metrics(served):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=5).status_code == 401
     models = httpx.get(f"{base}/v1/models", headers=auth(), timeout=5).json()
-    assert models["object"] == "list" and models["data"][0]["id"] == "tiny.gguf"
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-chat"
     text = httpx.get(f"{base}/metrics", headers=auth(), timeout=5).text
     assert "meshnode_requests_running" in text
-    assert_routable(text, "tiny.gguf")  # the node's figures under vLLM's names, through the gateway
+    assert_routable(text, "tiny-chat")  # the node's figures under vLLM's names, through the gateway
     assert httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers=auth(), timeout=5).status_code == 400
 
 

@@ -99,7 +99,7 @@ class Front:
         self.sched = self._start_engine()
         self.recipe = self.link.info.recipe
         b = self.budget  # what a router reads off /metrics as vLLM's cache config (front/prom.py)
-        self.exposition.identify(os.path.basename(cfg.model), {
+        self.exposition.identify(cfg.served_model_name or os.path.basename(cfg.model), {
             "block_size": BLOCK_TOKENS, "num_gpu_blocks": b.kv_budget_bytes // b.kv_bytes_per_token // BLOCK_TOKENS,
             "cache_dtype": cfg.type_k, "enable_prefix_caching": cfg.prefix_cache != "off", "kv_layout": cfg.layout})
         self.telemetry = Telemetry(self.sched)
@@ -120,7 +120,7 @@ class Front:
         self._log_ready(max_clients)
         if cfg.http:
             self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
-                                        cfg.http_cors_origins)
+                                        cfg.http_cors_origins, cfg.served_model_name)
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
 

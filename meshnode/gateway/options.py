@@ -14,6 +14,8 @@ def add_args(p) -> None:
     p.add_argument("--insecure", action="store_true", help="a non-loopback address without API keys")
     p.add_argument("--model", help="the GGUF the node serves, for token names in logprobs (default: the "
                    "node's model path, where this host can read it)")
+    p.add_argument("--served-model-name", help="the model's name in /v1/models and in answers (default: the GGUF's "
+                   "file name); requests may name any model")
     p.add_argument("--metrics-from", help="the node's /metrics URL, served again at /metrics (default: the node's "
                    "own text, asked over its protocol)")
     p.add_argument("--cors-origins", help="web origins beside this host's (localhost, 127.0.0.1, [::1]) whose pages "

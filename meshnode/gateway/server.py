@@ -280,8 +280,8 @@ async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
         from meshnode.text.tokenizer import Tokenizer
 
         piece = Tokenizer(path).piece
-    gw = Gateway(up, os.path.basename(node["model"]), piece, keys, a.metrics_from or "", node.get("recipe", ""),
-                 node.get("tool_format", "generic"), Cors.of(a.cors_origins))
+    gw = Gateway(up, a.served_model_name or os.path.basename(node["model"]), piece, keys, a.metrics_from or "",
+                 node.get("recipe", ""), node.get("tool_format", "generic"), Cors.of(a.cors_origins))
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     host, port = host_port(a.listen)

@@ -168,6 +168,9 @@ class NodeConfig:
     http_cors_origins: str | None = setting(None, "web origins beside this host's whose pages may call the HTTP API "
                                             "(CORS), comma-separated, or * for any; unset = this host's only",
                                             example="https://chat.example.com")
+    served_model_name: str | None = setting(None, "the model's name in the HTTP API and the metrics' model_name "
+                                            "label (vLLM's --served-model-name, llama-server's --alias); unset = "
+                                            "the GGUF's file name", example="smollm2-135m-instruct")
     http_api_key_file: str | None = setting(None, "API keys the HTTP API accepts, one per line (Authorization: Bearer); "
                                             "needed for an address others can reach, unless insecure",
                                             example="/etc/meshnode/api-keys")
