@@ -1,6 +1,7 @@
 """What the tests share: prompts, a clock, one way to build a scheduler, engine drivers, node helpers."""
 import os
 import random
+from dataclasses import replace
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import psutil
 from ipc.shm import leftover_segments
 from meshnode.core.budget import NodeBudget
 from meshnode.core.pipeline import TickPipeline
+from meshnode.core.schedconfig import SchedulerConfig
 from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
 from meshnode.core.types import GREEDY, InvalidPlan, Plan, Release, SeqChunk, StepResult
@@ -18,6 +20,7 @@ from meshnode.dev.clients import deaf_client  # noqa: F401  (re-exported for the
 from meshnode.dev.drive import run_tick, run_to_completion  # noqa: F401
 from meshnode.dev.fake import FakeEngine
 from meshnode.engine.followups import AWAITING_RESYNC, Followups
+from meshnode.ops.config import scheduler_config
 
 
 def prompt(n, salt=0):
@@ -39,14 +42,16 @@ class Clock:
         return self.t
 
 
-def scheduler(engine=None, clock=None, prefix_cache="off", pool_cells=0, kv_events=False, policy="fcfs",
-              reserved_slots=0, steps_ms=0.0, **budget):
-    """(engine, scheduler) over a fake engine unless one is given; `budget` overrides NodeBudget fields."""
+NODE_POLICY = scheduler_config()  # what `meshnode serve` runs by default
+
+
+def scheduler(engine=None, clock=None, pool_cells=0, deterministic=False, **kw):
+    """(engine, scheduler) over a fake engine unless one is given, running the node's default policy:
+    `kw` names the SchedulerConfig fields the test changes, the rest of it NodeBudget fields."""
     e = engine or FakeEngine(n_seq_max=8, n_ctx=4096)
-    kw = {"clock": clock} if clock else {}
-    s = Scheduler(NodeBudget.from_engine(e, **budget), e.eog, recipe=e.recipe_fingerprint,
-                  prefix_cache=prefix_cache, pool_cells=pool_cells, kv_events=kv_events, policy=policy,
-                  reserved_slots=reserved_slots, steps_ms=steps_ms, **kw)
+    policy = replace(NODE_POLICY, **{k: kw.pop(k) for k in list(kw) if k in SchedulerConfig.__dataclass_fields__})
+    s = Scheduler(NodeBudget.from_engine(e, **kw), e.eog, policy, recipe=e.recipe_fingerprint,
+                  pool_cells=pool_cells, deterministic=deterministic, **({"clock": clock} if clock else {}))
     return e, s
 
 
@@ -366,8 +371,8 @@ def scenario(e, p, sampling, n_new=40, crowd=None, restart_after=None, warm=None
     (a prompt) finished first; with at most `room` prompt tokens a tick (None: the default, 64). x ignores
     EOS unless it has a `grammar` (it ends when that is complete)."""
     e.step(Plan([], list(range(e.n_seq_max))))
-    sched = Scheduler(NodeBudget.from_engine(e, max_prefill_tokens_per_tick=room), e.eog, recipe=e.recipe_fingerprint,
-                      prefix_cache="client", deterministic=True)
+    sched = Scheduler(NodeBudget.from_engine(e, max_prefill_tokens_per_tick=room), e.eog, NODE_POLICY,
+                      recipe=e.recipe_fingerprint, deterministic=True)
     if warm:
         sched.submit(Session("warm", warm[0], len(warm[1]), ignore_eos=True, owner="c"))
         run_to_completion(sched, e)

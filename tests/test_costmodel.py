@@ -30,9 +30,11 @@ class Node:
             ms = true_ms(plan, sum(self.engine._next_pos)) / speed
             return ms * 6 if slow_every and self.n % slow_every == 0 else ms  # a stall now and then
 
+        # one decode step a tick (the targets are counted in those), no prefix cache (prompts repeat here)
         self.engine, self.sched = scheduler(FakeEngine(n_seq_max=8, n_ctx=16384, n_batch=1024, cost_ms=cost),
-                                            clock=self.clock, max_prefill_tokens_per_tick=top)
-        self.sched.tick_target, self.sched.pool_cells = TickTarget(target, ratio), 16384
+                                            clock=self.clock, max_prefill_tokens_per_tick=top, pool_cells=16384,
+                                            tick_target=TickTarget(target, ratio), steps_ms=0.0,
+                                            prefix_cache="off")
         self.tick_ms: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, ms)
         self.first: dict = {}
 

@@ -18,7 +18,9 @@ from meshnode.engine.followups import AWAITING_RESYNC, Followups
 
 
 def scheduler(engine, **kw):
-    kw = {"max_active": 5, "max_queue": 20, "max_batch_size": 3, "max_prefill_tokens_per_tick": 16, **kw}
+    """The node's policy with its KV released at each finish (assert_clean: no prefix cache keeping any)."""
+    kw = {"max_active": 5, "max_queue": 20, "max_batch_size": 3, "max_prefill_tokens_per_tick": 16,
+          "prefix_cache": "off", **kw}
     return build(engine, **kw)[1]
 
 
@@ -240,7 +242,7 @@ def test_each_tick_carries_the_cost_models_prediction_once_it_has_one():
     """The scheduler's prediction, which TickPipeline.plan_ahead_at reads: decode ticks by what ticks
     of their rows took (no refit), prompt ticks by the fit."""
     engine = FakeEngine(n_seq_max=8, cost_ms=lambda plan: 4.0 + plan.n_tokens * 0.5)
-    sched = scheduler(engine)
+    sched = scheduler(engine, steps_ms=0.0)  # one step a tick: a tick of three rows is three tokens
     for i in range(3):
         assert sched.submit(Session(i, [3 + i, 4, 5, 6], 30, ignore_eos=True)).accepted
     ticks = []
@@ -270,7 +272,7 @@ def test_an_idle_engine_gathers_requests_sent_together_into_its_first_tick():
     engine, sched = build(FakeEngine(n_seq_max=8), clock=lambda: now[0], max_batch_size=8)
     ticks = Ticks(Link(), 2, None)
     due = lambda: ticks.due(sched.gather_until())  # noqa: E731  (the front's rule: Front._dispatch)
-    sched.gather_ms = 1.0
+    assert sched.gather_ms == 1.0  # the node's default
     assert due() == 0.0  # nothing came
     sched.submit(Session(0, [3, 4, 5], 4))
     assert due() == pytest.approx(100.001)  # one came: plan once none has for 1 ms
@@ -293,6 +295,6 @@ def test_an_idle_engine_gathers_requests_sent_together_into_its_first_tick():
     assert second is not None and ticks.pipeline.answer(second.t) is second
     sched.submit(Session(9, [6, 7], 4))  # engine idle between ticks, sessions decoding: no gathering
     assert due() == 0.0
-    _, idle = build(FakeEngine(n_seq_max=8), clock=lambda: now[0])
+    _, idle = build(FakeEngine(n_seq_max=8), clock=lambda: now[0], gather_ms=0.0)
     idle.submit(Session(0, [3, 4, 5], 4))
-    assert idle.gather_until() == 0.0  # off by default in the pure scheduler (`serve` sets gather_ms)
+    assert idle.gather_until() == 0.0  # gather_ms 0: off

@@ -119,7 +119,8 @@ def streamed(events, key) -> list[int]:
 def generating_low(depth: int):
     """One slot, a low-priority session 5 tokens into its generation with `depth` ticks in flight at most:
     (engine, scheduler, driver, the session, the events so far)."""
-    engine, sched = scheduler(policy="priority", max_active=1, max_queue=4)
+    # a token a tick; no prefix cache, so a preempted session re-prefills all of it on its old sequence
+    engine, sched = scheduler(policy="priority", max_active=1, max_queue=4, steps_ms=0.0, prefix_cache="off")
     driver = Pipelined(sched, engine, depth=depth)
     low = Session("low", prompt(6), 20, priority=3)
     sched.submit(low)
@@ -181,7 +182,7 @@ def test_no_session_is_preempted_in_vain_nor_for_an_equal_or_worse_priority():
 
 
 def test_a_preempted_session_is_never_displaced_from_the_queue():
-    engine, sched = scheduler(policy="priority", max_active=1, max_queue=1)
+    engine, sched = scheduler(policy="priority", max_active=1, max_queue=1, steps_ms=0.0)  # a token a tick
     low = Session("low", prompt(4), 10, priority=3)
     sched.submit(low)
     for _ in range(3):

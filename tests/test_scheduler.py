@@ -4,6 +4,7 @@ import pytest
 from helpers import Clock, done_reasons, engine_config, outputs, run_tick, run_to_completion, scheduler, session, step
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
+from meshnode.core.costmodel import TickTarget
 from meshnode.core.pipeline import TickPipeline
 from meshnode.core.types import ConfigError
 from meshnode.core.session import Session
@@ -11,6 +12,9 @@ from meshnode.dev.fake import FakeEngine
 
 
 def node(max_active=2, max_queue=2, prefill=8, engine=None, **kw):
+    """The node's policy with the rules these tests count made plain: a token a tick (no multi-step), the
+    budget's prefill bound every tick (no tick target), every finish releasing its KV (no prefix cache)."""
+    kw = {"steps_ms": 0.0, "tick_target": TickTarget(), "prefix_cache": "off", **kw}
     return scheduler(engine, max_active=max_active, max_queue=max_queue, max_prefill_tokens_per_tick=prefill, **kw)
 
 
@@ -196,7 +200,8 @@ def test_real_engine_batched_sessions_equal_serialized(tiny_model):
     lengths = [1, 3, 7, 12]
     with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1)) as e:
         def run(keys, max_active):
-            _, s = scheduler(e, max_active=max_active, max_prefill_tokens_per_tick=5)
+            # one engine under several schedulers: none may leave KV cached that the next one does not know
+            _, s = scheduler(e, max_active=max_active, max_prefill_tokens_per_tick=5, prefix_cache="off")
             for i in keys:
                 s.submit(Session(i, [3 + (i * 13 + k) % 400 for k in range(lengths[i])], 10, ignore_eos=True))
             out = outputs(run_to_completion(s, e, 200))

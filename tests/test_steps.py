@@ -35,7 +35,7 @@ def sessions(stops=None):
 
 def run(steps_ms, make=sessions, pipelined=False, pipe=None):
     e = FakeEngine(cost_ms=lambda plan: 2.0 * len(plan.chunks))  # each step's time, as the engine reports it
-    _, s = build(e, max_active=4, max_queue=20, steps_ms=steps_ms)
+    _, s = build(e, max_active=4, max_queue=20, steps_ms=steps_ms, prefix_cache="off")  # every finish releases
     for x in make():
         s.submit(x)
     events = Pipelined(s, e, **(pipe or {})).run_to_completion() if pipelined else run_to_completion(s, e)

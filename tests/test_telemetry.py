@@ -22,7 +22,7 @@ rejected_by_reason bad_frames_total unknown_sessions_total engine memory uptime_
 
 def telemetry():
     clock = Clock(50.0)
-    e, s = scheduler(clock=clock, max_active=2, max_queue=1)
+    e, s = scheduler(clock=clock, max_active=2, max_queue=1, steps_ms=0.0)  # a token a tick, as counted here
     return clock, e, s, Telemetry(s, clock=clock)
 
 

@@ -61,9 +61,10 @@ def in_process(path: str, threads: int, work, concurrency: int = CONCURRENCY) ->
     """The engine as a node configures it by default (`meshnode serve --ctx 4096`: streams, deterministic
     where it holds, speculation), driven by the same scheduler in this process."""
     cfg = NodeConfig(model=path, ctx=4096, threads=threads, max_active=concurrency)
-    engine = LlamaEngine(cfg.resolve().engine)
+    resolved = cfg.resolve()
+    engine = LlamaEngine(resolved.engine)
     sched = Scheduler(NodeBudget.from_engine(engine, max_active=concurrency, max_queue=N_JOBS), engine.eog,
-                      deterministic=engine.deterministic)
+                      resolved.scheduler, recipe=engine.recipe_fingerprint, deterministic=engine.deterministic)
     timed = _Timed(engine)
     t0 = time.perf_counter()
     for sid, toks, n in work:

@@ -47,9 +47,11 @@ def policy(n: int, ticks: int = 300) -> dict:
     from meshnode.core.scheduler import Scheduler
     from meshnode.core.session import Session
     from meshnode.dev.fake import FakeEngine
+    from meshnode.ops.config import scheduler_config
 
     e = FakeEngine(n_seq_max=64, n_ctx=64 * 1024, cost_ms=lambda plan: STEP_MS)  # the cost model refits as on 5 ms ticks
-    sched = Scheduler(NodeBudget.from_engine(e, max_active=64, max_batch_size=64), e.eog, recipe=e.recipe_fingerprint)
+    sched = Scheduler(NodeBudget.from_engine(e, max_active=64, max_batch_size=64), e.eog, scheduler_config(),
+                      recipe=e.recipe_fingerprint)
     for i in range(n):
         assert sched.submit(Session(f"s{i}", [3 + i, 4, 5], 1000, ignore_eos=True)).accepted
     plan_us, apply_us = [], []

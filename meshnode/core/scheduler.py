@@ -48,9 +48,10 @@ from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget, deterministic_rows_problem
 from meshnode.core.types import ConfigError
-from meshnode.core.costmodel import (TickCost, TickTarget, fill, fill_deterministic, prefill_room, rows_per_call, shape,
+from meshnode.core.costmodel import (TickCost, fill, fill_deterministic, prefill_room, rows_per_call, shape,
                                      sized, within_target)
 from meshnode.core.pipeline import Tick
+from meshnode.core.schedconfig import SchedulerConfig
 from meshnode.core.priority import displaceable, policy_problem, victims
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Event, Session
 from meshnode.core.seqs import Sequences
@@ -74,22 +75,18 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, budget: NodeBudget, eos, recipe: str | None = None, clock=time.monotonic,
-                 prefix_cache: str = "off", pool_cells: int = 0,
-                 tick_target: TickTarget = TickTarget(), deterministic: bool = False, gather_ms: float = 0.0,
-                 kv_events: bool = False, policy: str = "fcfs", reserved_slots: int = 0, steps_ms: float = 0.0):
+    def __init__(self, budget: NodeBudget, eos, config: SchedulerConfig, recipe: str | None = None,
+                 clock=time.monotonic, pool_cells: int = 0, deterministic: bool = False):
         """`eos`: the end-of-generation token id, or all of them (chat models end turns with
-        tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `prefix_cache`: its
-        scope. `pool_cells`: the KV cells all sequences share (a unified KV), which reserved and
-        cached KV must fit together; 0 when each sequence has its own stream. `tick_target`: while
-        sessions decode, give each tick the prompt tokens the cost model says fit it (none: always
-        the budget's fixed `max_prefill_tokens_per_tick`, which stays the upper bound). `deterministic`:
-        chunks cut so that every cell gets the kernel a cold run gives it (costmodel.deterministic_chunk),
-        and reuse only of such cells (meshnode/core/prefix.py). `gather_ms`: on an idle engine, the first
-        tick waits until no request has come for this long (at most GATHER_SPAN times it), `gather_until`."""
+        tokens such as <|eot_id|> besides EOS; llama.cpp calls the set EOG). `config`: the node's
+        policy settings (core/schedconfig.py). The rest are the engine's facts: its model's `recipe`,
+        `pool_cells` (the KV cells all sequences share in a unified KV, which reserved and cached KV
+        must fit together; 0 when each sequence has its own stream) and whether it is `deterministic`
+        (chunks cut so that every cell gets the kernel a cold run gives it,
+        costmodel.deterministic_chunk, and reuse only of such cells, meshnode/core/prefix.py)."""
         self.budget, self.clock = budget, clock
         self.eog = frozenset([eos] if isinstance(eos, int) else eos)
-        self.admission = Admission(budget, recipe, reserved_slots)
+        self.admission = Admission(budget, recipe, config.reserved_slots)
         self.waiting: list[Session] = []  # in start order (core/priority.py POLICIES)
         self.running: list[Session] = []
         self.live: dict = {}
@@ -97,18 +94,18 @@ class Scheduler:
         if why:  # NodeConfig.resolve() refuses this before the model loads; here for schedulers built otherwise
             raise ConfigError(why)
         self.deterministic, self.pool_cells = deterministic, pool_cells
-        self.seqs = Sequences(budget.n_seq_max, prefix_cache, deterministic, pool_cells, kv_events)
+        self.config = config
+        self.seqs = Sequences(budget.n_seq_max, config.prefix_cache, deterministic, pool_cells, config.kv_events)
         self.counters = Counters()
-        self.cost, self.tick_target = TickCost(), tick_target
+        self.cost, self.tick_target = TickCost(), config.tick_target
         self.draining = False
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
-        self.gather_ms = gather_ms
-        self.steps_ms = steps_ms  # a decode-only tick's steps fit this (core/steps.py); 0: one step a tick
-        why = policy_problem(policy, reserved_slots, budget.effective_active_cap)
+        self.gather_ms, self.steps_ms = config.gather_ms, config.steps_ms
+        why = policy_problem(config.policy, config.reserved_slots, budget.effective_active_cap)
         if why:  # NodeConfig.resolve() refuses this at start; here for schedulers built otherwise
             raise ConfigError(why)
-        self.policy, self._arrivals, self._plans = policy, 0, 0
+        self.policy, self._arrivals, self._plans = config.policy, 0, 0
         self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
 
     # -- requests --------------------------------------------------------------------

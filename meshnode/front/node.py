@@ -185,11 +185,8 @@ class Front:
         if info is None:
             raise StartStopped("stopped by a signal during start-up")
         self.budget = NodeBudget.from_engine(info, self.settings.budget)
-        sched = Scheduler(self.budget, info.eog or [info.eos], recipe=info.recipe, prefix_cache=cfg.prefix_cache,
-                          pool_cells=info.n_ctx if cfg.layout == "unified" else 0,
-                          tick_target=self.settings.tick_target, deterministic=info.deterministic,
-                          gather_ms=cfg.gather_ms, kv_events=bool(cfg.kv_events), policy=cfg.scheduling_policy,
-                          reserved_slots=cfg.priority_reserved_slots, steps_ms=cfg.decode_steps_ms)
+        sched = Scheduler(self.budget, info.eog or [info.eos], self.settings.scheduler, recipe=info.recipe,
+                          pool_cells=info.n_ctx if cfg.layout == "unified" else 0, deterministic=info.deterministic)
         if "regression" in info.deterministic_problem:  # a promise this build broke (engine/invariant.py, promised)
             log.warning("deterministic mode off: %s", info.deterministic_problem)
         for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request

@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from meshnode.core.budget import DEFAULT_MAX_QUEUE, BudgetAsk, rows_problem
 from meshnode.core.costmodel import TickTarget
+from meshnode.core.schedconfig import SchedulerConfig
 from meshnode.core.prefix import SCOPES
 from meshnode.core.priority import POLICIES, policy_problem
 from meshnode.core.scheduler import GATHER_SPAN
@@ -324,7 +325,9 @@ class NodeConfig:
         mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
         budget = BudgetAsk(self.max_active, self.max_queue, self.max_batch, self.prefill_chunk, mb(self.kv_budget_mb),
                            mb(self.weight_budget_mb), mb(self.memory_floor_mb), fill_ticks=bool(target))
-        return Resolved(engine, budget, target)
+        scheduler = SchedulerConfig(self.prefix_cache, target, self.gather_ms, bool(self.kv_events),
+                                    self.scheduling_policy, self.priority_reserved_slots, self.decode_steps_ms)
+        return Resolved(engine, budget, scheduler)
 
 
 @dataclass(frozen=True)
@@ -333,13 +336,19 @@ class Resolved:
 
     engine: EngineConfig
     budget: BudgetAsk
-    tick_target: TickTarget
+    scheduler: SchedulerConfig
 
 
 def engine_config(model: str, **settings) -> EngineConfig:
     """The engine `meshnode serve --model MODEL` with these settings (NodeConfig's names) would run: how
     benchmarks and tests build an engine in-process, with the node's defaults and checks."""
     return load(overrides={"model": model, **settings}).resolve().engine
+
+
+def scheduler_config(**settings) -> SchedulerConfig:
+    """The scheduler policy `meshnode serve` with these settings (NodeConfig's names) would run: how
+    benchmarks and tests build a scheduler, with the node's defaults and checks."""
+    return NodeConfig(**{"engine_kind": "fake", **settings}).resolve().scheduler  # no model: the policy needs none
 
 
 def _share(x: str) -> float:
