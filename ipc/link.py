@@ -139,7 +139,7 @@ class EngineProcessConfig:
     arena_output: int
     engine_kind: str  # "llama" or "fake" (tests)
     engine: object  # llama: its meshnode.engine.config.EngineConfig (pickled with the spawn); fake: its keywords
-    log_level: str = "WARNING"
+    log_level: str  # the node's log_level
     faults: dict | None = None  # tests only: what `wrapper` injects into this incarnation
     wrapper: str = ""  # tests only: "module:callable" that wraps the engine with the faults (named by the caller)
     calibrate: bool = False  # time ticks of known shapes before the hello (the first incarnation only)

@@ -134,7 +134,7 @@ def test_a_reply_that_is_not_msgpack_marks_the_link_broken_instead_of_raising(ar
     from meshnode.front.engine_link import EngineLink
 
     engine_link = EngineLink(str(tmp_path), arena, EngineHealth(5.0), engine_kind="fake",
-                             engine={}, n_vocab=512, model_path="m.gguf")
+                             engine={}, n_vocab=512, model_path="m.gguf", log_level="INFO", rpc_timeout_s=2.0)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     engine_link.sock = seqpacket.LinkSocket(a)
     b.send(b"\xc1")  # never valid msgpack
@@ -155,7 +155,7 @@ def test_a_tick_is_stamped_sent_once_it_is_sent_so_a_paused_front_is_not_a_hung_
     clock = [100.0]
     monkeypatch.setattr(tk.time, "monotonic", lambda: clock[0])
     link = el.EngineLink(str(tmp_path), arena, EngineHealth(0.5), engine_kind="fake",
-                         engine={}, n_vocab=512, model_path="m.gguf")
+                         engine={}, n_vocab=512, model_path="m.gguf", log_level="INFO", rpc_timeout_s=2.0)
     ticks = tk.Ticks(link, 2, None)
 
     class Paused:  # the front stops for 1.5 s inside the send

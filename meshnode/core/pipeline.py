@@ -49,7 +49,7 @@ class Tick:
 
 
 class TickPipeline:
-    def __init__(self, depth: int = 1):
+    def __init__(self, depth: int):
         self.depth = depth
         self.ticks: deque[Tick] = deque()
         self._last_t = 0

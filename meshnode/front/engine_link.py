@@ -46,8 +46,8 @@ def engine_process(cfg: link.EngineProcessConfig) -> None:
 
 class EngineLink:
     def __init__(self, run_dir: str, arena: TokenArena, health: EngineHealth, *,
-                 engine_kind: str, engine, n_vocab: int, model_path: str, log_level: str = "WARNING",
-                 faults: list | None = None, wrapper: str = "", claim=lambda path: None, rpc_timeout_s: float = 2.0):
+                 engine_kind: str, engine, n_vocab: int, model_path: str, log_level: str, rpc_timeout_s: float,
+                 faults: list | None = None, wrapper: str = "", claim=lambda path: None):
         self.run_dir, self.arena, self.health = run_dir, arena, health
         self.engine_kind, self.engine, self.log_level = engine_kind, engine, log_level  # engine: its EngineConfig
         self.n_vocab, self.model_path = n_vocab, model_path
