@@ -137,11 +137,11 @@ class EngineProcessConfig:
     arena_name: str
     arena_input: int
     arena_output: int
-    engine_kind: str  # "llama" or "fake" (tests)
-    engine: object  # llama: its meshnode.engine.config.EngineConfig (pickled with the spawn); fake: its keywords
+    engine: object  # its meshnode.engine.config.EngineConfig (pickled with the spawn)
     log_level: str  # the node's log_level
-    faults: dict | None = None  # tests only: what `wrapper` injects into this incarnation
-    wrapper: str = ""  # tests only: "module:callable" that wraps the engine with the faults (named by the caller)
+    generation: int  # this incarnation's number, from 1
+    factory: str = ""  # "module:callable" that builds the engine (the node's engine_factory); "": llama.cpp's
+    factory_args: dict | None = None  # what the node's engine_args give the factory
     calibrate: bool = False  # time ticks of known shapes before the hello (the first incarnation only)
 
 

@@ -17,10 +17,9 @@ ALLOWED = {
     "meshnode.engine": ["meshnode.core", "meshnode.engine"],
     "meshnode.text": ["meshnode.core", "meshnode.engine.llamacpp", "meshnode.text"],
     "ipc": ["meshnode.core", "ipc"],
-    # production never imports test helpers (meshnode.dev), and the front spawns the worker by module path; the
-    # one exception is the engine the internal test setting engine_kind = "fake" names (tests, `bench scale`)
-    "meshnode.worker": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops.memory", "meshnode.worker",
-                        "meshnode.dev.fake"],
+    # production never imports test helpers (meshnode.dev: a test's engine is built by the factory it names,
+    # imported by name), and the front spawns the worker by module path
+    "meshnode.worker": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops.memory", "meshnode.worker"],
     "meshnode.front": ["meshnode.core", "meshnode.text", "ipc", "meshnode.ops", "meshnode.front",
                        "meshnode.__version__", "meshnode.engine.llamacpp"],
     "meshnode.ops": ["meshnode.core", "meshnode.engine", "ipc", "meshnode.ops"],

@@ -8,6 +8,7 @@ import pytest
 
 from ipc import link, seqpacket
 from ipc.protocol import pack
+from meshnode.dev.engines import FACTORY
 from ipc.shm import TokenArena
 from meshnode.core.types import Constrained, EngineInfo, Grammar, Logprob, Plan, Sampling, SeqChunk, StepResult
 
@@ -133,8 +134,9 @@ def test_a_reply_that_is_not_msgpack_marks_the_link_broken_instead_of_raising(ar
     from meshnode.core.health import EngineHealth
     from meshnode.front.engine_link import EngineLink
 
-    engine_link = EngineLink(str(tmp_path), arena, EngineHealth(5.0), engine_kind="fake",
-                             engine={}, n_vocab=512, model_path="m.gguf", log_level="INFO", rpc_timeout_s=2.0)
+    engine_link = EngineLink(str(tmp_path), arena, EngineHealth(5.0),
+                             engine=None, n_vocab=512, model_path="m.gguf", log_level="INFO", rpc_timeout_s=2.0,
+                             factory=FACTORY, factory_args={"fake": {}})
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     engine_link.sock = seqpacket.LinkSocket(a)
     b.send(b"\xc1")  # never valid msgpack
@@ -154,8 +156,9 @@ def test_a_tick_is_stamped_sent_once_it_is_sent_so_a_paused_front_is_not_a_hung_
 
     clock = [100.0]
     monkeypatch.setattr(tk.time, "monotonic", lambda: clock[0])
-    link = el.EngineLink(str(tmp_path), arena, EngineHealth(0.5), engine_kind="fake",
-                         engine={}, n_vocab=512, model_path="m.gguf", log_level="INFO", rpc_timeout_s=2.0)
+    link = el.EngineLink(str(tmp_path), arena, EngineHealth(0.5),
+                         engine=None, n_vocab=512, model_path="m.gguf", log_level="INFO", rpc_timeout_s=2.0,
+                         factory=FACTORY, factory_args={"fake": {}})
     ticks = tk.Ticks(link, 2, None)
 
     class Paused:  # the front stops for 1.5 s inside the send

@@ -14,6 +14,7 @@ from ipc.protocol import pack
 from ipc.seqpacket import LinkSocket
 from ipc.shm import TokenArena
 from meshnode.core.types import Plan, SeqChunk, StepResult
+from meshnode.dev.engines import FACTORY
 from meshnode.worker.link_io import CLOSED, LinkIO
 from meshnode.worker.main import EngineProcess
 
@@ -96,7 +97,7 @@ def test_a_failing_link_thread_is_raised_in_the_main_thread(pair):
 
 
 def test_the_engine_refuses_a_tick_that_did_not_decode_like_any_bad_plan():
-    proc = EngineProcess(EngineProcessConfig("x", 0, "a", 1, 1, "fake", {}, "INFO"))
+    proc = EngineProcess(EngineProcessConfig("x", 0, "a", 1, 1, None, "INFO", 1, FACTORY, {"fake": {}}))
     answer = proc.run(link.MalformedTick(7, "chunk of sequence 0 points outside the arena"))
     assert answer == link.TickRefused(7, False, "chunk of sequence 0 points outside the arena")
     assert proc.followups.refusing  # the ticks queued behind it are refused until the front resyncs

@@ -58,7 +58,7 @@ def test_environment_errors_name_the_variable_or_the_key(name, value):
     ("pipeline_depth = 3\n", "pipeline_depth"),
     ("insecure = 1\n", "insecure"),
     ('model = "/nonexistent.gguf"\n', "model"),
-    ("engine_kind = 'fake'\n", "engine_kind"),  # internal knobs are not config keys
+    ("engine_factory = 'x:y'\n", "engine_factory"),  # internal knobs are not config keys
     ("max_queue = [\n", "not valid TOML"),
     ("n_seq_max = 4\nmax_batch = 8\n", "max_batch: 8 is more than n_seq_max"),
 ])

@@ -10,16 +10,12 @@ import argparse
 import json
 import sys
 
+from meshnode.dev.engines import internal as node_settings
 from meshnode.front.command import add_args, serve_node
 
 
-FAULTY = "meshnode.dev.faulty:Faulty"  # what injects `faults`: named here, so no production module imports it
-
-
 def main(argv: list[str]) -> int:
-    internal = json.loads(argv[0])
-    if internal.get("faults"):
-        internal.setdefault("engine_wrapper", FAULTY)
+    internal = node_settings(**json.loads(argv[0]))
     parser = argparse.ArgumentParser(prog="python -m meshnode.dev.serve")
     add_args(parser)
     return serve_node(parser.parse_args(argv[1:]), internal)

@@ -46,12 +46,12 @@ def engine_process(cfg: link.EngineProcessConfig) -> None:
 
 class EngineLink:
     def __init__(self, run_dir: str, arena: TokenArena, health: EngineHealth, *,
-                 engine_kind: str, engine, n_vocab: int, model_path: str, log_level: str, rpc_timeout_s: float,
-                 faults: list | None = None, wrapper: str = "", claim=lambda path: None):
+                 engine, n_vocab: int, model_path: str, log_level: str, rpc_timeout_s: float,
+                 factory: str = "", factory_args: dict | None = None, claim=lambda path: None):
         self.run_dir, self.arena, self.health = run_dir, arena, health
-        self.engine_kind, self.engine, self.log_level = engine_kind, engine, log_level  # engine: its EngineConfig
+        self.engine, self.log_level = engine, log_level  # engine: its EngineConfig
         self.n_vocab, self.model_path = n_vocab, model_path
-        self.faults, self.wrapper = faults, wrapper  # tests only: one entry per incarnation, the last for all after
+        self.factory, self.factory_args = factory, factory_args  # the node's engine_factory ("": llama.cpp's)
         self.claim = claim  # tells the front's reaper of each socket file made here
         self.rpc_timeout_s = rpc_timeout_s  # each rpc worker's hello, probed while no engine holds it
         self.info: EngineInfo | None = None  # the first incarnation's: every later one must match it
@@ -96,10 +96,9 @@ class EngineLink:
         self.arena.reset_heartbeat()
         self.claim(self.path)
         self.listener = seqpacket.listen(self.path)
-        faults = self.faults[min(self.generation, len(self.faults)) - 1] if self.faults else None
         cfg = link.EngineProcessConfig(self.path, os.getpid(), self.arena.name, self.arena.n_input,
-                                       self.arena.n_output, self.engine_kind, self.engine, self.log_level,
-                                       faults, self.wrapper, calibrate=self.info is None)
+                                       self.arena.n_output, self.engine, self.log_level, self.generation,
+                                       self.factory, self.factory_args, calibrate=self.info is None)
         self.proc = mp.get_context("spawn").Process(target=engine_process, args=(cfg,), daemon=True,
                                                    name=f"meshnode-engine-{self.generation}")
         self.proc.start()
@@ -151,7 +150,7 @@ class EngineLink:
         if problem:  # no session can continue on another model: the node must say so and stop serving
             self.health.unrecoverable = self.broken = problem
             return None
-        if self.info is None and self.engine_kind == "llama":  # later incarnations place layers as this one did
+        if self.info is None and not self.factory:  # later incarnations place layers as this one did
             self.engine = replace(self.engine, **msg.info.placement())
         self.info = self.info or msg.info
         self.health.ready(time.monotonic())

@@ -172,11 +172,10 @@ class Front:
     def _start_engine(self) -> Scheduler:
         """The first engine incarnation, and the scheduler sized by what it reports."""
         cfg = self.cfg
-        engine = dict(cfg.fake or {}) if cfg.engine_kind == "fake" else self.settings.engine
-        self.link = EngineLink(self.run_dir, self.arena, self.health, engine_kind=cfg.engine_kind,
-                               engine=engine, n_vocab=self.tok.n_vocab, model_path=cfg.model,
-                               log_level=cfg.log_level, faults=cfg.faults, wrapper=cfg.engine_wrapper,
-                               claim=self.reaper.claim, rpc_timeout_s=cfg.rpc_timeout_s)
+        self.link = EngineLink(self.run_dir, self.arena, self.health, engine=self.settings.engine,
+                               n_vocab=self.tok.n_vocab, model_path=cfg.model, log_level=cfg.log_level,
+                               rpc_timeout_s=cfg.rpc_timeout_s, factory=cfg.engine_factory,
+                               factory_args=cfg.engine_args, claim=self.reaper.claim)
         missing = self.link.missing_worker()
         if missing:  # ggml would abort the engine mid-load: say which worker, at once
             raise RuntimeError(f"{missing}; start it (meshnode rpc-worker --listen HOST:PORT) or leave it out of --rpc")

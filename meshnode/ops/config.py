@@ -183,10 +183,10 @@ class NodeConfig:
     log_level: str = setting("INFO", "DEBUG also shows llama.cpp's own log", choices=("DEBUG", "INFO", "WARNING",
                                                                                         "ERROR"))
     # test and drill knobs: not in the example file, no flag, not for production
-    engine_kind: str = setting("llama", choices=("llama", "fake"), internal=True)
-    faults: list | None = setting(None, internal=True)  # one per incarnation
-    engine_wrapper: str = setting("", internal=True)  # "module:callable" that injects them
-    fake: dict | None = setting(None, internal=True)
+    # "module:callable" the engine process builds its engine with, called (EngineConfig, engine_args,
+    # incarnation); "" = llama.cpp's (LlamaEngine). Tests name meshnode/dev/engines.py's: a fake, faults.
+    engine_factory: str = setting("", internal=True)
+    engine_args: dict | None = setting(None, internal=True)
     evict_after_s: float = _in(0, DAY, EVICT_AFTER_S, internal=True)  # at the cap, silence that makes a connection give way
 
     def __post_init__(self) -> None:
@@ -316,18 +316,22 @@ class NodeConfig:
             self.scheduling_policy, self.priority_reserved_slots, self.max_active or self.n_seq_max)
         if why:
             raise ConfigError(why)
-        if self.engine_kind == "llama":
+        if not self.engine_factory:
             try:  # what llama.cpp would refuse or assert on, or cannot promise, refused here first
                 engine.validate(need_file=False)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        target = TickTarget(self.tick_target_ms or 0.0, self.tick_target_ratio if self.tick_target_ms is None else 0.0)
+        scheduler = self.scheduler()
         mb = lambda v: None if v is None else int(v * 2**20)  # noqa: E731
         budget = BudgetAsk(self.max_active, self.max_queue, self.max_batch, self.prefill_chunk, mb(self.kv_budget_mb),
-                           mb(self.weight_budget_mb), mb(self.memory_floor_mb), fill_ticks=bool(target))
-        scheduler = SchedulerConfig(self.prefix_cache, target, self.gather_ms, bool(self.kv_events),
-                                    self.scheduling_policy, self.priority_reserved_slots, self.decode_steps_ms)
+                           mb(self.weight_budget_mb), mb(self.memory_floor_mb), fill_ticks=bool(scheduler.tick_target))
         return Resolved(engine, budget, scheduler)
+
+    def scheduler(self) -> SchedulerConfig:
+        """The scheduler's part of resolve(), which needs no model."""
+        target = TickTarget(self.tick_target_ms or 0.0, self.tick_target_ratio if self.tick_target_ms is None else 0.0)
+        return SchedulerConfig(self.prefix_cache, target, self.gather_ms, bool(self.kv_events), self.scheduling_policy,
+                               self.priority_reserved_slots, self.decode_steps_ms)
 
 
 @dataclass(frozen=True)
@@ -348,7 +352,7 @@ def engine_config(model: str, **settings) -> EngineConfig:
 def scheduler_config(**settings) -> SchedulerConfig:
     """The scheduler policy `meshnode serve` with these settings (NodeConfig's names) would run: how
     benchmarks and tests build a scheduler, with the node's defaults and checks."""
-    return NodeConfig(**{"engine_kind": "fake", **settings}).resolve().scheduler  # no model: the policy needs none
+    return NodeConfig(**settings).scheduler()
 
 
 def _share(x: str) -> float:

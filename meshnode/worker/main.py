@@ -43,23 +43,18 @@ def _die_with_parent(parent: int) -> None:
 
 
 def build_engine(cfg: EngineProcessConfig, report_abort=None):
-    if cfg.engine_kind == "fake":
-        from meshnode.dev.fake import FakeEngine
+    """llama.cpp's engine, or the one the node's engine_factory names (tests: a fake, faults injected); the
+    factory is imported by name, so this shell imports nothing of meshnode/dev."""
+    from meshnode.engine import llamacpp
 
-        engine = FakeEngine(**cfg.engine)
-    else:
-        from meshnode.engine import llamacpp
-        from meshnode.engine.llama import LlamaEngine
+    if report_abort is not None:  # whoever builds it: a factory's engine may be llama.cpp's too
+        llamacpp.on_abort(report_abort)
+    if cfg.factory:
+        module, _, name = cfg.factory.partition(":")
+        return getattr(importlib.import_module(module), name)(cfg.engine, cfg.factory_args or {}, cfg.generation)
+    from meshnode.engine.llama import LlamaEngine
 
-        if report_abort is not None:
-            llamacpp.on_abort(report_abort)
-        engine = LlamaEngine(cfg.engine)
-    if cfg.faults:  # tests and drills only: the wrapper is named by the test entry, never imported here
-        module, _, name = cfg.wrapper.partition(":")
-        if not name:
-            raise ValueError("faults were given without a wrapper to inject them")
-        engine = getattr(importlib.import_module(module), name)(engine, cfg.faults)
-    return engine
+    return LlamaEngine(cfg.engine)
 
 
 class EngineProcess:
