@@ -395,5 +395,6 @@ def scenario(e, p, sampling, n_new=40, crowd=None, restart_after=None, warm=None
         events += run_tick(sched, e)
         t += 1
     mine = [ev for ev in events if ev.session is x and ev.kind == "tokens"]
-    return {"tokens": x.generated, "logprobs": [ev.logprobs for ev in mine], "cached": x.n_reused,
+    # per token: a multi-step tick's event carries several, as many as the ticks around it allowed
+    return {"tokens": x.generated, "logprobs": [lp for ev in mine for lp in ev.logprobs or ()], "cached": x.n_reused,
             "others": {s.key: s.generated for s in others}}

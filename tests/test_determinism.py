@@ -329,14 +329,16 @@ def test_speculative_drafts_right_or_wrong_leave_a_session_bitwise_the_same_alon
             if propose:
                 m.setattr(e._lookup, "propose", propose)
             counts.clear()
-            runs = {"alone": scenario(e, p, SAMPLINGS[how]),
-                    "crowd and restart": scenario(e, p, SAMPLINGS[how], crowd=2, restart_after=5)}
+            runs = {"alone": scenario(e, p, SAMPLINGS[how])}
+            alone_counts = counts.copy()  # "wrong" is wrong for x only: a neighbour's may be right by chance
+            runs["crowd and restart"] = scenario(e, p, SAMPLINGS[how], crowd=2, restart_after=5)
         for what, got in runs.items():
             assert got["tokens"] == off["tokens"] and got["logprobs"] == off["logprobs"], (name, mode, what)
         if name == "right" and mode == "lookup":  # 39 decode ticks each way: most answered from drafts
             assert counts["served"] >= 40 and counts["drafted"] >= counts["served"], counts
         elif name == "wrong":  # nothing kept: each draft was checked against the sampler's own choice
-            assert counts["served"] == counts["kept"] == 0 and counts["drafted"] >= 38, (mode, counts)
+            assert alone_counts["served"] == alone_counts["kept"] == 0 and alone_counts["drafted"] >= 38, (
+                mode, alone_counts)
         elif name == "right":  # auto: the lookup's guesses turn out right, and it drafts on
             assert counts["served"] >= 20, (mode, counts)
 

@@ -62,7 +62,8 @@ def generate(served, fmt: ResponseFormat | None, seeds, max_tokens=200, prompt=(
     if fmt is not None:
         grammar, why = constraints.compile(fmt)
         assert grammar, why
-    _, sched = scheduler(engine, max_queue=len(list(seeds)))
+    # the module's engine outlives this scheduler: no prefix cache may leave KV the next one does not know
+    _, sched = scheduler(engine, max_queue=len(list(seeds)), prefix_cache="off")
     for s in seeds:
         assert sched.submit(Session(s, [p + s % 7 for p in prompt], max_tokens, Sampling(1.0, 0, 1.0, s),
                                     grammar=grammar)).accepted
