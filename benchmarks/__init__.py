@@ -9,6 +9,7 @@ EXPERIMENTS = {
     "engine": "decode tok/s at batch 1/2/4/8 in-process vs llama-cpp-python's Llama.generate",
     "soak": "mixed load, random cancels and engine kills; nothing may be lost",
     "restart": "SIGKILL of the engine to the first token from the restarted engine",
+    "samples": "a tick's sampled ids back from the engine: through the arena vs inside the msgpack answer",
     "ipc": "round trip of the engine link (SEQPACKET) vs a zmq PAIR on ipc:// (diagnostic)",
     "abuse": "4 streams' worst token gap while the largest valid requests of every kind arrive vs steady",
     "layout": "deterministic mode vs not (and unified KV): mix, decode, burst, chat, a lone session",

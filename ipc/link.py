@@ -2,18 +2,18 @@
 
 One msgpack map per message over the link socket (ipc/seqpacket.py), with a
 `kind`; `encode` and `decode` are the only code that reads or writes those
-maps, so nothing else ever handles a raw dict. A tick's token ids travel
-through the shared-memory arena (ipc/shm.py), never through msgpack.
+maps, so nothing else ever handles a raw dict. A tick's prompt token ids
+travel through the shared-memory arena (ipc/shm.py), never through msgpack;
+its sampled ids, one per sampling chunk, come back in its TickDone.
 
 Two ticks may be in flight (the front plans one ahead), so the arena has two
 halves and tick t uses half t % 2. The front writes tick t+2's tokens only
-after tick t's answer has arrived, and by then the engine has read tick t's
-tokens and the front has read its samples.
+after tick t's answer has arrived, and by then the engine has read tick t's.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 
 from ipc import seqpacket
 from ipc.protocol import pack, unpack
@@ -77,9 +77,9 @@ class Aborted:
 
 @dataclass(frozen=True)
 class TickDone:
-    """Tick `tick` ran: the engine's StepResult, whole but for its sampled tokens, which are in the arena
-    (`with_tokens` puts them back). `gap_ms`: the engine's time between the previous tick's step and this
-    one's (-1 for a fresh tick). The memory figures are the engine process's latest (re-read at most every
+    """Tick `tick` ran: the engine's StepResult, whole (`check_samples` judges its tokens against the
+    tick). `gap_ms`: the engine's time between the previous tick's step and this one's (-1 for a fresh
+    tick). The memory figures are the engine process's latest (re-read at most every
     0.25 s)."""
 
     tick: int
@@ -88,9 +88,6 @@ class TickDone:
     rss: int = 0
     mem_available: int = 0
     mem_total: int = 0
-
-    def with_tokens(self, tokens: dict[int, int]) -> StepResult:
-        return replace(self.result, tokens=tokens)
 
 
 @dataclass(frozen=True)
@@ -136,7 +133,6 @@ class EngineProcessConfig:
     parent_pid: int
     arena_name: str
     arena_input: int
-    arena_output: int
     engine: object  # its meshnode.engine.config.EngineConfig (pickled with the spawn)
     log_level: str  # the node's log_level
     generation: int  # this incarnation's number, from 1
@@ -146,39 +142,30 @@ class EngineProcessConfig:
 
 
 # -- the arena ------------------------------------------------------------------------------------
-def arena_shape(n_batch: int, n_seq_max: int) -> tuple[int, int]:
-    """(input, output) sizes in tokens for an arena that holds every tick in flight."""
-    return HALVES * n_batch, HALVES * n_seq_max
+def arena_tokens(n_batch: int) -> int:
+    """The arena's size in tokens: it holds every tick in flight."""
+    return HALVES * n_batch
 
 
-def _bases(tick: int, arena) -> tuple[int, int]:
-    half = tick % HALVES
-    return half * (arena.n_input // HALVES), half * (arena.n_output // HALVES)
+def _base(tick: int, arena) -> int:
+    return (tick % HALVES) * (arena.n_input // HALVES)
 
 
-def write_samples(arena, tick: int, plan: Plan, tokens: dict[int, int]) -> None:
-    """The engine's side: chunk k's sampled token (or -1) into the output half of `tick`."""
-    _, out = _bases(tick, arena)
-    for k, c in enumerate(plan.chunks):
-        arena.output[out + k] = tokens.get(c.seq_id, -1)
-
-
-def read_samples(arena, tick: int, plan: Plan, n_vocab: int, absent=()) -> dict[int, int]:
-    """The front's side: each sampling chunk's token, but for the sequences `absent` (the engine said they
-    drew none: a cache miss, a failed constraint). One outside the vocabulary raises ValueError: the
-    engine is broken, and detokenizing it would abort the front (llama.cpp throws std::out_of_range)."""
-    _, out = _bases(tick, arena)
-    samples = arena.output
-    tokens = {c.seq_id: int(samples[out + k]) for k, c in enumerate(plan.chunks)
-              if c.draw >= 0 and not c.embed and c.seq_id not in absent}  # an embedding's result is its vector
+def check_samples(tokens: dict[int, int], plan: Plan, n_vocab: int, absent=()) -> None:
+    """The front's side: a token for each sampling chunk of the tick and no other, but for the sequences
+    `absent` (the engine said they drew none: a cache miss, a failed constraint). ValueError otherwise,
+    or for a token outside the vocabulary: the engine is broken, and detokenizing it would abort the front
+    (llama.cpp throws std::out_of_range)."""
+    want = {c.seq_id for c in plan.chunks if c.draw >= 0 and not c.embed and c.seq_id not in absent}
+    if tokens.keys() != want:  # an embedding's result is its vector
+        raise ValueError(f"engine sampled for sequences {sorted(tokens)[:8]}, the tick's are {sorted(want)[:8]}")
     for seq, tok in tokens.items():
         if not 0 <= tok < n_vocab:
             raise ValueError(f"engine sampled token {tok} for sequence {seq}, outside the vocabulary of {n_vocab}")
-    return tokens
 
 
 def check_earlier(earlier: dict, plan: Plan, last: dict, n_vocab: int) -> None:
-    """A multi-step tick's earlier samples (StepResult.earlier), as read_samples checks the last: only of the
+    """A multi-step tick's earlier samples (StepResult.earlier), as check_samples checks the last: only of the
     plan's sequences, inside the vocabulary, and steps - 1 of them for each sequence with a last sample
     (`last`), fewer for one that dropped out; ValueError otherwise."""
     seqs = {c.seq_id for c in plan.chunks}
@@ -217,7 +204,8 @@ def encode(msg: Message, arena=None) -> bytes:
         return pack({"kind": "grammar", "key": msg.grammar.key, "text": msg.grammar.text, "forget": list(msg.forget)})
     if isinstance(msg, TickDone):
         r = msg.result
-        return pack({"kind": "done", "tick": msg.tick, "gap_ms": msg.gap_ms, "rss": msg.rss,
+        return pack({"kind": "done", "tick": msg.tick, "tokens": [list(r.tokens), list(r.tokens.values())],
+                     "gap_ms": msg.gap_ms, "rss": msg.rss,
                      "mem_available": msg.mem_available, "mem_total": msg.mem_total,
                      "cache_miss": list(r.cache_miss), "step_ms": r.step_ms, "kv_cells": r.kv_cells,
                      "logprobs": [[s, lp.logprob, [list(t) for t in lp.top]] for s, lp in r.logprobs.items()],
@@ -230,7 +218,7 @@ def encode(msg: Message, arena=None) -> bytes:
 
 
 def _tick_map(msg: TickRequest, arena) -> dict:
-    off, _ = _bases(msg.tick, arena)
+    off = _base(msg.tick, arena)
     buf, cols = arena.input, {"seq": [], "pos": [], "offset": [], "n": [], "draw": []}
     sampling, follow, constraint, embed = [], [], [], []
     for c in msg.plan.chunks:
@@ -269,7 +257,9 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
             raise MalformedTick(m["tick"] if isinstance(m.get("tick"), int) else 0, f"malformed tick: {e}") from None
     try:
         if kind == "done":
-            result = StepResult({}, list(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
+            seqs, toks = m["tokens"]
+            result = StepResult(dict(zip(_ints(seqs, "tokens"), _ints(toks, "tokens"), strict=True)),
+                                list(_ints(m["cache_miss"], "cache_miss")), float(m["step_ms"]),
                                 int(m["kv_cells"]), _logprobs(m.get("logprobs", [])), int(m.get("drafted", 0)),
                                 int(m.get("served", 0)), {int(q): str(why) for q, why in m.get("failed", [])},
                                 _earlier(m.get("earlier", [])),
@@ -350,9 +340,6 @@ def _tick_request(m: dict, arena, grammars: dict) -> TickRequest:
     tick = m.get("tick")
     if not isinstance(tick, int):
         raise ValueError(f"tick number {tick!r} is not an integer")
-    _, out = _bases(tick, arena)
-    if out + len(cols[0]) > arena.n_output:
-        raise ValueError(f"{len(cols[0])} chunks do not fit the arena's output")
     chunks = []
     for seq, pos, off, n, draw in zip(*cols):
         if off < 0 or n < 0 or off + n > arena.n_input:

@@ -1,9 +1,9 @@
 """The shared-memory token arena between the front and the engine process.
 
-Token ids of a tick travel here as int32, not through msgpack: the front writes
-every chunk's tokens into `input`, the engine writes each sampled token into
-`output[k]` for the plan's k-th entry (ipc/link.py says which half of each
-region a tick uses).
+A tick's prompt token ids travel here as int32, not through msgpack: the front
+writes every chunk's tokens into `input` (ipc/link.py says which half a tick
+uses). The sampled ids, a few per tick, come back inside the tick's answer
+(`python -m benchmarks samples`: cheaper there than a second region).
 
 The segment also holds the engine's heartbeat: the tick it last started and
 finished and when (CLOCK_MONOTONIC, the same clock in every process). The
@@ -33,12 +33,10 @@ _BEAT = 3  # int64s: started tick, finished tick, monotonic ns of the last chang
 
 
 class TokenArena:
-    def __init__(self, shm: shared_memory.SharedMemory, n_input: int, n_output: int, owner: bool):
-        self.shm, self.owner = shm, owner
-        self.n_input, self.n_output = n_input, n_output
+    def __init__(self, shm: shared_memory.SharedMemory, n_input: int, owner: bool):
+        self.shm, self.owner, self.n_input = shm, owner, n_input
         self._beat = np.ndarray((_BEAT,), dtype=np.int64, buffer=shm.buf)
-        buf = np.ndarray((n_input + n_output,), dtype=np.int32, buffer=shm.buf, offset=8 * _BEAT)
-        self.input, self.output = buf[:n_input], buf[n_input:]
+        self.input = np.ndarray((n_input,), dtype=np.int32, buffer=shm.buf, offset=8 * _BEAT)
 
     def beat(self, t: int, finished: bool) -> None:
         """The engine's side: tick `t` starts (or has finished) now. The time is written first, so a
@@ -61,22 +59,22 @@ class TokenArena:
         return self.shm.name
 
     @classmethod
-    def create(cls, n_input: int, n_output: int) -> "TokenArena":
+    def create(cls, n_input: int) -> "TokenArena":
         name = f"{PREFIX}_{os.getpid()}_{os.urandom(4).hex()}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=8 * _BEAT + 4 * (n_input + n_output))
-        return cls(shm, n_input, n_output, owner=True)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=8 * _BEAT + 4 * n_input)
+        return cls(shm, n_input, owner=True)
 
     @classmethod
-    def attach(cls, name: str, n_input: int, n_output: int) -> "TokenArena":
+    def attach(cls, name: str, n_input: int) -> "TokenArena":
         shm = _attach_untracked(name)
-        if shm.size < 8 * _BEAT + 4 * (n_input + n_output):
+        if shm.size < 8 * _BEAT + 4 * n_input:
             shm.close()
             raise ValueError(f"shared memory {name} is smaller than the arena it should hold")
-        return cls(shm, n_input, n_output, owner=False)
+        return cls(shm, n_input, owner=False)
 
     def close(self) -> None:
         """Drop the numpy views before closing (a live view makes close() fail); unlink if ours."""
-        self.input = self.output = self._beat = None  # type: ignore[assignment]
+        self.input = self._beat = None  # type: ignore[assignment]
         try:
             self.shm.close()
         except BufferError:

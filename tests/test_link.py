@@ -15,7 +15,7 @@ from meshnode.core.types import Constrained, EngineInfo, Grammar, Logprob, Plan,
 
 @pytest.fixture
 def arena():
-    a = TokenArena.create(*link.arena_shape(16, 4))
+    a = TokenArena.create(link.arena_tokens(16))
     yield a
     a.close()
 
@@ -32,9 +32,7 @@ def test_a_tick_round_trips_and_consecutive_ticks_use_separate_halves(arena):
         assert [(c.seq_id, c.pos, c.tokens.tolist(), c.draw, c.follow) for c in got.plan.chunks] == \
             [(0, 0, [5, 6, 7], 0, False), (2, 9, [-1], 4, True)]
         assert got.plan.chunks[0].sampling == Sampling(0.5, 3, 0.9, 11) and got.plan.chunks[1].sampling is None
-        link.write_samples(arena, t, got.plan, {0: 40, 2: 41})
-    # tick 8 did not overwrite tick 7's tokens or samples: two ticks can be in flight
-    assert link.read_samples(arena, 7, plan(), n_vocab=64) == {0: 40, 2: 41}
+    # tick 8 did not overwrite tick 7's tokens: two ticks can be in flight
     assert arena.input[:3].tolist() == [5, 6, 7] and arena.input[16:19].tolist() == [5, 6, 7]
 
 
@@ -61,7 +59,7 @@ def test_a_grammar_crosses_once_per_incarnation_and_ticks_name_it_by_key(arena):
 
 
 @pytest.mark.parametrize("msg", [link.Stop(), link.GrammarText(Grammar("k", "g"), ("old",)), link.HelloFailed("no model"), link.Aborted("GGML_ASSERT(x) failed"),
-                                 link.TickDone(3, StepResult({}, [1], 2.5, 40,
+                                 link.TickDone(3, StepResult({0: 17, 5: 0}, [1], 2.5, 40,
                                                              {2: Logprob(-0.5, ((7, -0.5), (9, -1.5)))}, 3, 1,
                                                              {4: "no token may come next"}), 0.1, 1 << 20, 5, 9),
                                  link.TickRefused(4, True, "rc=-3"),
@@ -71,11 +69,17 @@ def test_every_other_message_round_trips_typed(msg):
 
 
 @pytest.mark.parametrize("bad", [64, -1])
-def test_a_sample_outside_the_vocabulary_is_refused_not_passed_on(arena, bad):
-    got = link.decode(link.encode(link.TickRequest(7, plan()), arena), arena)
-    link.write_samples(arena, 7, got.plan, {0: 40, 2: bad})
+def test_a_sample_outside_the_vocabulary_is_refused_not_passed_on(bad):
     with pytest.raises(ValueError, match=f"token {bad} for sequence 2, outside the vocabulary of 64"):
-        link.read_samples(arena, 7, plan(), n_vocab=64)
+        link.check_samples({0: 40, 2: bad}, plan(), n_vocab=64)
+
+
+@pytest.mark.parametrize("tokens", [{0: 40}, {0: 40, 2: 41, 3: 42}, {}])
+def test_samples_for_other_sequences_than_the_ticks_are_refused(tokens):
+    """A token for each sampling chunk and no other: a missing or a stray one means a broken engine."""
+    with pytest.raises(ValueError, match="engine sampled for sequences"):
+        link.check_samples(tokens, plan(), n_vocab=64)
+    link.check_samples({0: 40}, plan(), n_vocab=64, absent={2})  # a cache miss draws none
 
 
 def tick_map(**fields):

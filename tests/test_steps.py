@@ -171,7 +171,7 @@ def test_the_engine_runs_a_plans_steps_as_single_steps_and_a_failed_row_drops_ou
 
 
 def test_a_multi_step_tick_crosses_the_link_and_a_reply_that_breaks_it_is_refused():
-    arena = TokenArena.create(*link.arena_shape(64, 4))
+    arena = TokenArena.create(link.arena_tokens(64))
     try:
         plan = Plan([SeqChunk(0, 5, np.array([7], np.int32), draw=2)], steps=3)
         got = link.decode(link.encode(link.TickRequest(4, plan), arena), arena)

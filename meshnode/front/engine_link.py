@@ -97,7 +97,7 @@ class EngineLink:
         self.claim(self.path)
         self.listener = seqpacket.listen(self.path)
         cfg = link.EngineProcessConfig(self.path, os.getpid(), self.arena.name, self.arena.n_input,
-                                       self.arena.n_output, self.engine, self.log_level, self.generation,
+                                       self.engine, self.log_level, self.generation,
                                        self.factory, self.factory_args, calibrate=self.info is None)
         self.proc = mp.get_context("spawn").Process(target=engine_process, args=(cfg,), daemon=True,
                                                    name=f"meshnode-engine-{self.generation}")

@@ -93,7 +93,7 @@ class Front:
                                max_clients=max_clients, metrics_listen=cfg.metrics_listen, busy=self._busy_clients,
                                idle_s=cfg.client_idle_timeout_s, per_host=cfg.max_clients_per_host,
                                evict_after_s=cfg.evict_after_s, exposition=self.exposition, kv_events=cfg.kv_events)
-        self.arena = TokenArena.create(*wire.arena_shape(cfg.n_batch, cfg.n_seq_max))
+        self.arena = TokenArena.create(wire.arena_tokens(cfg.n_batch))
         self.reaper.claim(f"/dev/shm/{self.arena.name}")
         self.health = EngineHealth(cfg.tick_deadline_s, cfg.start_timeout_s, cfg.restart_timeout_min_s)
         self.sched = self._start_engine()

@@ -22,7 +22,7 @@ from meshnode.front.engine_link import EngineLink
 
 @dataclass(frozen=True)
 class Reply:
-    """A tick the engine ran, and its result: one object per llama_decode, the tokens read from the arena."""
+    """A tick the engine ran, and its result (one object per llama_decode)."""
 
     tick: Tick
     result: StepResult
@@ -79,9 +79,9 @@ class Ticks:
         res = msg.result
         try:
             absent = {*res.cache_miss, *res.failed} if res.cache_miss or res.failed else ()
-            tokens = link.read_samples(self.engine.arena, tick.t, tick.plan, self.engine.n_vocab, absent)
+            link.check_samples(res.tokens, tick.plan, self.engine.n_vocab, absent)
             if tick.plan.steps > 1:
-                link.check_earlier(res.earlier, tick.plan, tokens, self.engine.n_vocab)
+                link.check_earlier(res.earlier, tick.plan, res.tokens, self.engine.n_vocab)
             if res.embeddings:
                 link.check_embeddings(res.embeddings, tick.plan)
         except ValueError as e:  # garbage from the engine: restart it, re-prefill
@@ -91,7 +91,7 @@ class Ticks:
         self.telemetry.record_tick(msg.rss, res.step_ms, res.kv_cells, msg.gap_ms, res.drafted, res.served)
         self.telemetry.set_memory(msg.mem_available, msg.mem_total)
         self.pipeline.engine_waited(msg.gap_ms)
-        return Reply(tick, msg.with_tokens(tokens), msg.mem_available)
+        return Reply(tick, res, msg.mem_available)
 
     def why_dead(self, now: float) -> str:
         return self.engine.why_dead(now, self.pipeline.ticks)

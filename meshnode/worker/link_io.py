@@ -23,7 +23,7 @@ import time
 
 from ipc import link
 from ipc.seqpacket import LinkSocket
-from meshnode.core.types import Plan, StepResult
+from meshnode.core.types import StepResult
 from meshnode.ops.memory import host_memory, rss
 
 MEMORY_EVERY_S = 0.25
@@ -65,11 +65,11 @@ class LinkIO:
         """A message is waiting for the main thread (a tick the front sent behind the one running)."""
         return not self._inbox.empty()
 
-    def done(self, tick: int, res: StepResult, gap_ms: float, plan: Plan) -> None:
-        """Hand a step over: its TickDone, with the latest memory figures, is built and sent in order
-        once its samples are written to the arena. Built here, on the writer, not by the main thread:
-        that runs while the next decode does, where the main thread's every microsecond delays it."""
-        self._outbox.put((tick, res, gap_ms, plan))
+    def done(self, tick: int, res: StepResult, gap_ms: float) -> None:
+        """Hand a step over: its TickDone, with the latest memory figures, is built and sent in order.
+        Built here, on the writer, not by the main thread: that runs while the next decode does, where
+        the main thread's every microsecond delays it."""
+        self._outbox.put((tick, res, gap_ms))
 
     def refuse(self, answer: link.TickRefused) -> None:
         """Hand a refusal over; it is sent in order."""
@@ -115,9 +115,8 @@ class LinkIO:
     def _write(self) -> None:
         while (answer := self._outbox.get()) is not None:
             if not isinstance(answer, link.TickRefused):
-                tick, res, gap_ms, plan = answer
-                link.write_samples(self.arena, tick, plan, res.tokens)
-                answer = link.TickDone(tick, res, gap_ms, **self._mem)  # its tokens went to the arena
+                tick, res, gap_ms = answer
+                answer = link.TickDone(tick, res, gap_ms, **self._mem)
             try:
                 self.sock.send(link.encode(answer))
             except OSError:  # the front is gone

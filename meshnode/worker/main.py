@@ -73,7 +73,7 @@ class EngineProcess:
         if self.cfg.log_level != "DEBUG":  # llama.cpp's load chatter only when debugging
             logging.getLogger("meshnode.llama").setLevel(logging.WARNING)
         self.sock = seqpacket.connect(self.cfg.link_path)
-        self.arena = TokenArena.attach(self.cfg.arena_name, self.cfg.arena_input, self.cfg.arena_output)
+        self.arena = TokenArena.attach(self.cfg.arena_name, self.cfg.arena_input)
         try:
             self.engine = build_engine(self.cfg, self._aborting)
         except Exception as e:
@@ -110,7 +110,7 @@ class EngineProcess:
             if isinstance(out, link.TickRefused):
                 self.io.refuse(out)
             else:
-                self.io.done(msg.tick, *out, msg.plan)
+                self.io.done(msg.tick, *out)
 
     def run(self, req) -> link.TickRefused | tuple[StepResult, float]:
         """Run one tick request: its refusal, or its result and the gap before it (ms; -1 after an idle
