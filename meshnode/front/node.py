@@ -230,15 +230,21 @@ class Front:
             timeout_ms = min(timeout_ms, max(1, int(wait * 1e3)))
         ready = dict(self.poller.poll(timeout_ms))
         if ready.pop(self._link_fd, None):
-            events = self._update(self.ticks.reply())
-            self._dispatch(after_reply=True)  # refill the pipeline before talking to clients
-            self._send(events)
+            self.step()
         if ready.pop(self.texts.fileno(), None):
             for job in self.texts.finished():
                 self._apply(self.requests.on_text(job))
         if ready:  # what is left is the clients'
             for ident, frames in self.clients.requests(ready):
                 self._apply(self.requests.on_frames(ident, frames))
+
+    def step(self) -> None:
+        """An engine answer through the node, vLLM's EngineCore.step with the execution in the engine
+        process: the answer applied by the scheduler, the pipeline refilled before any client hears (the
+        engine never waits on the output), then the output."""
+        events = self._update(self.ticks.reply())
+        self._dispatch(after_reply=True)
+        self._send(events)
 
     def _watch_link(self) -> None:
         """Poll the engine's current socket (the listener until it connects, then the link)."""
