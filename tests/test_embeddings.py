@@ -134,3 +134,17 @@ def test_an_embed_submit_is_checked_by_the_node():
             P.decode_request([P.VERSION, __import__("msgpack").packb(msg)], 512)
     sub = P.Submit("e", None, [3, 4], embed="cls")
     assert P.decode_request(P.encode_request(sub), 512) == sub
+
+
+def test_llama_servers_input_objects_are_their_text_and_anything_else_a_400():
+    from meshnode.gateway.api import ApiError
+    from meshnode.gateway.embeddings import parse
+
+    ids = iter(range(10))
+    submits, _ = parse({"input": ["hello world", {"content": [{"type": "text", "text": "hello "},
+                                                              {"type": "text", "text": "world"}]},
+                                  {"content": "hi"}]}, lambda: str(next(ids)))
+    assert [s.text for s in submits] == ["hello world", "hello world", "hi"]
+    for bad in ({"content": 5}, {"content": [{"type": "image_url", "image_url": "x"}]}, {}):
+        with pytest.raises(ApiError, match="content must be a string or a list of text parts"):
+            parse({"input": [bad]}, lambda: "x")

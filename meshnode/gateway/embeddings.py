@@ -24,14 +24,26 @@ def parse(body, new_id) -> tuple[list[P.Submit], str]:
     if enc not in ("float", "base64"):
         raise ApiError(400, "encoding_format must be float or base64", param="encoding_format")
     x = body.get("input")
-    if isinstance(x, str) or (isinstance(x, list) and x and all(type(t) is int for t in x)):
+    if isinstance(x, (str, dict)) or (isinstance(x, list) and x and all(type(t) is int for t in x)):
         x = [x]
+    if isinstance(x, list):  # llama-server's input objects: {"content": text, or text parts}
+        x = [_content(i) if isinstance(i, dict) else i for i in x]
     if not (isinstance(x, list) and 0 < len(x) <= MAX_INPUTS and all(
             isinstance(i, str) or (isinstance(i, list) and i and all(type(t) is int for t in i)) for i in x)):
         raise ApiError(400, f"input must be a string, a list of token ids, or a list of 1 to {MAX_INPUTS} of either",
                        param="input")
     return [P.Submit(new_id(), None, None if isinstance(i, str) else i, i if isinstance(i, str) else None,
                      embed=True) for i in x], enc
+
+
+def _content(item: dict) -> str:
+    c = item.get("content")
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return "".join(p["text"] for p in c)
+    if not isinstance(c, str):
+        raise ApiError(400, "an input object's content must be a string or a list of text parts", param="input")
+    return c
 
 
 def answer(vectors: list[list[float]], prompt_tokens: int, model: str, enc: str) -> dict:

@@ -53,13 +53,16 @@ def conversation(messages: list[dict], system_role: bool = True,
       message, or nothing where it stands alone;
     - a conversation ending with an assistant message is a prefill: the others are rendered with the
       assistant's turn opened and that message's content follows as it is, to be continued; unless
-      `continue_final` is False (vLLM's continue_final_message: false), where it is a finished turn."""
+      `continue_final` is False (vLLM's continue_final_message: false), where it is a finished turn; two
+      assistant messages at the end are refused then (ValueError, llama-server's words): which one goes on?"""
     msgs = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
     if msgs and msgs[0]["role"] == "system" and not system_role:
         head = msgs.pop(0)
         if msgs:
             msgs[0] = {**msgs[0], "content": head["content"] + "\n" + msgs[0]["content"]}
     prefill = None
+    if continue_final is None and len(msgs) >= 2 and msgs[-1]["role"] == msgs[-2]["role"] == "assistant":
+        raise ValueError("Cannot have 2 or more assistant messages at the end of the list.")
     if msgs and msgs[-1]["role"] == "assistant" and continue_final is not False:
         prefill = msgs.pop()["content"]
     return msgs, prefill
