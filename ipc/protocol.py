@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import msgpack
 import numpy as np
@@ -78,6 +78,12 @@ class Submit:
     continue_final_message: bool | None = None
     embed: str | bool | None = None  # an embedding, not a generation: how its rows pool (mean, cls, last; true:
     # the node's `pooling`)
+    generated: list[int] | None = None  # an `import`: the tokens the session generated elsewhere (`exported`)
+
+
+@dataclass
+class Export:
+    id: str
 
 
 @dataclass
@@ -238,12 +244,31 @@ def decode_request(frames: list[bytes], n_vocab: int):
         _check(pt is None or (_is_int(pt) and 1 <= pt <= MAX_NEW_TOKENS),
                f"prompt_tokens must be an int in [1, {MAX_NEW_TOKENS}]", id)
         return Status(pt)
-    if op not in ("submit", "cancel"):
-        raise ProtocolError(R.BAD_REQUEST, f"unknown op {op!r}; expected submit, cancel, status or ping", id)
+    if op not in ("submit", "cancel", "export", "import"):
+        raise ProtocolError(R.BAD_REQUEST, f"unknown op {op!r}; expected submit, cancel, export, import, status, "
+                            "metrics or ping", id)
     _check(id is not None, f"id must be a string of 1 to {MAX_ID_CHARS} characters")
     if op == "cancel":
         return Cancel(id)
+    if op == "export":
+        return Export(id)
+    if op == "import":
+        return _import(msg, id, n_vocab)
     return _submit(msg, id, n_vocab)
+
+
+def _import(msg: dict, id: str, n_vocab: int) -> Submit:
+    """A session another node exported: its `exported` state as a submit of its prompt's tokens, plus what it
+    generated there, on the same recipe."""
+    _check(msg.get("tokens") is not None and msg.get("text") is None and msg.get("messages") is None,
+           "import needs the exported prompt's tokens (not text or messages)", id)
+    _check(isinstance(msg.get("recipe"), str), "import needs the exported session's recipe", id)
+    _check(msg.get("response_format") is None and msg.get("embed") is None,
+           "an import carries no response_format or embed (such sessions are not exported)", id)
+    generated = _token_list(msg.get("generated"), "generated", n_vocab, id, MAX_NEW_TOKENS)
+    mt = msg.get("max_tokens")
+    _check(_is_int(mt) and mt > len(generated), "import needs max_tokens above the tokens generated so far", id)
+    return replace(_submit(msg, id, n_vocab), generated=generated)
 
 
 
@@ -296,7 +321,10 @@ def _submit(msg: dict, id: str, n_vocab: int) -> Submit:
 
 def encode_request(req) -> list[bytes]:
     """Client side: a request dataclass -> the two frames."""
-    op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping", Metrics: "metrics"}[type(req)]
+    op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping", Metrics: "metrics",
+          Export: "export"}[type(req)]
+    if isinstance(req, Submit) and req.generated is not None:
+        op = "import"
     body = {"op": op}
     for k, v in asdict(req).items():
         if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special", "priority") and not v):
@@ -371,6 +399,22 @@ def telemetry(snapshot: dict) -> list[bytes]:
 
 def admitted(id: str, reason: str) -> list[bytes]:
     return event("admitted", id=id, state=R.RUNNING if reason == R.ADMITTED else R.QUEUED, reason=reason)
+
+
+def exported(id: str, prompt: list[int], generated: list[int], max_tokens: int, sampling: Sampling,
+             stop_tokens: list[int], ignore_eos: bool, stop: list[str], priority: int, recipe: str) -> list[bytes]:
+    """A session's state for another node on the same recipe: `state` is an `import` request but for its
+    `op` and `id` (import_request)."""
+    state = {"tokens": prompt, "generated": generated, "max_tokens": max_tokens, "recipe": recipe,
+             "sampling": {k: v for k, v in asdict(sampling).items() if k != "logprobs"},
+             "logprobs": sampling.logprobs, "stop_tokens": stop_tokens, "ignore_eos": ignore_eos, "stop": stop,
+             "priority": priority}
+    return event("exported", id=id, state=state)
+
+
+def import_request(id: str, state: dict) -> list[bytes]:
+    """Client side: an `exported` state sent on to another node as the session `id` there."""
+    return [VERSION, pack({**state, "op": "import", "id": id})]
 
 
 def rejected(id: str, reason: str, detail: str) -> list[bytes]:

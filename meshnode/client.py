@@ -98,6 +98,21 @@ class Client:
     def cancel(self, id: str) -> None:
         self.send(P.Cancel(id))
 
+    def export(self, id: str, timeout_s: float | None = None) -> dict:
+        """Take a live session off this node: its state for `resume` on another node with the same recipe
+        (its `done`, reason EXPORTED, follows on this one). RuntimeError with the node's words if it
+        cannot move."""
+        self.send(P.Export(id))
+        ev = self.wait_for(lambda e: e.get("id") == id and e["event"] in ("exported", "error"), timeout_s)
+        if ev["event"] == "error":
+            raise RuntimeError(f"{ev['code']}: {ev['detail']}")
+        return ev["state"]
+
+    def resume(self, id: str, state: dict) -> None:
+        """Go on with an exported session here as `id`: its next tokens stream as a submit's do."""
+        self.open[id] = self.open.get(id, 0) + 1
+        self.sock.send_multipart(P.import_request(id, state))
+
     def recv(self, timeout_s: float | None = None) -> dict | None:
         """The next event (buffered first), or None after the timeout."""
         if self.buffer:

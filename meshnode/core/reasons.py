@@ -32,6 +32,7 @@ CACHE_MISS = "CACHE_MISS"
 ENGINE_ERROR = "ENGINE_ERROR"
 DRAINED = "DRAINED"
 EMBEDDED = "EMBEDDED"  # extension: an embedding session's vector was sent (its `embedding` event)
+EXPORTED = "EXPORTED"  # extension: the client took the session elsewhere (`export`; its `exported` came first)
 
 # error event codes
 BAD_REQUEST = "BAD_REQUEST"

@@ -111,6 +111,7 @@ class Front:
                                      self.tok.tool_format))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
                                  metrics=lambda: P.metrics(self.exposition.render(self.report.snapshot()).decode()),
+                                 stops_of=self.output.stops_of,
                                  special_in_content=cfg.chat_special_in_content, pooling=cfg.pooling)
         self.poller = zmq.Poller()
         self.clients.register(self.poller)

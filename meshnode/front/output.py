@@ -61,7 +61,16 @@ class Output:
     streams: dict = field(default_factory=dict)  # key -> Stream, from admission to done
 
     def opened(self, session, stops: list[str] = ()) -> None:
-        self.streams[session.key] = Stream(session, TextStream(self.tok), StopText(list(stops)) if stops else None)
+        out = Stream(session, TextStream(self.tok), StopText(list(stops)) if stops else None)
+        if session.generated:  # an import: its text so far went to the client from the node it left
+            text = out.text.feed(session.generated)
+            if out.stop:
+                out.stop.feed(text)  # what it streamed, and holds back the same
+        self.streams[session.key] = out
+
+    def stops_of(self, key) -> list[str]:
+        out = self.streams.get(key)
+        return list(out.stop.stops) if out is not None and out.stop else []
 
     def process(self, events: list[Event]) -> list[Finish]:
         """Send each event's frames; the sessions ended here (stop strings, stalled or gone clients)."""
@@ -110,9 +119,9 @@ class Output:
         out = self.streams.pop(key)
         s = out.session
         s.t_done = s.t_done or self.clock()
-        tail = out.text.end()
+        tail = out.text.end() if reason != R.EXPORTED else ""  # what it holds back is streamed where it goes
         if out.stop:
-            tail = out.stop.end(tail)
+            tail = out.stop.end(tail) if reason != R.EXPORTED else ""
         frames = [P.tokens(s.key[1], [], tail)] if tail else []  # streamed pieces add up to done.text
         text = out.stop.text if out.stop else self.tok.decode(s.generated)
         usage = s.usage()

@@ -48,12 +48,14 @@ Action = Answer | Opened | Event
 
 class Requests:
     def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, status,
-                 metrics=lambda: [], special_in_content: bool = False, pooling: str = "mean"):
+                 metrics=lambda: [], stops_of=lambda key: [], special_in_content: bool = False,
+                 pooling: str = "mean"):
         """`status(prompt_tokens) -> frames`: the node's status answer (front/report.py); `metrics() -> frames`:
-        its Prometheus text (front/prom.py). `special_in_content`: chat content may spell special tokens
+        its Prometheus text (front/prom.py); `stops_of(key)`: a live session's stop strings (front/output.py). `special_in_content`: chat content may spell special tokens
         (llama-server's behaviour; meshnode/text/chat.py)."""
         self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
         self.status, self.metrics, self.pooling = status, metrics, pooling  # pooling: an `embed: true`'s
+        self.stops_of = stops_of
         self.special_in_content = special_in_content
         self.held: dict[bytes, deque] = {}  # per client waiting behind its text: (frames, arrival)
         self._constraints = None  # llguidance over the served vocab, built for the first response_format
@@ -83,6 +85,8 @@ class Requests:
             return [Answer(ident, self.status(req.prompt_tokens))]
         if isinstance(req, P.Metrics):
             return [Answer(ident, self.metrics())]
+        if isinstance(req, P.Export):
+            return self._export(ident, req.id)
         if isinstance(req, P.Cancel):
             ev = self.sched.cancel((ident, req.id))
             if ev is not None:
@@ -141,6 +145,23 @@ class Requests:
                 break
         return out
 
+    def _export(self, ident: bytes, id: str) -> list[Action]:
+        """The session's state for another node (`exported`), then its `done` EXPORTED: it ends here, and
+        an `import` of that state elsewhere draws the same next tokens (counter-based draws, the prompt and
+        what it generated prefilled again). Samples still in flight are dropped, not lost: they are drawn
+        again there."""
+        s = self.sched.live.get((ident, id))
+        if s is None:
+            self.telemetry.count_unknown_session()
+            return [Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {id!r}", id))]
+        if s.grammar is not None or s.embed:
+            self.telemetry.count_bad_frame()
+            return [Answer(ident, P.error(R.BAD_REQUEST, "a session with a response_format or an embedding does "
+                                          "not move between nodes; cancel it and submit it there", id))]
+        state = P.exported(id, s.prompt, s.generated, s.max_tokens, s.sampling, sorted(s.stop_tokens), s.ignore_eos,
+                           self.stops_of(s.key), s.priority, self.sched.admission.recipe or "")
+        return [Answer(ident, state), self.sched.end(s.key, R.EXPORTED)]
+
     def _refuse(self, ident: bytes, id: str, reason: str, detail: str) -> Answer:
         self.telemetry.count_reject(reason)
         return Answer(ident, P.rejected(id, reason, detail))
@@ -152,7 +173,8 @@ class Requests:
         max_tokens = 1 if req.embed else req.max_tokens or max(1, self.sched.budget.n_ctx_seq - len(prompt))
         s = Session((ident, req.id), prompt, max_tokens, req.sampling, frozenset(req.stop_tokens),
                     req.ignore_eos, req.recipe, owner=ident, grammar=grammar, priority=req.priority, t_submit=arrived,
-                    stop_text=bool(req.stop), embed=self.pooling if req.embed is True else req.embed or "")
+                    stop_text=bool(req.stop), embed=self.pooling if req.embed is True else req.embed or "",
+                    tokens=prompt + req.generated if req.generated else [])  # an import goes on from there
         d = self.sched.submit(s)
         if d.accepted:  # a queued session it displaced (priority policy) gets its `done` right after
             for _ in d.displaced:
