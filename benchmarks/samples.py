@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from ipc.protocol import pack, unpack
+from meshnode.bench import llama_build
 
 ITERS = 2000
 
@@ -53,7 +54,7 @@ def main(a) -> int:
     rounds = max(3, a.rounds)
     figures = {}
     print(f"bench samples: a decode tick's sampled ids back from the engine, {rounds} rounds x {ITERS} ticks, "
-          "us a tick (engine + front side, median of rounds)")
+          f"us a tick (engine + front side, median of rounds); {llama_build()}")
     for rows in (1, 8, 64):
         arena, message = [], []
         for _ in range(rounds):
@@ -65,5 +66,5 @@ def main(a) -> int:
               f"({f['message_us'] / f['arena_us']:.2f}x)")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"rounds": rounds, "iters": ITERS, "rows": figures}, fh, indent=1)
+            json.dump({"rounds": rounds, "iters": ITERS, "rows": figures, "build": llama_build()}, fh, indent=1)
     return 0

@@ -138,7 +138,7 @@ def test_a_reply_that_is_not_msgpack_marks_the_link_broken_instead_of_raising(ar
     from meshnode.core.health import EngineHealth
     from meshnode.front.engine_link import EngineLink
 
-    engine_link = EngineLink(str(tmp_path), arena, EngineHealth(5.0),
+    engine_link = EngineLink(str(tmp_path), arena, EngineHealth(5.0, 300.0, 10.0),
                              engine=None, n_vocab=512, model_path="m.gguf", log_level="INFO", rpc_timeout_s=2.0,
                              factory=FACTORY, factory_args={"fake": {}})
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -160,7 +160,7 @@ def test_a_tick_is_stamped_sent_once_it_is_sent_so_a_paused_front_is_not_a_hung_
 
     clock = [100.0]
     monkeypatch.setattr(tk.time, "monotonic", lambda: clock[0])
-    link = el.EngineLink(str(tmp_path), arena, EngineHealth(0.5),
+    link = el.EngineLink(str(tmp_path), arena, EngineHealth(0.5, 300.0, 10.0),
                          engine=None, n_vocab=512, model_path="m.gguf", log_level="INFO", rpc_timeout_s=2.0,
                          factory=FACTORY, factory_args={"fake": {}})
     ticks = tk.Ticks(link, 2, None)

@@ -123,7 +123,7 @@ def test_an_answer_waiting_unread_is_never_a_hang_but_an_unfinished_tick_is():
     from meshnode.core.health import EngineHealth
     from meshnode.core.pipeline import Tick
 
-    health = EngineHealth(tick_deadline_s=1.0)
+    health = EngineHealth(tick_deadline_s=1.0, start_timeout_s=300.0, restart_timeout_min_s=10.0)
     sent = [Tick(1, Plan(), sent_at=100.0), Tick(2, Plan(), sent_at=100.0)]
     assert health.hung(101.5, sent, lambda: (2, 2, 100.2)) == ""  # both ticks done at 100.2; the front was away
     assert health.hung(3700.0, sent, lambda: (2, 2, 100.2)) == ""  # however long the front was busy

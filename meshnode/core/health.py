@@ -43,7 +43,7 @@ def model_problem(hello: EngineInfo, first: EngineInfo | None, n_vocab: int, mod
 
 
 class EngineHealth:
-    def __init__(self, tick_deadline_s: float, start_timeout_s: float = 300.0, restart_timeout_min_s: float = 10.0):
+    def __init__(self, tick_deadline_s: float, start_timeout_s: float, restart_timeout_min_s: float):
         self.tick_deadline_s = tick_deadline_s
         self.start_timeout_s, self.restart_timeout_min_s = start_timeout_s, restart_timeout_min_s
         self.state = DOWN
