@@ -78,7 +78,12 @@ def exposure(endpoint: str) -> str | None:
         return "an abstract ipc socket has no filesystem permissions: any local user can connect"
     if endpoint.startswith(("ipc://", "inproc://")):
         return None
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]") if endpoint.startswith("tcp://") else endpoint
+    head = endpoint[len("tcp://"):].rsplit(":", 1)[0] if endpoint.startswith("tcp://") else endpoint
+    return next(filter(None, map(_host_exposure, head.split(","))), None)  # HOST[,HOST...]: any that is open
+
+
+def _host_exposure(host: str) -> str | None:
+    host = host.strip().strip("[]")
     if host == "localhost":
         return None
     try:

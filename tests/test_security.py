@@ -91,3 +91,20 @@ def test_curve_protects_the_telemetry_too(tiny_model, tmp_path):
                                 capture_output=True, text=True, timeout=30)
     assert stranger.returncode == 1 and "no telemetry" in stranger.stderr
     assert member.returncode == 0 and "recipe mn1-" in member.stdout
+
+
+@pytest.mark.parametrize("listen, hosts, open_", [
+    ("127.0.0.1:8080", ["127.0.0.1"], False), ("127.0.0.1,::1:8080", ["127.0.0.1", "::1"], False),
+    ("[::1],localhost:80", ["::1", "localhost"], False), ("127.0.0.1,0.0.0.0:8080", ["127.0.0.1", "0.0.0.0"], True)])
+def test_the_http_api_listens_on_several_addresses_and_is_open_if_any_of_them_is(listen, hosts, open_):
+    """llama-server's `--host 127.0.0.1,::1`: one port on each address; the exposure rule judges every one."""
+    from ipc.transport import exposure
+    from meshnode.core.endpoints import hosts_port
+    from meshnode.gateway.options import refusal
+
+    assert hosts_port(listen) == (hosts, int(listen.rsplit(":", 1)[1]))
+    assert bool(exposure(f"tcp://{listen}")) == open_
+    assert bool(refusal(listen, set(), insecure=False)) == open_
+    for bad in ("127.0.0.1,:80", ":80", "127.0.0.1:0", "127.0.0.1"):
+        with pytest.raises(ValueError, match="HOST"):
+            hosts_port(bad)

@@ -71,7 +71,7 @@ def wrapper_of(transport) -> Deadline | None:
     return protocol if isinstance(protocol, Deadline) else None
 
 
-async def serve(runner, host: str, port: int, header_s: float = HEADER_S):
+async def serve(runner, host: str | list[str], port: int, header_s: float = HEADER_S):
     """The runner's application on HOST:PORT, every connection under the header deadline (what
     web.TCPSite would start, with the protocol wrapped)."""
     loop = asyncio.get_running_loop()

@@ -3,12 +3,13 @@ is built without it)."""
 from __future__ import annotations
 
 from ipc.transport import exposure
-from meshnode.core.endpoints import host_port
+from meshnode.core.endpoints import hosts_port
 from meshnode.gateway.deadline import HEADER_S
 
 
 def add_args(p) -> None:
-    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="where the HTTP API listens")
+    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT", help="where the HTTP API listens "
+                   "(HOST,HOST:PORT: on several addresses, e.g. 127.0.0.1,::1:8080)")
     p.add_argument("--node", help="the node's client endpoint (default: the default serve endpoint)")
     p.add_argument("--api-key-file", help="accepted API keys, one per line (Authorization: Bearer KEY)")
     p.add_argument("--insecure", action="store_true", help="a non-loopback address without API keys")
@@ -29,7 +30,7 @@ def add_args(p) -> None:
 def refusal(listen: str, keys: set[bytes], insecure: bool) -> str:
     """Why the gateway must not listen there ("" when it may), in one line with the fix."""
     try:
-        host_port(listen)
+        hosts_port(listen)
     except ValueError as e:
         return f"--listen: {e}"
     why = exposure(f"tcp://{listen}")

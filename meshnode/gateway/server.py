@@ -19,7 +19,7 @@ from aiohttp import web
 
 from ipc import protocol as P
 from ipc.transport import api_keys
-from meshnode.core.endpoints import host_port
+from meshnode.core.endpoints import hosts_port
 from meshnode.gateway import api, deadline, embeddings, responses
 from meshnode.gateway.cors import Cors
 from meshnode.gateway.options import refusal
@@ -284,8 +284,8 @@ async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
                  node.get("recipe", ""), node.get("tool_format", "generic"), Cors.of(a.cors_origins))
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    host, port = host_port(a.listen)
-    server = await deadline.serve(runner, host, port, a.header_timeout_s)
+    hosts, port = hosts_port(a.listen)
+    server = await deadline.serve(runner, hosts, port, a.header_timeout_s)
     log.info("meshnode gateway ready: http://%s/v1 node=%s model=%s logprobs=%s keys=%d tools=%s", a.listen,
              endpoint, gw.model, "yes" if piece else "no (no vocab)", len(keys), gw.tool_format)
     stop = asyncio.Event()

@@ -162,7 +162,8 @@ class NodeConfig:
                                         "ipc:// are exempt)", range=(0, 1_000_000))
     metrics_listen: str | None = setting(None, "serve Prometheus /metrics on HOST:PORT; unset = off",
                                          example="127.0.0.1:9108")
-    http: str | None = setting(None, "serve the OpenAI HTTP API on HOST:PORT (`meshnode gateway` as a supervised child); "
+    http: str | None = setting(None, "serve the OpenAI HTTP API on HOST:PORT, or HOST,HOST:PORT for several addresses "
+                               "(`meshnode gateway` as a supervised child); "
                                "unset = off", example="127.0.0.1:8080")
     pooling: str = setting("mean", "how an embedding's rows pool (llama-server's --pooling): mean, cls (the first "
                            "token), last", choices=POOLINGS)
@@ -255,10 +256,10 @@ class NodeConfig:
             if self.curve_secret_key is not None:
                 raise ConfigError("http: the gateway child cannot reach a CURVE node; run `meshnode gateway` with its "
                                   "--curve-server-key and --curve-client-cert instead")
-            from meshnode.core.endpoints import host_port
+            from meshnode.core.endpoints import hosts_port
 
             try:
-                host_port(self.http)
+                hosts_port(self.http)
             except ValueError as e:
                 raise ConfigError(f"http: {e}") from None
             if self.http_api_key_file is not None:
