@@ -148,3 +148,5 @@ def test_llama_servers_input_objects_are_their_text_and_anything_else_a_400():
     for bad in ({"content": 5}, {"content": [{"type": "image_url", "image_url": "x"}]}, {}):
         with pytest.raises(ApiError, match="content must be a string or a list of text parts"):
             parse({"input": [bad]}, lambda: "x")
+    with pytest.raises(ApiError, match="input must be"):  # alone, not in a list: as llama-server, refused
+        parse({"input": {"content": "hi"}}, lambda: "x")

@@ -24,9 +24,9 @@ def parse(body, new_id) -> tuple[list[P.Submit], str]:
     if enc not in ("float", "base64"):
         raise ApiError(400, "encoding_format must be float or base64", param="encoding_format")
     x = body.get("input")
-    if isinstance(x, (str, dict)) or (isinstance(x, list) and x and all(type(t) is int for t in x)):
+    if isinstance(x, str) or (isinstance(x, list) and x and all(type(t) is int for t in x)):
         x = [x]
-    if isinstance(x, list):  # llama-server's input objects: {"content": text, or text parts}
+    if isinstance(x, list):  # llama-server's input objects in a list: {"content": text, or text parts}
         x = [_content(i) if isinstance(i, dict) else i for i in x]
     if not (isinstance(x, list) and 0 < len(x) <= MAX_INPUTS and all(
             isinstance(i, str) or (isinstance(i, list) and i and all(type(t) is int for t in i)) for i in x)):
