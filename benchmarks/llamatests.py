@@ -90,7 +90,8 @@ def main(a) -> int:
     surface = {t for t, v in ref.items() if openai_only(v["paths"] + ours.get(t, {}).get("paths", []))}
     base = sorted(t for t in surface if ref[t]["outcome"] == "passed")
     passed = [t for t in base if ours.get(t, {}).get("outcome") == "passed"]
-    print(f"OpenAI surface: {len(surface)} tests; llama-server passes {len(base)}, meshnode {len(passed)} of those")
+    print(f"OpenAI surface (tests calling none of llama.cpp's own endpoints, run or not): {len(surface)}; "
+          f"llama-server passes {len(base)}, meshnode {len(passed)} of those")
     for t in base:
         if t not in passed:
             print(f"  meshnode fails {t}: {ours.get(t, {}).get('why', 'not run')}")

@@ -119,3 +119,16 @@ def samples() -> list[str]:
     md += [f"| {rows} | {f['arena_us']:.1f} | {f['message_us']:.1f} | {f['message_us'] / f['arena_us']:.2f}x |"
            for rows, f in s["rows"].items()]
     return md + ["", "The ids now travel in the answer; the arena keeps the prompt tokens and the heartbeat.", ""]
+
+
+def embed() -> list[str]:
+    e = load("embed-bench-smollm2.json")
+    if not e:
+        return []
+    return ["## /v1/embeddings against llama-server's (issue 53)", "",
+            "`python -m benchmarks embed --model smollm2-q8_0 --llama-server PATH --json "
+            f"evidence/embed-bench-smollm2.json` ({e['build']}): SmolLM2-135M-Instruct q8_0, mean pooling, the spec "
+            "bench's eight chat questions and its code file in one request, through the node's gateway and through "
+            "llama-server `--embedding --pooling mean` on one slot (on 8 slots this build's llama-server answers a "
+            "request of several inputs with vectors mixed across them, cosine 0.62-0.96 to its own one-slot "
+            "answers; on 9 it aborts at start).", "", f"- {e['verdict']}", ""]
