@@ -9,6 +9,13 @@ import pytest
 # the default, 71 s at one thread). The tiny models' numerics do not depend on the thread count.
 os.environ.setdefault("MESHNODE_THREADS", "1")
 
+# property tests search the same examples every run: a test that passes once passes again, and a failure is
+# one a rerun shows again (hypothesis' default draws anew each run)
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("meshnode", derandomize=True, database=None)
+settings.load_profile("meshnode")
+
 
 def _unterminated_context(self) -> None:
     """pyzmq's Context.__del__ terminates a garbage context, which blocks for ever when its sockets are in

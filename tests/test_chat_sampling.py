@@ -129,7 +129,7 @@ def test_chat_tokens_are_llama_servers_unless_content_spells_a_special_token(tin
     """llama-server tokenizes the rendered chat whole, special text parsed; the node parses only the
     template's. Where no content spells a special token the tokens agree; where one does, the node
     keeps it as text, and only the trusting option gives llama-server's tokens."""
-    from hypothesis import given, settings
+    from hypothesis import assume, given, settings
     from hypothesis import strategies as st
 
     tok = Tokenizer(tiny_model)
@@ -139,6 +139,8 @@ def test_chat_tokens_are_llama_servers_unless_content_spells_a_special_token(tin
     @given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]),
                               st.lists(st.sampled_from(alphabet), max_size=30).map("".join)), min_size=1, max_size=4))
     def agrees(pairs):
+        # two assistant messages at the end: llama-server refuses them, and so does the node (text/chat.py)
+        assume(not (len(pairs) >= 2 and pairs[-1][0] == pairs[-2][0] == "assistant"))
         msgs = [{"role": r, "content": c} for r, c in pairs]
         whole = tok._tokenize(tok.format_chat(msgs), True, True)
         assert chat_tokens(tok, msgs, special_in_content=True) == whole
