@@ -65,6 +65,7 @@ def in_process(path: str, threads: int, work, concurrency: int = CONCURRENCY) ->
     engine = LlamaEngine(resolved.engine)
     sched = Scheduler(NodeBudget.from_engine(engine, max_active=concurrency, max_queue=N_JOBS), engine.eog,
                       resolved.scheduler, recipe=engine.recipe_fingerprint, deterministic=engine.deterministic)
+    sched.calibrated(engine.calibrate())  # as the node's engine does before its first client
     timed = _Timed(engine)
     t0 = time.perf_counter()
     for sid, toks, n in work:

@@ -48,7 +48,7 @@ from meshnode.core import reasons as R
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget, deterministic_rows_problem
 from meshnode.core.types import ConfigError
-from meshnode.core.costmodel import (TickCost, fill, fill_deterministic, prefill_room, rows_per_call, shape,
+from meshnode.core.costmodel import (Shape, TickCost, fill, fill_deterministic, prefill_room, rows_per_call, shape,
                                      sized, within_target)
 from meshnode.core.pipeline import Tick
 from meshnode.core.schedconfig import SchedulerConfig
@@ -107,6 +107,12 @@ class Scheduler:
             raise ConfigError(why)
         self.policy, self._arrivals, self._plans = config.policy, 0, 0
         self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
+
+    def calibrated(self, ticks) -> None:
+        """The engine's timed start-up ticks (engine/calibration.py, EngineInfo.calibration): the cost model
+        estimates from the first request instead of learning on it."""
+        for *tick, to_target, ms in ticks:
+            self.cost.observe(Shape(*tick), ms, to_target)
 
     # -- requests --------------------------------------------------------------------
     def submit(self, s: Session) -> AdmissionDecision:

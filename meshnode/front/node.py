@@ -29,7 +29,6 @@ from ipc.transport import Curve, EndpointLock, clean_stale_links, default_listen
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
 from meshnode.core.types import ConfigError
-from meshnode.core.costmodel import Shape
 from meshnode.core.health import READY, EngineHealth
 from meshnode.core.kvevents import BLOCK_TOKENS
 from meshnode.core.scheduler import Event, Scheduler
@@ -189,8 +188,7 @@ class Front:
                           pool_cells=info.n_ctx if cfg.layout == "unified" else 0, deterministic=info.deterministic)
         if "regression" in info.deterministic_problem:  # a promise this build broke (engine/invariant.py, promised)
             log.warning("deterministic mode off: %s", info.deterministic_problem)
-        for *tick, sized, ms in info.calibration:  # the engine's timed start-up ticks: estimates from the first request
-            sched.cost.observe(Shape(*tick), ms, sized)
+        sched.calibrated(info.calibration)
         return sched
 
     # -- loop -------------------------------------------------------------------------------
