@@ -129,6 +129,12 @@ def main() -> int:
         md += overhead_section(load(f"overhead-bench-smollm2-c{c}.json"), "overhead-bench-smollm2.json",
                                what=f"SmolLM2-135M-Instruct q8_0, a real model, 16 jobs, concurrency {c}",
                                args="--model smollm2-q8_0 --levels 1,8")
+    for c in (1, 8):  # the same on 2026-12-06's code, the in-process side calibrated as the node's engine is
+        md += overhead_section(load(f"overhead-bench-smollm2-calibrated-c{c}.json"),
+                               "overhead-bench-smollm2-calibrated.json",
+                               what=f"SmolLM2-135M-Instruct q8_0, 16 jobs, concurrency {c}, both sides on the node's "
+                                    "policy and calibration (Scheduler.calibrated), multi-step ticks",
+                               args="--model smollm2-q8_0 --levels 1,8")
     if peers:
         md += ["## Peer: llama-cpp-python serving one request at a time (bench model, 16 jobs)", "",
                "`meshnode bench peers --preset bench --json evidence/peers-bench.json`", "",
