@@ -249,9 +249,12 @@ def test_metrics_carry_the_model_server_protocols_names_for_routers(tiny_model):
     """vLLM's names with vLLM's meanings, read as the inference extension reads them: while one session runs
     and one waits (max_active 1), running 1 and waiting 1, and the KV usage is what admission handed out."""
     port = free_tcp_port()
-    with NodeProcess(tiny_model, "--metrics-listen", f"127.0.0.1:{port}", "--max-active", "1") as n, n.client() as c:
+    # a tick takes at least 5 ms and one token (the faults' slow engine): `a` runs for 20 s or more while `b`
+    # waits (the tiny model alone decodes 4000 tokens in about a second, and the scrape then saw neither)
+    with NodeProcess(tiny_model, "--metrics-listen", f"127.0.0.1:{port}", "--max-active", "1", "--decode-steps-ms",
+                     "0", internal={"faults": [{"step_sleep_s": 0.005}]}) as n, n.client() as c:
         for sid in ("a", "b"):
-            c.submit(sid, tokens=prompt(8), max_tokens=4000, ignore_eos=True)  # a runs for seconds, b waits
+            c.submit(sid, tokens=prompt(8), max_tokens=4000, ignore_eos=True)
         c.wait_for(lambda e: e["event"] == "admitted" and e["id"] == "b")
         url = f"http://127.0.0.1:{port}/metrics"
         text = wait_until(lambda: (lambda t: t if 'vllm:num_requests_waiting{model_name="tiny.gguf"} 1.0' in t

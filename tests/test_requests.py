@@ -173,3 +173,14 @@ def test_vllms_turn_options_open_no_turn_continue_the_last_or_close_it():
         assert tok.chat_prompt(said, continue_final=cont).parts[-2:] == (start, "assistant\nHel")
     turned = tok.chat_prompt(said, continue_final=False).parts
     assert turned[-2:] == (start, "assistant\n") and turned.count(end) == 2
+
+
+def test_a_node_that_pools_none_refuses_the_default_pooling_and_serves_a_named_one():
+    """`pooling = none` (llama-server's --pooling none, whose OpenAI endpoint refuses embeddings): an `embed:
+    true` submit (what /v1/embeddings sends) is refused with the fix named; `embed: "mean"` is served."""
+    sched, reqs, _, replies = front(Clock(), pooling="none")
+    reqs.on_frames(b"c", P.encode_request(P.Submit("e", None, prompt(3), embed=True)))
+    reqs.on_frames(b"c", P.encode_request(P.Submit("m", None, prompt(3), embed="mean")))
+    assert replies[0]["event"] == "rejected" and replies[0]["reason"] == R.REJECTED_BAD_REQUEST
+    assert "pooling = none" in replies[0]["detail"] and replies[1]["event"] == "admitted"
+    assert sched.live[(b"c", "m")].embed == "mean"

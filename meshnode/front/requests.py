@@ -106,6 +106,9 @@ class Requests:
         return self._constraints.compile(req.response_format)
 
     def _submit(self, ident: bytes, req: P.Submit, arrived: float) -> list[Action]:
+        if req.embed is True and self.pooling == "none":
+            return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, "this node pools no embedding by default "
+                                 "(pooling = none): name one (embed: mean, cls or last), or start it with another")]
         grammar, why = self._grammar(req)
         if why:  # before admission, with the library's own words
             self.telemetry.count_bad_frame()

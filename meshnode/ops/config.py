@@ -166,7 +166,8 @@ class NodeConfig:
                                "(`meshnode gateway` as a supervised child); "
                                "unset = off", example="127.0.0.1:8080")
     pooling: str = setting("mean", "how an embedding's rows pool (llama-server's --pooling): mean, cls (the first "
-                           "token), last", choices=POOLINGS)
+                           "token), last; none: no default pooling, so `embed: true` and /v1/embeddings are refused "
+                           "(llama-server's OpenAI endpoint under --pooling none)", choices=(*POOLINGS, "none"))
     http_cors_origins: str | None = setting(None, "web origins beside this host's whose pages may call the HTTP API "
                                             "(CORS), comma-separated, or * for any; unset = this host's only",
                                             example="https://chat.example.com")
