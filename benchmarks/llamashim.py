@@ -8,6 +8,7 @@ process's own (ipc in a fresh folder), so nodes started one after another never 
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -19,13 +20,15 @@ BOOLEAN = {"--cont-batching", "--embedding", "--embeddings", "--reranking", "--m
 SAME = {"--model": "--model", "-m": "--model", "--pooling": "--pooling", "--cors-origins": "--http-cors-origins",
         "--threads": "--threads", "-t": "--threads", "-ctk": "--type-k", "-ctv": "--type-v",
         "--ctx-size": "--ctx", "-c": "--ctx", "--alias": "--served-model-name", "-a": "--served-model-name"}
+SAMPLING = {"--temp": "temperature", "--seed": "seed", "-s": "seed", "--top-k": "top_k", "--top-p": "top_p",
+            "--min-p": "min_p"}
 # llama-server's habits where no flag says otherwise: a context of 4096 cells, 4 slots sharing it
 DEFAULTS = {"--ctx": "4096", "--n-seq-max": "4", "--max-active": "4"}
 
 
 def translate(argv: list[str], home: str) -> tuple[list[str], list[str]]:
     """llama-server's arguments -> (meshnode serve's, the flags dropped)."""
-    given, dropped, i = {}, [], 0
+    given, dropped, sampling, i = {}, [], {}, 0
     while i < len(argv):
         flag = argv[i]
         value = None if flag in BOOLEAN or i + 1 >= len(argv) else argv[i + 1]
@@ -34,6 +37,9 @@ def translate(argv: list[str], home: str) -> tuple[list[str], list[str]]:
             given[SAME[flag]] = value
         elif flag in ("--parallel", "-np"):
             given["--n-seq-max"] = given["--max-active"] = value
+        elif flag in SAMPLING:  # llama-server's server-wide defaults: the gateway's --sampling-defaults
+            if not (SAMPLING[flag] == "seed" and int(value) < 0):  # seed -1: llama-server's random one, the default
+                sampling[SAMPLING[flag]] = float(value) if SAMPLING[flag] not in ("seed", "top_k") else int(value)
         elif flag in ("--host", "--port"):
             given[flag] = value
         elif flag == "--api-key":
@@ -43,6 +49,8 @@ def translate(argv: list[str], home: str) -> tuple[list[str], list[str]]:
             given["--http-api-key-file"] = path
         else:
             dropped.append(flag if value is None else f"{flag} {value}")
+    if sampling:
+        given["--http-sampling-defaults"] = json.dumps(sampling)
     http = f"{given.pop('--host', '127.0.0.1')}:{given.pop('--port', '8080')}"
     args = {**DEFAULTS, **given, "--http": http, "--listen": f"ipc://{home}/node.sock",
             "--telemetry": f"ipc://{home}/telemetry.sock", "--drain-timeout-s": "1", "--log-level": "WARNING"}

@@ -673,3 +673,25 @@ def test_a_request_that_runs_past_the_header_deadline_is_not_cut(tiny_model):
             gw.terminate()
             gw.wait(30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 150, r.text
+
+
+def test_sampling_defaults_fill_what_a_request_leaves_out_and_are_checked_at_start():
+    """llama-server's --temp / --seed, vLLM's generation config: the gateway's --sampling-defaults (the node's
+    http_sampling_defaults) stand in for options a request omits or sends as null, never for ones it sends."""
+    from meshnode.core.types import ConfigError, sampling_defaults
+    from meshnode.gateway import api
+    from meshnode.ops import config
+
+    d = sampling_defaults('{"temperature": 0.8, "seed": 42, "top_k": 40}')
+    ask = {"messages": [{"role": "user", "content": "x"}]}
+    s = api.parse(ask, True, "m", lambda: "i", defaults=d).submit.sampling
+    assert (s.temperature, s.seed, s.top_k) == (0.8, 42, 40)
+    s = api.parse({**ask, "temperature": 0.1, "seed": None}, True, "m", lambda: "i", defaults=d).submit.sampling
+    assert (s.temperature, s.seed) == (0.1, 42)
+    assert api.parse(ask, True, "m", lambda: "i").submit.sampling.temperature == 1.0  # OpenAI's, without defaults
+    for bad, words in (('{"tempo": 1}', "unknown option 'tempo'"), ('{"seed": 4.2}', "seed must be an int"),
+                       ("[1]", "JSON object"), ("{", "not JSON"), ('{"top_p": true}', "top_p must be a number")):
+        with pytest.raises(ValueError, match=words):
+            sampling_defaults(bad)
+        with pytest.raises(ConfigError, match=f"http_sampling_defaults: .*{words}"):
+            config.NodeConfig(http="127.0.0.1:8080", http_sampling_defaults=bad).validate()

@@ -5,6 +5,7 @@ these, so none of them has to import another to agree on what a tick is.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
@@ -106,6 +107,27 @@ GREEDY = Sampling()
 # the sampling options by name, as a wire message or an HTTP body names them (logprobs aside: each API asks
 # for it its own way): a Sampling is built from a map by these names, never by position
 SAMPLING_OPTIONS = tuple(f for f in Sampling.__dataclass_fields__ if f != "logprobs")
+
+
+def sampling_defaults(text: str | None) -> dict:
+    """`--sampling-defaults` (a JSON object of OpenAI's sampling names: temperature, top_p, top_k, min_p, seed,
+    the penalties; llama-server's --temp, --seed and the like, vLLM's generation config) -> the map; ValueError
+    naming what is wrong."""
+    if not text:
+        return {}
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sampling defaults are not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError("sampling defaults must be a JSON object")
+    for k, v in d.items():
+        if k not in SAMPLING_OPTIONS:
+            raise ValueError(f"sampling defaults: unknown option {k!r}; known: {', '.join(SAMPLING_OPTIONS)}")
+        whole = k in ("seed", "top_k", "repeat_last_n")
+        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)):
+            raise ValueError(f"sampling defaults: {k} must be {'an int' if whole else 'a number'}")
+    return d
 
 
 @dataclass

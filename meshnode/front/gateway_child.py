@@ -15,14 +15,15 @@ STOP_WAIT_S = 5.0
 
 class GatewayChild:
     def __init__(self, http: str, node_endpoint: str, model: str, api_key_file: str | None, insecure: bool,
-                 cors_origins: str | None = None, model_name: str | None = None):
+                 cors_origins: str | None = None, model_name: str | None = None, sampling_defaults: str | None = None):
         for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):  # a bind address: connect on loopback
             node_endpoint = node_endpoint.replace(wildcard, "tcp://127.0.0.1:")
         self.cmd = [sys.executable, "-m", "meshnode", "gateway", "--listen", http, "--node", node_endpoint,
                     "--model", model, *(["--api-key-file", api_key_file] if api_key_file else []),
                     *(["--insecure"] if insecure else []),
                     *(["--cors-origins", cors_origins] if cors_origins else []),
-                    *(["--served-model-name", model_name] if model_name else [])]
+                    *(["--served-model-name", model_name] if model_name else []),
+                    *(["--sampling-defaults", sampling_defaults] if sampling_defaults else [])]
         self.proc: subprocess.Popen | None = None
         self.backoff = BACKOFF_S[0]
         self.next_start = self.started_at = 0.0

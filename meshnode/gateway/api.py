@@ -71,9 +71,10 @@ class Request:
                 for i in range(self.n)]
 
 
-def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") -> Request:
+def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic", defaults: dict | None = None) -> Request:
     """A /v1/chat/completions or /v1/completions body -> Request; ApiError(400) for what cannot be served.
-    `tool_format`: how the node's chat template has the model call tools (gateway/tools.py)."""
+    `tool_format`: how the node's chat template has the model call tools (gateway/tools.py); `defaults`: the
+    sampling options a request leaves out (`--sampling-defaults`, checked by `sampling_defaults`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for key in UNSUPPORTED:
@@ -93,10 +94,12 @@ def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic") ->
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
     top = _logprobs(body, chat)
-    # OpenAI's names are the node's: passed as sent (the node judges them); absent or null, the node's default,
-    # but OpenAI's temperature (1) and a random seed, so that repeated requests differ, as OpenAI's do
+    # OpenAI's names are the node's: passed as sent (the node judges them); absent or null, the gateway's
+    # defaults, else the node's, but OpenAI's temperature (1) and a random seed, so that repeated requests
+    # differ, as OpenAI's do
     given = {name: body[name] for name in SAMPLING_OPTIONS if body.get(name) is not None}
-    sampling = Sampling(**{"temperature": 1.0, "seed": int.from_bytes(os.urandom(8), "little") >> 1, **given},
+    sampling = Sampling(**{"temperature": 1.0, "seed": int.from_bytes(os.urandom(8), "little") >> 1,
+                           **(defaults or {}), **given},
                         logprobs=0 if top is None else max(1, top))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     text, tokens, messages, listed = None, None, None, None

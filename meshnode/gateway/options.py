@@ -17,6 +17,9 @@ def add_args(p) -> None:
                    "node's model path, where this host can read it)")
     p.add_argument("--served-model-name", help="the model's name in /v1/models and in answers (default: the GGUF's "
                    "file name); requests may name any model")
+    p.add_argument("--sampling-defaults", metavar="JSON", help="sampling options a request leaves out, by OpenAI's "
+                   "names, e.g. '{\"temperature\": 0.8, \"seed\": 42}' (llama-server's --temp and --seed, vLLM's "
+                   "generation config; default: OpenAI's temperature 1 and a random seed)")
     p.add_argument("--metrics-from", help="the node's /metrics URL, served again at /metrics (default: the node's "
                    "own text, asked over its protocol)")
     p.add_argument("--cors-origins", help="web origins beside this host's (localhost, 127.0.0.1, [::1]) whose pages "

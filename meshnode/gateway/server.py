@@ -20,6 +20,7 @@ from aiohttp import web
 from ipc import protocol as P
 from ipc.transport import api_keys
 from meshnode.core.endpoints import hosts_port
+from meshnode.core.types import sampling_defaults
 from meshnode.gateway import api, deadline, embeddings, responses
 from meshnode.gateway.cors import Cors
 from meshnode.gateway.options import refusal
@@ -31,9 +32,10 @@ BODY_S = 60.0  # a request's body must arrive within this long of its headers (4
 
 class Gateway:
     def __init__(self, up: Upstream, model: str, piece=None, keys: set[bytes] | None = None, metrics_from: str = "",
-                 recipe: str = "", tool_format: str = "generic", cors: Cors | None = None):
+                 recipe: str = "", tool_format: str = "generic", cors: Cors | None = None, defaults: dict | None = None):
         self.up, self.model, self.piece, self.keys, self.metrics_from = up, model, piece, keys or set(), metrics_from
         self.recipe, self.tool_format, self.cors = recipe, tool_format, cors or Cors()
+        self.defaults = defaults or {}  # sampling options a request leaves out (--sampling-defaults)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_deadline, self.cors.preflight, self._auth],
@@ -74,7 +76,7 @@ class Gateway:
         return await self._generate(request, req, lambda i: responses.ResponseAnswer(req, body, self.recipe))
 
     def _parse(self, body, chat: bool) -> api.Request:
-        return api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format)
+        return api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format, self.defaults)
 
     async def _generate(self, request: web.Request, req: api.Request, answer=None):
         """`answer(i)`: choice i's answer builder (api.Answer where not given)."""
@@ -281,7 +283,8 @@ async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
 
         piece = Tokenizer(path).piece
     gw = Gateway(up, a.served_model_name or os.path.basename(node["model"]), piece, keys, a.metrics_from or "",
-                 node.get("recipe", ""), node.get("tool_format", "generic"), Cors.of(a.cors_origins))
+                 node.get("recipe", ""), node.get("tool_format", "generic"), Cors.of(a.cors_origins),
+                 sampling_defaults(a.sampling_defaults))
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     hosts, port = hosts_port(a.listen)
@@ -307,6 +310,10 @@ def main(a) -> int:
         print(f"meshnode gateway: {e}", file=__import__("sys").stderr)
         return 2
     why = refusal(a.listen, keys, a.insecure)
+    try:
+        sampling_defaults(a.sampling_defaults)
+    except ValueError as e:
+        why = why or f"--sampling-defaults: {e}"
     if why:
         print(f"meshnode gateway: {why}", file=__import__("sys").stderr)
         return 2

@@ -168,6 +168,10 @@ class NodeConfig:
     pooling: str = setting("mean", "how an embedding's rows pool (llama-server's --pooling): mean, cls (the first "
                            "token), last; none: no default pooling, so `embed: true` and /v1/embeddings are refused "
                            "(llama-server's OpenAI endpoint under --pooling none)", choices=(*POOLINGS, "none"))
+    http_sampling_defaults: str | None = setting(None, "sampling options an HTTP request leaves out, a JSON object "
+                                                 "of OpenAI's names (llama-server's --temp, --seed; vLLM's generation "
+                                                 "config); unset = OpenAI's temperature 1 and a random seed",
+                                                 example='{"temperature": 0.8, "seed": 42}')
     http_cors_origins: str | None = setting(None, "web origins beside this host's whose pages may call the HTTP API "
                                             "(CORS), comma-separated, or * for any; unset = this host's only",
                                             example="https://chat.example.com")
@@ -258,11 +262,13 @@ class NodeConfig:
                 raise ConfigError("http: the gateway child cannot reach a CURVE node; run `meshnode gateway` with its "
                                   "--curve-server-key and --curve-client-cert instead")
             from meshnode.core.endpoints import hosts_port
+            from meshnode.core.types import sampling_defaults
 
-            try:
-                hosts_port(self.http)
-            except ValueError as e:
-                raise ConfigError(f"http: {e}") from None
+            for key, check in (("http", hosts_port), ("http_sampling_defaults", sampling_defaults)):
+                try:
+                    check(getattr(self, key))
+                except ValueError as e:
+                    raise ConfigError(f"{key}: {e}") from None
             if self.http_api_key_file is not None:
                 try:
                     api_keys(self.http_api_key_file)
