@@ -50,19 +50,32 @@ def valid_calls(message) -> list:
 
 
 def test_required_tool_calls_always_parse_and_validate(oa):
-    """tool_choice required, 20 seeded answers at temperature 1, four at a time (constrained sessions
+    """tool_choice required, 20 seeded answers at temperature 1 within 64 tokens, four at a time (constrained sessions
     batched together): every one is a call whose arguments validate against its function's schema (the
     answer is constrained from its first token)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def ask(seed):
         return oa.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                          temperature=1.0, seed=seed, max_tokens=200)
+                                          temperature=1.0, seed=seed, max_tokens=64)
 
     with ThreadPoolExecutor(4) as pool:
-        for r in pool.map(ask, range(20)):
-            assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        for r in pool.map(ask, range(20)):  # parallel calls past the budget: the whole ones, finish length
+            assert r.choices[0].finish_reason in ("tool_calls", "length"), r.choices[0]
             valid_calls(r.choices[0].message)
+
+
+def test_an_answer_cut_by_the_budget_gives_the_calls_it_completed_and_no_half_one():
+    from meshnode.gateway import tools
+
+    whole = '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+    calls = tools.cut_calls(whole + '{"name": "get_weather", "arguments": {"city": "Par')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_time", {"zone": "UTC"})]
+    assert tools.cut_calls('{"tool_calls": [{"name": "get_time", "argum') is None
+    assert tools.cut_calls('{"response": "It is') is None
+    hermes = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name'
+    assert [c["function"]["name"] for c in tools.cut_calls(hermes, "hermes")] == ["f"]
 
 
 def test_a_named_function_is_the_one_called_and_parallel_false_calls_one(oa):

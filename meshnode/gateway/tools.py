@@ -208,6 +208,29 @@ def answer(text: str, form: str = "generic") -> tuple[str | None, list[dict] | N
     return text, None
 
 
+def cut_calls(text: str, form: str = "generic") -> list[dict] | None:
+    """The calls an answer max_tokens cut short had completed (parallel calls, the last one cut): OpenAI's
+    tool_calls for them, or None where not one is whole. The half call is dropped, never passed on."""
+    if form == "hermes":
+        found = [_loaded(x) for x in _HERMES_CALL.findall(text)]
+        calls = [(c["name"], c["arguments"]) for c in found if _is_call(c, "arguments")]
+    elif form == "llama3":
+        return None  # one call an answer: cut is cut
+    else:
+        m = re.match(r'\s*\{\s*"tool_calls"\s*:\s*\[', text)
+        calls, at, dec = [], m.end() if m else len(text), json.JSONDecoder()
+        while m:
+            at = len(text) - len(text[at:].lstrip(" \t\n\r,"))
+            try:
+                c, at = dec.raw_decode(text, at)
+            except ValueError:
+                break
+            if not _is_call(c, "arguments"):
+                break
+            calls.append((c["name"], c["arguments"]))
+    return _openai(calls) if calls else None
+
+
 def cut_text(text: str, form: str = "generic") -> str | None:
     """An answer max_tokens cut short, as text a client may be shown: None where it was a call (half a call
     is no text), the text of a generic `{"response": ...}` answer as far as it went, a native form's text."""
