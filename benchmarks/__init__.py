@@ -23,6 +23,7 @@ EXPERIMENTS = {
     "spec": "one session alone, code-edit and chat: speculative decoding auto vs off (deterministic and not) vs "
             "llama-server's ngram-simple and ngram-mod; 8 at once, auto vs off",
     "priority": "two priorities under overload: the high class's first token vs an idle node's, priority vs fcfs",
+    "toolcalls": "tool_choice required within max_tokens 64 on the real model: answers holding a whole valid call",
     "llamatests": "llama.cpp's own server tests against llama-server and against the node's gateway: the pass table",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }
