@@ -11,17 +11,8 @@ import os
 from ipc.transport import free_tcp_port
 from meshnode.bench import llama_build, model_path
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.dev.toolsets import ASK, SCHEMAS, TIME, WEATHER
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The current time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 40}},
-                   "required": ["zone"], "additionalProperties": False}}}
-ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 CASES = (("one function", [WEATHER], {}), ("two functions", [WEATHER, TIME], {}),
          ("two, parallel_tool_calls false", [WEATHER, TIME], {"parallel_tool_calls": False}))
 
@@ -34,7 +25,6 @@ def main(a) -> int:
 
     a.model = a.model or "smollm2"  # the packaged model the issue measured
     path = model_path(a)
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     print(f"bench toolcalls: {os.path.basename(path)}, required, temperature 1, max_tokens 64, seeds 0-9; "
           f"{llama_build()}", flush=True)
     port, out = free_tcp_port(), {}
@@ -47,7 +37,7 @@ def main(a) -> int:
                 c = oa.chat.completions.create(model="m", messages=ASK, tools=fns, tool_choice="required",
                                                temperature=1.0, seed=seed, max_tokens=64, **kw).choices[0]
                 calls = c.message.tool_calls or []
-                good = bool(calls) and all(_valid(t, schemas, jsonschema) for t in calls)
+                good = bool(calls) and all(_valid(t, jsonschema) for t in calls)
                 answers.append({"finish": c.finish_reason, "calls": len(calls), "valid": good})
             n = sum(x["valid"] for x in answers)
             out[name] = answers
@@ -59,9 +49,9 @@ def main(a) -> int:
     return 0
 
 
-def _valid(call, schemas, jsonschema) -> bool:
+def _valid(call, jsonschema) -> bool:
     try:
-        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
         return True
     except (ValueError, KeyError, jsonschema.ValidationError):
         return False

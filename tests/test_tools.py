@@ -10,22 +10,11 @@ import pytest
 
 from ipc.transport import free_tcp_port
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.dev.toolsets import ASK, SCHEMAS, TIME, WEATHER
 from meshnode.gateway import tools
 from meshnode.ops.realmodel import real_model
 
 pytestmark = pytest.mark.slow  # nodes and llama.cpp engines (the real model, the tiny ones)
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The current time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 40}},
-                   "required": ["zone"], "additionalProperties": False}}}
-ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
 @pytest.fixture(scope="module")
