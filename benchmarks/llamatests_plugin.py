@@ -14,9 +14,12 @@ utils.ServerPreset.load_all = staticmethod(lambda: None)
 _start, _request, _stream = utils.ServerProcess.start, utils.ServerProcess.make_request, utils.ServerProcess.make_stream_request
 
 
-def _current() -> dict:
+def _asked(path: str) -> None:
+    """The current test asked for `path` (each once: a start polls /health many times)."""
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
-    return results.setdefault(test, {"paths": []})
+    paths = results.setdefault(test, {"paths": []})["paths"]
+    if path not in paths:
+        paths.append(path)
 
 
 def start(self, *a, **k):
@@ -26,12 +29,12 @@ def start(self, *a, **k):
 
 
 def make_request(self, method, path, *a, **k):
-    _current()["paths"].append(f"{method} {path}")
+    _asked(f"{method} {path}")
     return _request(self, method, path, *a, **k)
 
 
 def make_stream_request(self, method, path, *a, **k):
-    _current()["paths"].append(f"{method} {path} (stream)")
+    _asked(f"{method} {path} (stream)")
     return _stream(self, method, path, *a, **k)
 
 

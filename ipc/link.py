@@ -290,7 +290,11 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
 
 
 def _logprobs(v) -> dict[int, Logprob]:
-    return {int(seq): Logprob(float(lp), tuple((int(t), float(p)) for t, p in top)) for seq, lp, top in v}
+    return {int(seq): _logprob_of(lp, top) for seq, lp, top in v}
+
+
+def _logprob_of(lp, top) -> Logprob:
+    return Logprob(float(lp), tuple((int(t), float(p)) for t, p in top))
 
 
 def _logprob(lp: Logprob | None) -> list | None:
@@ -303,8 +307,7 @@ def _earlier(v) -> dict[int, list[tuple[int, Logprob | None]]]:
     for seq, toks, lps in v:
         if len(toks) != len(lps):
             raise ValueError("earlier samples and log-probabilities differ in length")
-        out[int(seq)] = [(int(t), None if lp is None else Logprob(float(lp[0]), tuple((int(a), float(b))
-                                                                                    for a, b in lp[1])))
+        out[int(seq)] = [(int(t), None if lp is None else _logprob_of(*lp))
                          for t, lp in zip(_ints(toks, "earlier"), lps)]
     return out
 

@@ -119,9 +119,11 @@ class Output:
         out = self.streams.pop(key)
         s = out.session
         s.t_done = s.t_done or self.clock()
-        tail = out.text.end() if reason != R.EXPORTED else ""  # what it holds back is streamed where it goes
-        if out.stop:
-            tail = out.stop.end(tail) if reason != R.EXPORTED else ""
+        tail = ""
+        if reason != R.EXPORTED:  # an exported session's held-back text is streamed where it goes
+            tail = out.text.end()
+            if out.stop:
+                tail = out.stop.end(tail)
         frames = [P.tokens(s.key[1], [], tail)] if tail else []  # streamed pieces add up to done.text
         text = out.stop.text if out.stop else self.tok.decode(s.generated)
         usage = s.usage()

@@ -51,8 +51,9 @@ class Requests:
                  metrics=lambda: [], stops_of=lambda key: [], special_in_content: bool = False,
                  pooling: str = "mean"):
         """`status(prompt_tokens) -> frames`: the node's status answer (front/report.py); `metrics() -> frames`:
-        its Prometheus text (front/prom.py); `stops_of(key)`: a live session's stop strings (front/output.py). `special_in_content`: chat content may spell special tokens
-        (llama-server's behaviour; meshnode/text/chat.py)."""
+        its Prometheus text (front/prom.py); `stops_of(key)`: a live session's stop strings (front/output.py).
+        `special_in_content`: chat content may spell special tokens (llama-server's behaviour;
+        meshnode/text/chat.py)."""
         self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
         self.status, self.metrics, self.pooling = status, metrics, pooling  # pooling: an `embed: true`'s
         self.stops_of = stops_of

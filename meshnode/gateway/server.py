@@ -83,15 +83,9 @@ class Gateway:
         if req.top_logprobs is not None and self.piece is None:
             raise api.ApiError(400, "logprobs need the model's vocabulary, which this gateway cannot read (run it "
                                     "where the model file is, or give --model)", param="logprobs")
-        submits, open_ = req.submits(), {}
+        open_ = {}
         try:
-            for i, submit in enumerate(submits):
-                try:
-                    open_[i] = (submit.id, self.up.open(submit))
-                except OverflowError as e:
-                    raise api.ApiError(413, f"{e}: send a shorter prompt or schema") from None
-                except ValueError as e:
-                    raise api.ApiError(400, str(e)) from None
+            self._open(req.submits(), open_)
             for i, (sid, q) in open_.items():  # every choice admitted before a byte of the answer
                 first = await q.get()
                 if first["event"] != "admitted":
@@ -110,11 +104,7 @@ class Gateway:
         submits, enc = embeddings.parse(await _body(request), lambda: secrets.token_hex(12))
         open_, vectors, tokens = {}, {}, 0
         try:
-            for i, submit in enumerate(submits):
-                try:
-                    open_[i] = (submit.id, self.up.open(submit))
-                except (OverflowError, ValueError) as e:
-                    raise api.ApiError(413 if isinstance(e, OverflowError) else 400, str(e)) from None
+            self._open(submits, open_)
             for i in list(open_):
                 sid, q = open_[i]
                 ev = await q.get()
@@ -132,6 +122,17 @@ class Gateway:
                 self.up.abandon(sid)
         return web.json_response(embeddings.answer([vectors[i] for i in range(len(submits))], tokens,
                                                        self.model, enc))
+
+    def _open(self, submits: list[P.Submit], open_: dict) -> None:
+        """Each submit sent as a session of the node, into `open_` (i -> (id, its events' queue)) as it goes,
+        so the caller abandons what opened before one could not (413 too large, 400 not encodable)."""
+        for i, submit in enumerate(submits):
+            try:
+                open_[i] = (submit.id, self.up.open(submit))
+            except OverflowError as e:
+                raise api.ApiError(413, f"{e}: send a shorter prompt or schema") from None
+            except ValueError as e:
+                raise api.ApiError(400, str(e)) from None
 
     async def _answer(self, request: web.Request, req: api.Request, open_: dict, answer) -> web.StreamResponse:
         """The admitted choices' events, as they come, into one answer: stream chunks with each choice's index,
@@ -265,7 +266,7 @@ def _error(e: api.ApiError) -> web.Response:
     return web.json_response(e.body(), status=e.status, headers=headers)
 
 
-async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
+async def _serve(a, endpoint: str, keys: set[bytes], defaults: dict) -> None:
     from ipc.transport import client_curve
 
     up = Upstream(endpoint, **client_curve(a.curve_server_key, a.curve_client_cert))
@@ -283,8 +284,7 @@ async def _serve(a, endpoint: str, keys: set[bytes]) -> None:
 
         piece = Tokenizer(path).piece
     gw = Gateway(up, a.served_model_name or os.path.basename(node["model"]), piece, keys, a.metrics_from or "",
-                 node.get("recipe", ""), node.get("tool_format", "generic"), Cors.of(a.cors_origins),
-                 sampling_defaults(a.sampling_defaults))
+                 node.get("recipe", ""), node.get("tool_format", "generic"), Cors.of(a.cors_origins), defaults)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     hosts, port = hosts_port(a.listen)
@@ -309,13 +309,13 @@ def main(a) -> int:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         print(f"meshnode gateway: {e}", file=__import__("sys").stderr)
         return 2
-    why = refusal(a.listen, keys, a.insecure)
+    why, defaults = refusal(a.listen, keys, a.insecure), {}
     try:
-        sampling_defaults(a.sampling_defaults)
+        defaults = sampling_defaults(a.sampling_defaults)
     except ValueError as e:
         why = why or f"--sampling-defaults: {e}"
     if why:
         print(f"meshnode gateway: {why}", file=__import__("sys").stderr)
         return 2
-    asyncio.run(_serve(a, a.node or default_listen(), keys))
+    asyncio.run(_serve(a, a.node or default_listen(), keys, defaults))
     return 0

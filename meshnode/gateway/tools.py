@@ -193,9 +193,8 @@ def answer(text: str, form: str = "generic") -> tuple[str | None, list[dict] | N
     """A finished, constrained answer -> (content, None) or (None, OpenAI's tool_calls); (text, None) where it
     is not the form (cut short by max_tokens)."""
     if form == "hermes":
-        found = [_loaded(x) for x in _HERMES_CALL.findall(text)]
-        calls = [(c["name"], c["arguments"]) for c in found if _is_call(c, "arguments")]
-        return (None, _openai(calls)) if calls and len(calls) == len(found) else (text, None)
+        calls, n = _hermes(text)
+        return (None, _openai(calls)) if calls and len(calls) == n else (text, None)
     if form == "llama3":
         c = _loaded(text.strip()) if text.lstrip().startswith("{") else None
         return (None, _openai([(c["name"], c["parameters"])])) if _is_call(c, "parameters") else (text, None)
@@ -212,8 +211,7 @@ def cut_calls(text: str, form: str = "generic") -> list[dict] | None:
     """The calls an answer max_tokens cut short had completed (parallel calls, the last one cut): OpenAI's
     tool_calls for them, or None where not one is whole. The half call is dropped, never passed on."""
     if form == "hermes":
-        found = [_loaded(x) for x in _HERMES_CALL.findall(text)]
-        calls = [(c["name"], c["arguments"]) for c in found if _is_call(c, "arguments")]
+        calls, _ = _hermes(text)
     elif form == "llama3":
         return None  # one call an answer: cut is cut
     else:
@@ -246,6 +244,12 @@ def cut_text(text: str, form: str = "generic") -> str | None:
         except ValueError:
             continue
     return None
+
+
+def _hermes(text: str) -> tuple[list[tuple[str, dict]], int]:
+    """The whole `<tool_call>` blocks' calls (name, arguments), and how many blocks there were."""
+    found = [_loaded(x) for x in _HERMES_CALL.findall(text)]
+    return [(c["name"], c["arguments"]) for c in found if _is_call(c, "arguments")], len(found)
 
 
 def _loaded(text: str):
