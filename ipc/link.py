@@ -17,15 +17,15 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ipc import seqpacket
 from ipc.protocol import pack, unpack
-from meshnode.core.types import (POOLINGS, Constrained, Device, EngineInfo, Grammar, Keep, Logprob, Plan, Release,
-                                 Sampling, SeqChunk, Share, StepResult)
+from meshnode.core.types import (POOLINGS, Constrained, Device, EngineInfo, Grammar, Keep, Load, Logprob, Plan,
+                                 Release, Sampling, Save, SeqChunk, Share, StepResult)
 
 HALVES = 2
 MAX_GRAMMAR_BYTES = seqpacket.MAX_MESSAGE - 4096  # a compiled grammar and its message's other fields
 GRAMMARS_KEPT = 256  # grammars an engine holds at once (well above the sequences one tick can start)
 _SAMPLING = [f.name for f in fields(Sampling)]
 _INFO = [f.name for f in fields(EngineInfo)]
-_KV_OPS = {0: Release, 1: Keep, 2: Share}  # a tick's KV operations travel as [code, *fields]
+_KV_OPS = {0: Release, 1: Keep, 2: Share, 3: Save, 4: Load}  # a tick's KV operations travel as [code, *fields]
 _KV_CODES = {v: k for k, v in _KV_OPS.items()}
 
 
@@ -212,7 +212,8 @@ def encode(msg: Message, arena=None) -> bytes:
                      "drafted": r.drafted, "served": r.served, "failed": [list(f) for f in r.failed.items()],
                      **({"earlier": [[s, [t for t, _ in xs], [_logprob(lp) for _, lp in xs]]
                                      for s, xs in r.earlier.items()]} if r.earlier else {}),
-                     **({"embeddings": [[s, v] for s, v in r.embeddings.items()]} if r.embeddings else {})})
+                     **({"embeddings": [[s, v] for s, v in r.embeddings.items()]} if r.embeddings else {}),
+                     **({"saved": [list(x) for x in r.saved.items()]} if r.saved else {})})
     kind = {Stop: "stop", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
 
@@ -236,7 +237,8 @@ def _tick_map(msg: TickRequest, arena) -> dict:
             embed.append([c.seq_id, c.embed])
         off += n
     return {"kind": "tick", "tick": msg.tick, "release": [int(s) for s in msg.plan.release],
-            "kv": [[_KV_CODES[type(op)], *map(int, op)] for op in msg.plan.kv], **cols,
+            "kv": [[_KV_CODES[type(op)], *(v if isinstance(v, str) else int(v) for v in op)] for op in msg.plan.kv],
+            **cols,
             "sampling": sampling, "follow": follow, "resync": msg.resync, "fresh": msg.fresh,
             **({"constraint": constraint} if constraint else {}), **({"embed": embed} if embed else {}),
             **({"steps": msg.plan.steps} if msg.plan.steps != 1 else {})}
@@ -263,7 +265,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
                                 int(m["kv_cells"]), _logprobs(m.get("logprobs", [])), int(m.get("drafted", 0)),
                                 int(m.get("served", 0)), {int(q): str(why) for q, why in m.get("failed", [])},
                                 _earlier(m.get("earlier", [])),
-                                {int(q): [float(x) for x in v] for q, v in m.get("embeddings", [])})
+                                {int(q): [float(x) for x in v] for q, v in m.get("embeddings", [])},
+                                {int(q): int(n) for q, n in m.get("saved", [])})
             return TickDone(int(m["tick"]), result, float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
                             int(m["mem_total"]))
         if kind == "refused":
@@ -318,6 +321,15 @@ def _ints(v, name: str) -> list[int]:
     return v
 
 
+def _kv_op(op) -> object:
+    """[code, *fields]: integers, but for a Save's or Load's path."""
+    kind = _KV_OPS.get(op[0]) if isinstance(op, list) and op and isinstance(op[0], int) else None
+    if kind is None or len(op) != len(kind._fields) + 1 or not all(
+            isinstance(v, str if f == "path" else int) for f, v in zip(kind._fields, op[1:])):
+        raise ValueError(f"malformed KV operation {str(op)[:80]!r}")
+    return kind(*op[1:])
+
+
 def _tick_request(m: dict, arena, grammars: dict) -> TickRequest:
     cols = [_ints(m.get(k, []), k) for k in ("seq", "pos", "offset", "n", "draw")]
     if len({len(c) for c in cols}) != 1:
@@ -349,13 +361,7 @@ def _tick_request(m: dict, arena, grammars: dict) -> TickRequest:
             raise ValueError(f"chunk of sequence {seq} points outside the arena")
         chunks.append(SeqChunk(seq, pos, arena.input[off:off + n].copy(), draw, sampling.get(seq), seq in follow,
                                constraint.get(seq), embed.get(seq, "")))
-    kv = []
-    for op in m.get("kv", []):
-        op = _ints(op, "kv")
-        kind = _KV_OPS.get(op[0]) if op else None
-        if kind is None or len(op) != len(kind._fields) + 1:
-            raise ValueError(f"malformed KV operation {op!r}")
-        kv.append(kind(*op[1:]))
+    kv = [_kv_op(op) for op in m.get("kv", [])]
     steps = m.get("steps", 1)
     if not isinstance(steps, int):
         raise ValueError(f"steps {steps!r} is not an integer")

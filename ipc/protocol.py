@@ -32,7 +32,8 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 MAX_LOGPROBS = 20
 PRIORITY_RANGE = 1 << 31  # priorities are compared, never counted: any 32-bit value a router sends
 MAX_FORMAT_BYTES = 64 * 1024  # a response_format's schema, regex or grammar
-_UNPACK = dict(max_str_len=MAX_TEXT_BYTES, max_bin_len=MAX_TEXT_BYTES,
+KV_CHUNK_BYTES = 512 * 1024  # a moving session's KV travels in `kv` messages of at most this many bytes
+_UNPACK = dict(max_str_len=MAX_TEXT_BYTES, max_bin_len=KV_CHUNK_BYTES,
                max_array_len=MAX_LIST, max_map_len=64, max_ext_len=0, strict_map_key=True, raw=False,
                use_list=True)
 
@@ -79,11 +80,29 @@ class Submit:
     embed: str | bool | None = None  # an embedding, not a generation: how its rows pool (mean, cls, last; true:
     # the node's `pooling`)
     generated: list[int] | None = None  # an `import`: the tokens the session generated elsewhere (`exported`)
+    kv: KvHeader | None = None  # an `import` whose KV follows in `kv` messages
+
+
+@dataclass(frozen=True)
+class KvHeader:
+    """A moving session's KV: llama.cpp's per-sequence state of its first `positions` tokens, `bytes` long,
+    whose SHA-256 is `sha256` (hex)."""
+    bytes: int
+    sha256: str
+    positions: int
 
 
 @dataclass
 class Export:
     id: str
+
+
+@dataclass
+class KvChunk:
+    """Part of an import's KV, at `offset` in it (the parts come in order)."""
+    id: str
+    offset: int
+    data: bytes
 
 
 @dataclass
@@ -244,14 +263,19 @@ def decode_request(frames: list[bytes], n_vocab: int):
         _check(pt is None or (_is_int(pt) and 1 <= pt <= MAX_NEW_TOKENS),
                f"prompt_tokens must be an int in [1, {MAX_NEW_TOKENS}]", id)
         return Status(pt)
-    if op not in ("submit", "cancel", "export", "import"):
-        raise ProtocolError(R.BAD_REQUEST, f"unknown op {op!r}; expected submit, cancel, export, import, status, "
-                            "metrics or ping", id)
+    if op not in ("submit", "cancel", "export", "import", "kv"):
+        raise ProtocolError(R.BAD_REQUEST, f"unknown op {op!r}; expected submit, cancel, export, import, kv, "
+                            "status, metrics or ping", id)
     _check(id is not None, f"id must be a string of 1 to {MAX_ID_CHARS} characters")
     if op == "cancel":
         return Cancel(id)
     if op == "export":
         return Export(id)
+    if op == "kv":
+        offset, data = msg.get("offset"), msg.get("data")
+        _check(_is_int(offset) and offset >= 0 and isinstance(data, bytes) and data,
+               "kv needs offset (an int >= 0) and data (bytes, not empty)", id)
+        return KvChunk(id, offset, data)
     if op == "import":
         return _import(msg, id, n_vocab)
     return _submit(msg, id, n_vocab)
@@ -268,7 +292,22 @@ def _import(msg: dict, id: str, n_vocab: int) -> Submit:
     generated = _token_list(msg.get("generated"), "generated", n_vocab, id, MAX_NEW_TOKENS)
     mt = msg.get("max_tokens")
     _check(_is_int(mt) and mt > len(generated), "import needs max_tokens above the tokens generated so far", id)
-    return replace(_submit(msg, id, n_vocab), generated=generated)
+    sub = _submit(msg, id, n_vocab)
+    return replace(sub, generated=generated, kv=_kv_header(msg.get("kv"), len(sub.tokens) + len(generated), id))
+
+
+def _kv_header(v, n_tokens: int, id: str) -> KvHeader | None:
+    if v is None:
+        return None
+    _check(isinstance(v, dict) and set(v) == {"bytes", "sha256", "positions"}, "kv must be a map of bytes, sha256 "
+           "and positions (the exported state's, unchanged)", id)
+    n, digest, positions = v["bytes"], v["sha256"], v["positions"]
+    _check(_is_int(n) and n > 0, "kv.bytes must be an int above 0", id)
+    _check(isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest),
+           "kv.sha256 must be 64 lowercase hex digits", id)
+    _check(_is_int(positions) and 1 <= positions <= n_tokens,
+           f"kv.positions must be an int in [1, {n_tokens}] (the state's tokens)", id)
+    return KvHeader(n, digest, positions)
 
 
 
@@ -322,7 +361,7 @@ def _submit(msg: dict, id: str, n_vocab: int) -> Submit:
 def encode_request(req) -> list[bytes]:
     """Client side: a request dataclass -> the two frames."""
     op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping", Metrics: "metrics",
-          Export: "export"}[type(req)]
+          Export: "export", KvChunk: "kv"}[type(req)]
     if isinstance(req, Submit) and req.generated is not None:
         op = "import"
     body = {"op": op}
@@ -402,19 +441,35 @@ def admitted(id: str, reason: str) -> list[bytes]:
 
 
 def exported(id: str, prompt: list[int], generated: list[int], max_tokens: int, sampling: Sampling,
-             stop_tokens: list[int], ignore_eos: bool, stop: list[str], priority: int, recipe: str) -> list[bytes]:
+             stop_tokens: list[int], ignore_eos: bool, stop: list[str], priority: int, recipe: str,
+             kv: KvHeader | None = None) -> list[bytes]:
     """A session's state for another node on the same recipe: `state` is an `import` request but for its
-    `op` and `id` (import_request)."""
+    `op` and `id` (import_request); with `kv`, its KV's bytes follow as `kv` events."""
     state = {"tokens": prompt, "generated": generated, "max_tokens": max_tokens, "recipe": recipe,
              "sampling": {k: v for k, v in asdict(sampling).items() if k != "logprobs"},
              "logprobs": sampling.logprobs, "stop_tokens": stop_tokens, "ignore_eos": ignore_eos, "stop": stop,
-             "priority": priority}
+             "priority": priority, **({"kv": asdict(kv)} if kv else {})}
     return event("exported", id=id, state=state)
 
 
 def import_request(id: str, state: dict) -> list[bytes]:
-    """Client side: an `exported` state sent on to another node as the session `id` there."""
-    return [VERSION, pack({**state, "op": "import", "id": id})]
+    """Client side: an `exported` state sent on to another node as the session `id` there (its KV's bytes,
+    when it has them, follow in kv_requests)."""
+    body = {**state, "op": "import", "id": id}
+    if isinstance(body.get("kv"), dict):
+        body["kv"] = {k: body["kv"][k] for k in ("bytes", "sha256", "positions")}
+    return [VERSION, pack(body)]
+
+
+def kv_requests(id: str, data: bytes) -> list[list[bytes]]:
+    """Client side: an import's KV bytes as `kv` requests, in order."""
+    return [[VERSION, pack({"op": "kv", "id": id, "offset": o, "data": data[o:o + KV_CHUNK_BYTES]})]
+            for o in range(0, len(data), KV_CHUNK_BYTES)]
+
+
+def kv_parts(id: str, data: bytes) -> list[list[bytes]]:
+    """An export's KV bytes as `kv` events, in order (the `exported` event's `kv` describes them)."""
+    return [event("kv", id=id, offset=o, data=data[o:o + KV_CHUNK_BYTES]) for o in range(0, len(data), KV_CHUNK_BYTES)]
 
 
 def rejected(id: str, reason: str, detail: str) -> list[bytes]:

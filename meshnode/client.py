@@ -106,12 +106,21 @@ class Client:
         ev = self.wait_for(lambda e: e.get("id") == id and e["event"] in ("exported", "error"), timeout_s)
         if ev["event"] == "error":
             raise RuntimeError(f"{ev['code']}: {ev['detail']}")
-        return ev["state"]
+        state = ev["state"]
+        if "kv" in state:  # its KV's bytes follow, in order
+            data = bytearray()
+            while len(data) < state["kv"]["bytes"]:
+                data += self.wait_for(lambda e: e.get("id") == id and e["event"] == "kv", timeout_s)["data"]
+            state["kv"] = {**state["kv"], "data": bytes(data)}
+        return state
 
     def resume(self, id: str, state: dict) -> None:
-        """Go on with an exported session here as `id`: its next tokens stream as a submit's do."""
+        """Go on with an exported session here as `id`: its next tokens stream as a submit's do (its KV, when
+        the state carries it, is sent after it in parts)."""
         self.open[id] = self.open.get(id, 0) + 1
         self.sock.send_multipart(P.import_request(id, state))
+        for frames in P.kv_requests(id, (state.get("kv") or {}).get("data", b"")):
+            self.sock.send_multipart(frames)
 
     def recv(self, timeout_s: float | None = None) -> dict | None:
         """The next event (buffered first), or None after the timeout."""

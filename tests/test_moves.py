@@ -1,11 +1,18 @@
 """Sessions that move between nodes: `export` on one, `import` of its state on another with the same recipe,
-and the client's stream goes on there with the next token, none lost or repeated (docs/protocol.md)."""
+and the client's stream goes on there with the next token, none lost or repeated (docs/protocol.md). The KV
+travels with it (llama.cpp's per-sequence state, checked by SHA-256 and by the tokens it was computed for), or,
+without it, is prefilled again there."""
+import hashlib
+
 import pytest
 
+from helpers import done_reasons, prompt, scheduler, session, step
 from ipc import protocol as P
 from meshnode.core import reasons as R
+from meshnode.core.session import Session
 from meshnode.core.types import Sampling
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.engine.followups import Followups
 
 # deterministic on both (the f32 tiny model's mode is bitwise across batch shapes and re-prefills); a tick
 # takes at least 30 ms and one token, so a session of 300 is still running when the export comes
@@ -22,16 +29,34 @@ def nodes(tiny_model):
         yield ca, cb
 
 
-def test_a_session_exported_mid_generation_goes_on_elsewhere_with_the_tokens_it_would_have_had(nodes):
-    ca, cb = nodes
-    ref = cb.generate("ref", **ASK)
+@pytest.fixture(scope="module")
+def reference(nodes):
+    ref = nodes[1].generate("ref", **ASK)
     assert len(ref.done["tokens"]) == 300
-    ca.submit("m", **ASK)
-    ca.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "m", keep=True)  # it is generating
-    state = ca.export("m")
-    left = ca.collect(["m"])["m"]  # what node A streamed, and its done
+    return ref
+
+
+def leave(ca, id: str, ask=ASK) -> tuple[dict, object]:
+    """A session started on node A and exported while it generates: its state and what A streamed."""
+    ca.submit(id, **ask)
+    ca.wait_for(lambda e: e["event"] == "tokens" and e["id"] == id, keep=True)  # it is generating
+    state = ca.export(id)
+    return state, ca.collect([id])[id]
+
+
+@pytest.mark.parametrize("with_kv", [True, False], ids=["kv moved", "prefilled again"])
+def test_a_session_exported_mid_generation_goes_on_elsewhere_with_the_tokens_it_would_have_had(nodes, reference,
+                                                                                              with_kv):
+    ca, cb = nodes
+    ref = reference
+    state, left = leave(ca, f"m{with_kv}")
     assert left.done["reason"] == R.EXPORTED and left.tokens == left.done["tokens"] == state["generated"]
     assert 1 <= len(state["generated"]) < 300 and state["recipe"] == cb.status()["node"]["recipe"]
+    kv = state["kv"]  # every position but the last sampled token's, which it has not fed yet
+    assert kv["positions"] == len(PROMPT) + len(state["generated"]) - 1
+    assert len(kv["data"]) == kv["bytes"] and hashlib.sha256(kv["data"]).hexdigest() == kv["sha256"]
+    if not with_kv:
+        del state["kv"]
     cb.resume("m", state)
     went = cb.collect(["m"])["m"]
     assert went.admission["event"] == "admitted" and went.done["reason"] == R.LENGTH
@@ -42,18 +67,18 @@ def test_a_session_exported_mid_generation_goes_on_elsewhere_with_the_tokens_it_
     lps = lambda events: [lp for e in events for lp in e.get("logprobs", [])]  # noqa: E731 (a text tail has none)
     assert lps(left.events + went.events) == lps(ref.events)
     assert went.done["usage"]["completion_tokens"] == 300 and went.done["usage"]["prompt_tokens"] == len(PROMPT)
+    # the moved KV is used, not recomputed: every position it holds (all but the last sample, fed there)
+    assert went.done["usage"]["cached_tokens"] == (kv["positions"] if with_kv else 0)
 
 
 def test_what_cannot_move_is_refused_clearly_and_counted(nodes):
     ca, cb = nodes
     with pytest.raises(RuntimeError, match="UNKNOWN_SESSION"):
         ca.export("nobody")
-    ca.submit("j", **{**ASK, "max_tokens": 200}, response_format=None)
-    ca.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "j", keep=True)
-    state = ca.export("j")
-    ca.collect(["j"])
+    state, _ = leave(ca, "j", {**ASK, "max_tokens": 200})
     cb.resume("other-recipe", {**state, "recipe": "mn1-not-this-one"})
     assert cb.collect(["other-recipe"])["other-recipe"].admission["reason"] == R.REJECTED_RECIPE_MISMATCH
+    del state["kv"]
     for bad, words in ((dict(max_tokens=len(state["generated"])), "above the tokens generated"),
                        (dict(recipe=None), "recipe"), (dict(generated=[10**9]), "outside")):
         cb.resume("bad", {k: v for k, v in {**state, **bad}.items() if v is not None})
@@ -71,3 +96,114 @@ def test_export_and_import_decode_as_typed_requests():
     assert P.decode_request(P.encode_request(P.Export("s")), 100) == P.Export("s")
     with pytest.raises(P.ProtocolError, match="not text or messages"):
         P.decode_request(P.import_request("s", {**state, "tokens": None, "text": "hi"}), 100)
+
+
+def refusal(cb, id: str, state: dict, frames=None) -> dict:
+    """What node B answers an import of `state` whose KV parts are `frames` (as the client sends them)."""
+    cb.open[id] = cb.open.get(id, 0) + 1
+    cb.sock.send_multipart(P.import_request(id, state))
+    for f in P.kv_requests(id, state["kv"]["data"]) if frames is None else frames:
+        cb.sock.send_multipart(f)
+    return cb.collect([id])[id].admission
+
+
+def test_a_kv_changed_cut_or_of_other_tokens_is_refused_before_admission(nodes):
+    ca, cb = nodes
+    state, _ = leave(ca, "k", {**ASK, "max_tokens": 200})
+    kv, data = state["kv"], state["kv"]["data"]
+    flipped = data[:100] + bytes([data[100] ^ 1]) + data[101:]
+    r = refusal(cb, "flip", {**state, "kv": {**kv, "data": flipped}})
+    assert r["reason"] == R.REJECTED_BAD_REQUEST and "SHA-256" in r["detail"]
+    # a part that does not follow the bytes received (the first ten lost): refused at once, not waited on
+    r = refusal(cb, "cut", state, [P.encode_request(P.KvChunk("cut", 10, data[10:]))])
+    assert r["reason"] == R.REJECTED_BAD_REQUEST and "in order" in r["detail"]
+    # a KV whose own checksum is right but which another prompt computed
+    other = {**state, "tokens": [t + 1 for t in state["tokens"]]}
+    r = refusal(cb, "other", other)
+    assert r["reason"] == R.REJECTED_BAD_REQUEST and "other tokens" in r["detail"]
+    r = refusal(cb, "huge", {**state, "kv": {**kv, "bytes": 1 << 40}}, [])
+    assert r["reason"] == R.REJECTED_BAD_REQUEST and "more than" in r["detail"]
+    junk = b"not a state" * 100
+    r = refusal(cb, "junk", {**state, "kv": {**kv, "data": junk, "bytes": len(junk),
+                                            "sha256": hashlib.sha256(junk).hexdigest()}})
+    assert r["reason"] == R.REJECTED_BAD_REQUEST and "not this node's kind" in r["detail"]
+    with pytest.raises(RuntimeError, match="UNKNOWN_SESSION"):  # a kv part of no import
+        cb.sock.send_multipart(P.kv_requests("nobody", b"x")[0])
+        ev = cb.wait_for(lambda e: e.get("id") == "nobody")
+        raise RuntimeError(f"{ev['code']}: {ev['detail']}")
+    cb.resume("k", state)  # and the import itself still goes on there after all that
+    assert cb.collect(["k"])["k"].done["reason"] == R.LENGTH
+
+
+# -- the policy's half, on the fake engine (no processes): what a move does to ticks in flight -------------------
+def _pipelined(sched, eng, ticks, runner):
+    """Run planned ticks in order, as the engine process does (follow-ups filled in), and apply each."""
+    return [ev for tk in ticks for ev in sched.apply(tk, runner.run(eng, tk.plan))]
+
+
+def test_ticks_in_flight_land_before_the_save_and_the_import_goes_on_with_the_same_draws(tmp_path):
+    eng, sched = scheduler(steps_ms=0)
+    s = session(("c", "a"), n_prompt=9, max_tokens=40, sampling=Sampling(0.8, 0, 1.0, 5))
+    sched.submit(s)
+    runner = Followups()
+    _pipelined(sched, eng, [sched.plan() for _ in range(1)], runner)
+    ahead = [sched.plan(), sched.plan()]  # two ticks in flight, the second following the first's sample
+    assert sched.export(s.key, str(tmp_path / "a.kv")) == []  # it leaves once its save is answered
+    save = sched.plan()
+    assert [type(op).__name__ for op in save.plan.kv] == ["Save"] and not save.plan.chunks
+    events = _pipelined(sched, eng, [*ahead, save], runner)
+    kinds = [e.kind for e in events]
+    assert kinds == ["tokens", "tokens", "exported", "done"] and events[-1].reason == R.EXPORTED
+    path, positions, nbytes = events[2].kv
+    assert positions == len(s.tokens) - 1 and nbytes > 0  # every token but the last sample, which it feeds there
+    eng2, there = scheduler(steps_ms=0)
+    moved = Session(("c", "b"), s.prompt, 40, s.sampling, tokens=list(s.tokens), kv_import=(path, positions))
+    there.submit(moved)
+    while there.live:
+        step(there, eng2, there.plan())
+    assert moved.n_reused == positions and eng2.expected(moved.tokens, len(s.prompt), seed=5)
+    assert len(moved.tokens) == len(s.prompt) + 40
+
+
+def test_a_session_that_ends_before_its_save_answers_its_export_with_that(tmp_path):
+    eng, sched = scheduler(steps_ms=0)
+    s = session(("c", "a"), n_prompt=5, max_tokens=3)
+    sched.submit(s)
+    runner = Followups()
+    ahead = [sched.plan(), sched.plan(), sched.plan()]  # its last sample is in flight
+    sched.export(s.key, str(tmp_path / "a.kv"))
+    save = sched.plan()
+    events = _pipelined(sched, eng, [*ahead, save], runner)
+    assert [(e.kind, e.reason) for e in events if e.kind != "tokens"] == [("done", R.LENGTH), ("exported", R.LENGTH)]
+
+
+def test_a_refused_save_is_planned_again_and_a_restart_sends_it_without_kv(tmp_path):
+    eng, sched = scheduler(steps_ms=0)
+    a, b = session(("c", "a"), n_prompt=5, max_tokens=30), session(("c", "b"), n_prompt=6, max_tokens=30, salt=1)
+    sched.submit(a)
+    sched.submit(b)
+    for _ in range(2):
+        step(sched, eng, sched.plan())
+    sched.export(a.key, str(tmp_path / "a.kv"))
+    refused = sched.plan()
+    assert any(type(op).__name__ == "Save" for op in refused.plan.kv)
+    sched.refused(refused)  # b's chunk in it ends ENGINE_ERROR; a's save did not run
+    again = sched.plan()
+    assert [type(op).__name__ for op in again.plan.kv] == ["Save"]
+    sched.engine_restarted()  # that one is lost with the engine: a leaves with its tokens, no KV
+    events = step(sched, eng, sched.plan())
+    ex = [e for e in events if e.kind == "exported"]
+    assert len(ex) == 1 and ex[0].kv is None and ex[0].reason is None and a.state == "DONE"
+
+
+def test_a_kv_the_engine_cannot_load_ends_that_session_cache_miss_and_nobody_else(tmp_path):
+    eng, sched = scheduler(steps_ms=0)
+    other = session(("c", "o"), n_prompt=5, max_tokens=4)
+    sched.submit(other)
+    (tmp_path / "bad.kv").write_bytes(b"junk")
+    moved = Session(("c", "m"), prompt(8), 10, tokens=prompt(8) + [7, 8], kv_import=(str(tmp_path / "bad.kv"), 9))
+    sched.submit(moved)
+    events = []
+    while sched.live:
+        events += step(sched, eng, sched.plan())
+    assert done_reasons(events) == {moved.key: R.CACHE_MISS, other.key: R.LENGTH}

@@ -6,6 +6,7 @@ from helpers import Clock, prompt, scheduler
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.telemetry import Telemetry
+from meshnode.front.moves import Moves
 from meshnode.front.requests import MAX_HELD, Answer, Requests
 from meshnode.text.chat import ChatPrompt, Specials, prompt as chat_prompt
 from meshnode.text.jobs import TextJob
@@ -62,6 +63,7 @@ class Front:
 def front(clock, **kw):
     _, sched = scheduler(clock=clock)
     replies, texts = [], Texts()
+    kw.setdefault("moves", Moves(1024, clock))
     reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), status=lambda n: P.pong(), **kw)
     return sched, Front(reqs, replies), texts, replies
 

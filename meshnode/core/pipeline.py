@@ -35,6 +35,7 @@ class Tick:
     plan: Plan
     sessions: list = field(default_factory=list)  # one per plan.chunks entry, in order
     reused: list = field(default_factory=list)  # sessions that start on cached KV in this tick
+    exports: list = field(default_factory=list)  # sessions leaving the node whose KV this tick saves
     sent_at: float = 0.0
     started_at: float = 0.0  # when the engine began it, as the front can tell: sent to it idle, or the answer before
     predicted_ms: float = 0.0  # what the cost model expects it to take; 0 before it can say

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshnode.core import reasons as R
+from meshnode.core import moves
 from meshnode.core.admission import Admission, AdmissionDecision
 from meshnode.core.budget import NodeBudget, deterministic_rows_problem
 from meshnode.core.types import ConfigError
@@ -160,6 +161,16 @@ class Scheduler:
         s = self.live.get(key)
         return self._end(s, reason) if s else None
 
+    def export(self, key, path: str) -> list[Event]:
+        """Take a live session off this node (core/moves.py): a running one is saved to `path` by the next
+        plan and ends EXPORTED when that tick is answered (no events now); a queued one, or one with nothing
+        computed, leaves now without KV: its `exported` event, then its `done`."""
+        s = self.live[key]
+        s.export_to = path
+        if s.state == RUNNING and s.n_planned:
+            return []
+        return [Event("exported", s), self._end(s, R.EXPORTED)]
+
     def end_all(self, reason: str) -> list[Event]:
         """End every live session (drain deadline, unrecoverable engine): each gets its done."""
         return [self._end(s, reason) for s in list(self.live.values())]
@@ -183,9 +194,9 @@ class Scheduler:
             if s.leader:
                 self.seqs.follow(s)
         b = self.budget
-        decoding = sorted((s for s in self.running if s.pending == 1), key=lambda s: s.last_tick)
+        decoding = sorted((s for s in self.running if s.pending == 1 and not s.export_to), key=lambda s: s.last_tick)
         chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
-        prompts = [s for s in self.running if s.pending > 1 and not s.leader]
+        prompts = [s for s in self.running if s.pending > 1 and not s.leader and not s.export_to]
         if self.policy == "priority":  # a better session's prompt goes first into the tick's prefill room too
             prompts.sort(key=lambda s: s.order)
         prompts = prompts[: b.max_batch_size - len(chunks)]
@@ -198,7 +209,9 @@ class Scheduler:
             chunks.append(self._chunk(s, n))
             self.counters.prefill_tokens += n
         release, kv, reused = self.seqs.take()
-        if not chunks and not release and not kv:
+        saves, leaving = moves.saves(self.running)
+        kv += saves
+        if not chunks and not release and not kv and not leaving:
             return None
         if chunks:  # a release-only tick is housekeeping, not a tick of work
             c = self.counters
@@ -206,7 +219,8 @@ class Scheduler:
             c.occupancy_last = len(chunks)
             c.occupancy_max = max(c.occupancy_max, len(chunks))
             c.occupancy_sum += len(chunks)
-        tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused, planned=self._plans)
+        tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused, leaving,
+                    planned=self._plans)
         self._arrived = None
         tick.plan.steps = plan_steps(chunks, len(self.running), bool(prompts or self.waiting),
                                      self.cost.measured_decode_ms(len(chunks)), self.steps_ms)
@@ -288,6 +302,9 @@ class Scheduler:
         for s in tick.reused:  # its Keep or Share found the KV gone (an earlier tick's miss) before any chunk ran
             if self._running_since(s, tick) and s.seq_id in missed:
                 events.append(self._end(s, R.CACHE_MISS))
+        for s in tick.exports:  # one that ended meanwhile got its own done: its export is answered with that
+            events += [moves.exported(s, result.saved), self._end(s, R.EXPORTED)] if s.state == RUNNING else \
+                [Event("exported", s, reason=s.reason)]
         return events
 
     def _deliver(self, s: Session, samples: list, events: list[Event]) -> bool:
@@ -328,6 +345,8 @@ class Scheduler:
         events = [self._end(s, reason) for s, c in tick.chunks if self._current(s, c, tick)]
         release = []
         for tk in [tick, *behind]:
+            for s in tk.exports:  # its save did not run: the next plan saves it
+                s.saving = False
             release += tk.plan.release + [op.seq_id for op in tk.plan.kv if isinstance(op, Release)]
             for s, c in tk.chunks if tk is not tick else ():
                 if self._current(s, c, tk):
@@ -354,6 +373,7 @@ class Scheduler:
         self.seqs.restarted()
         for s in self.running:
             s.forget_kv()
+            s.saving = False  # a session asked to leave goes without KV
 
     # -- internals ----------------------------------------------------------------------
     def _start(self, s: Session) -> None:
@@ -372,7 +392,8 @@ class Scheduler:
 
     def _preempt_for(self, head: Session) -> bool:
         """Under the priority policy, make room for `head` by preempting running sessions (core/priority.py)."""
-        out = victims(head, self.running, self.admission.can_start) if self.policy == "priority" else []
+        running = [s for s in self.running if not s.export_to]  # one leaving is about to free its room
+        out = victims(head, running, self.admission.can_start) if self.policy == "priority" else []
         for s in out:
             self._preempt(s)
         return bool(out) and self._fits(head)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 
+from meshnode.core import moves
 from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import RUNNING, Session
 from meshnode.core.types import Keep, Release, Share
@@ -43,6 +44,14 @@ class Sequences:
 
     def place(self, s: Session, running: list[Session]) -> None:
         """Give a starting session its id and whatever KV it can reuse (or a leader to wait for)."""
+        if s.kv_import:  # it arrived with its KV (core/moves.py)
+            s.leader, s.seq_id = None, self._free_id()
+            op = moves.load(s, s.seq_id)
+            if op:
+                self.kv_ops.append(op)
+                s.n_planned = s.n_reused = op.n
+                self.reused.append(s)
+            return
         hit = lead = None
         if self.cache.on and not s.embed:  # an embedding pools every row of its prompt: none may be reused
             live = [(r.seq_id, r.tokens[:min(r.n_planned, len(r.tokens))], r.owner, len(r.prompt))

@@ -51,6 +51,11 @@ class Session:
     reason: str | None = None
     last_tick: int = -1
     stale_before: int = 0  # ticks planned before this plan count are not this incarnation's (preempted since)
+    # moving between nodes (core/moves.py): where its KV is saved to, once asked to leave; whether a planned
+    # tick saves it; the KV it arrived with ((path, positions), until it starts)
+    export_to: str = ""
+    saving: bool = False
+    kv_import: tuple | None = None
     t_submit: float = 0.0
     t_start: float = 0.0
     t_first: float = 0.0
@@ -106,3 +111,4 @@ class Event:
     detail: str = ""  # why, in a sentence, when the reason alone does not say (a `done` only)
     logprobs: list[Logprob] | None = None  # per token, when the session asked
     embedding: list[float] | None = None  # an `embedding` event's vector
+    kv: tuple | None = None  # an `exported` event's saved KV: (path, positions, bytes), None when it has none

@@ -178,7 +178,25 @@ class Share(NamedTuple):
     n: int
 
 
-KvOp = Union[Release, Keep, Share]
+class Save(NamedTuple):
+    """Write the sequence's first `n` positions (cells past them are dropped first) and their tokens to the
+    file `path`, in llama.cpp's own per-sequence state format (llama_state_seq_save_file): a session leaving
+    for another node takes its KV with it (core/moves.py)."""
+    seq_id: int
+    n: int
+    path: str
+
+
+class Load(NamedTuple):
+    """The empty sequence starts with the KV a `Save` wrote to `path`, cut to its first `n` positions: a
+    session that arrived from another node goes on from there. A file that cannot be loaded, or holds fewer
+    positions, is a cache miss of that sequence (its session ends CACHE_MISS, the others go on)."""
+    seq_id: int
+    n: int
+    path: str
+
+
+KvOp = Union[Release, Keep, Share, Save, Load]
 
 
 @dataclass
@@ -226,6 +244,7 @@ class StepResult:
     # log-probabilities (None where not asked); `tokens` and `logprobs` are the last step's
     earlier: dict[int, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
     embeddings: dict[int, list[float]] = field(default_factory=dict)  # an embedding session's pooled vector
+    saved: dict[int, int] = field(default_factory=dict)  # a Save's sequence -> the bytes written (0: it failed)
 
     def samples(self, seq_id: int) -> list[tuple[int, Logprob | None]]:
         """Every sample the tick drew for the sequence, in order, with its log-probabilities."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import numpy as np
 
+from ipc import seqstate
 from meshnode.core.types import FatalEngineError, Plan, StepResult
 from meshnode.engine.base import Engine
 
@@ -101,3 +103,23 @@ class FakeEngine(Engine):
 
     def share_kv(self, src: int, dst: int, n: int) -> None:
         self._hashes[dst] = self._hashes[src][:n]
+
+    def save_kv(self, seq_id: int, path: str, tokens: list[int]) -> int:
+        """llama.cpp's head (the tokens), then its "KV" (the rolling hashes) as msgpack: the front's moves run
+        on it as on llama.cpp."""
+        data = seqstate.head(tokens) + msgpack.packb(self._hashes[seq_id][:len(tokens)])
+        with open(path, "wb") as f:
+            f.write(data)
+        return len(data)
+
+    def load_kv(self, seq_id: int, path: str, n: int) -> list[int] | None:
+        try:
+            tokens = seqstate.tokens_in(path)
+            with open(path, "rb") as f:
+                hashes = msgpack.unpackb(f.read()[12 + 4 * len(tokens):])
+        except (OSError, ValueError):
+            return None
+        if not isinstance(hashes, list) or len(hashes) < n or len(tokens) < n:
+            return None
+        self._hashes[seq_id] = list(hashes[:n])
+        return tokens[:n]

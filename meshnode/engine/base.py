@@ -14,8 +14,10 @@ import time
 
 import numpy as np
 
-from meshnode.core.types import (GREEDY, Constrained, ConstraintFailed, InvalidPlan, Keep, Plan, Release, Sampling,
-                                 SeqChunk, Share, StepResult)
+from dataclasses import replace
+
+from meshnode.core.types import (GREEDY, Constrained, ConstraintFailed, InvalidPlan, Keep, Load, Plan, Release,
+                                 Sampling, Save, SeqChunk, Share, StepResult)
 from meshnode.engine.sampling import logprobs, sample
 
 MAX_STEPS = 64  # the most steps one plan may ask for (Plan.steps)
@@ -50,6 +52,17 @@ def _kv_after(plan: Plan, n_seq_max: int, next_pos: list[int]) -> dict[int, int]
                 raise InvalidPlan(f"share of {op.n} positions from sequence {src} ({pos(src)} held) into "
                                   f"{dst} ({pos(dst)} held): the source must hold them and the target be empty")
             after[dst] = op.n
+        elif isinstance(op, Save):
+            s = seq(op.seq_id, "save")
+            if not (isinstance(op.path, str) and op.path) or not 0 < op.n <= pos(s):
+                raise InvalidPlan(f"save of {op.n} positions of sequence {s}, which holds {pos(s)}, to {op.path!r}")
+            after[s] = op.n
+        elif isinstance(op, Load):
+            s = seq(op.seq_id, "load")
+            if not (isinstance(op.path, str) and op.path) or pos(s) != 0 or op.n < 1:
+                raise InvalidPlan(f"load of {op.n} positions into sequence {s} ({pos(s)} held) from {op.path!r}: "
+                                  "the target must be empty")
+            after[s] = op.n
         else:
             raise InvalidPlan(f"unknown KV operation {op!r}")
     return after
@@ -119,6 +132,7 @@ class Engine:
         self._history: list[list[int]] = [[] for _ in range(self.n_seq_max)]  # tokens fed, by position
         self._samplers: dict[int, Sampling] = {}
         self._constraints: dict = {}  # seq -> engine/constraint.Constraint, for sessions with a response_format
+        self._saved, self._unloaded = {}, set()  # the last plan's Save and failed Load outcomes
 
     def step(self, plan: Plan) -> StepResult:
         """Run one tick: validate, release, compute every chunk, sample where asked; a multi-step plan's rows
@@ -129,7 +143,11 @@ class Engine:
     def step_once(self, plan: Plan) -> StepResult:
         t0 = time.perf_counter()
         self.begin(plan)
+        saved, unloaded = self._saved, self._unloaded
+        if unloaded:  # a Load that failed: its session's chunks cannot run, the others' do
+            plan = replace(plan, chunks=[c for c in plan.chunks if c.seq_id not in unloaded])
         res = self._run(plan)
+        res.saved, res.cache_miss = saved, [*res.cache_miss, *sorted(unloaded)]
         self.end(plan, res)
         res.step_ms = (time.perf_counter() - t0) * 1e3
         return res
@@ -153,6 +171,7 @@ class Engine:
             nxt.step_ms += res.step_ms
             nxt.drafted += res.drafted
             nxt.served += res.served
+            nxt.saved = res.saved
             res = nxt
         res.earlier = earlier
         return res
@@ -163,9 +182,14 @@ class Engine:
                       n_ctx_seq=self.n_ctx_seq, next_pos=self._next_pos, samplers=self._samplers)
         for s in plan.release:
             self.release(int(s))
+        self._saved, self._unloaded = {}, set()
         for op in plan.kv:
             if isinstance(op, Release):
                 self.release(op.seq_id)
+            elif isinstance(op, Save):
+                self._saved[op.seq_id] = self._save_seq(op)
+            elif isinstance(op, Load):
+                self._load_seq(op)
             elif isinstance(op, Keep):
                 self.trim_kv(op.seq_id, op.n)
                 self._next_pos[op.seq_id] = op.n
@@ -182,6 +206,26 @@ class Engine:
                 self._constraints.pop(c.seq_id, None)
             if c.constraint is not None:
                 self._constraints[c.seq_id] = self._start_constraint(c)
+
+    def _save_seq(self, op: Save) -> int:
+        """The sequence cut to its first n positions, then written with its tokens: the bytes written, 0 when
+        the engine could not (its session leaves without its KV and is prefilled again where it goes)."""
+        self.trim_kv(op.seq_id, op.n)
+        self._next_pos[op.seq_id] = op.n
+        del self._history[op.seq_id][op.n:]
+        return self.save_kv(op.seq_id, op.path, self._history[op.seq_id])
+
+    def _load_seq(self, op: Load) -> None:
+        """The sequence starts with the saved KV's first n positions and the tokens saved with it; one that
+        cannot be had is released and reported a miss (step_once)."""
+        self.release(op.seq_id)
+        tokens = self.load_kv(op.seq_id, op.path, op.n)
+        if tokens is None or len(tokens) != op.n:
+            self.release(op.seq_id)
+            self._unloaded.add(op.seq_id)
+            return
+        self._next_pos[op.seq_id] = op.n
+        self._history[op.seq_id] = list(tokens)
 
     def end(self, plan: Plan, res: StepResult) -> None:
         """The part after: the chunks that ran advance their sequences; the ones that lost their
@@ -244,6 +288,15 @@ class Engine:
     def share_kv(self, src: int, dst: int, n: int) -> None:
         """Give the empty sequence `dst` the first `n` positions of `src`."""
         raise NotImplementedError
+
+    def save_kv(self, seq_id: int, path: str, tokens: list[int]) -> int:
+        """Write the sequence's KV and its `tokens` to `path`; the bytes written, 0 when it cannot."""
+        return 0
+
+    def load_kv(self, seq_id: int, path: str, n: int) -> list[int] | None:
+        """Give the empty sequence the first `n` positions a save_kv wrote to `path`; their tokens, or None
+        when the file cannot be loaded or holds fewer."""
+        return None
 
     def _run(self, plan: Plan) -> StepResult:
         raise NotImplementedError

@@ -338,7 +338,7 @@ class LlamaEngine(Drafted, Engine):
         """Releases first, then the live sequences' streams are brought together (meshnode/engine/seqmap.py):
         those with a chunk in this tick or one of the LIVE_STEPS before it."""
         super().begin(plan)
-        if self._ids is not None:
+        if self._ids is not None and plan.chunks:  # a move is copied at the next decode: never left pending
             self._step_no += 1
             for c in plan.chunks:
                 self._ran[c.seq_id] = self._step_no
@@ -372,6 +372,25 @@ class LlamaEngine(Drafted, Engine):
         ps, pd = self._ids.get(src), self._ids[dst]
         self._lc.llama_memory_seq_cp(self._mem, ps, pd, -1, -1)
         self._lc.llama_memory_seq_rm(self._mem, pd, n, -1)
+
+    def save_kv(self, seq_id: int, path: str, tokens: list[int]) -> int:
+        p = seq_id if self._ids is None else self._ids.get(seq_id)
+        if p is None:
+            return 0
+        arr = (self._lc.llama_token * len(tokens))(*tokens)
+        return int(self._lc.llama_state_seq_save_file(self._ctx, path.encode(), p, arr, len(tokens)))
+
+    def load_kv(self, seq_id: int, path: str, n: int) -> list[int] | None:
+        """llama.cpp checks the file's format and that its cells fit; the positions it holds are checked here."""
+        p = seq_id if self._ids is None else self._ids[seq_id]
+        out, count = (self._lc.llama_token * self.n_ctx_seq)(), ctypes.c_size_t(0)
+        if not self._lc.llama_state_seq_load_file(self._ctx, path.encode(), p, out, self.n_ctx_seq,
+                                                  ctypes.byref(count)):
+            return None
+        if count.value < n or self._lc.llama_memory_seq_pos_max(self._mem, p) + 1 < n:
+            return None
+        self._lc.llama_memory_seq_rm(self._mem, p, n, -1)
+        return list(out[:n])
 
     def seq_pos_max(self, seq_id: int) -> int:
         p = seq_id if self._ids is None else self._ids.get(seq_id)

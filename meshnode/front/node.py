@@ -38,6 +38,7 @@ from meshnode.front.clients import TELEMETRY_SUBSCRIBERS, Clients
 from meshnode.front.engine_link import EngineLink
 from meshnode.front.gate import RESERVE_FDS, SAFE_IPC_FDS, descriptors
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
+from meshnode.front.moves import Moves
 from meshnode.front.prom import Exposition
 from meshnode.front.gateway_child import GatewayChild
 from meshnode.front.reaper import Reaper
@@ -66,7 +67,7 @@ class Front:
         self._locks: list[EndpointLock] = []
         # set by initialize(); shutdown() releases whichever of them exist
         self.sched = self.link = self.clients = self.arena = self.zctx = self.tok = self.texts = self.requests = None
-        self.reaper = self.gateway = None
+        self.reaper = self.gateway = self.moves = None
 
     # -- initialize ------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -103,14 +104,17 @@ class Front:
             "cache_dtype": cfg.type_k, "enable_prefix_caching": cfg.prefix_cache != "off", "kv_layout": cfg.layout})
         self.telemetry = Telemetry(self.sched)
         self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
-        self.output = Output(self.tok, self.clients.send, self.telemetry, latency=self.exposition)
+        self.moves = Moves(2 * self.budget.kv_bytes_per_token + 64, time.monotonic)
+        self.reaper.claim(self.moves.dir)
+        self.output = Output(self.tok, self.clients.send, self.telemetry, latency=self.exposition,
+                             export=lambda ev, stops: self.moves.exported(ev, stops, self.recipe))
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
                                      self.notifier, self.budget, self.recipe, self.listen, self.telemetry_ep,
                                      self.fd_limit, self.sched.deterministic, self.link.info.devices,
                                      self.tok.tool_format))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
                                  metrics=lambda: P.metrics(self.exposition.render(self.report.snapshot()).decode()),
-                                 stops_of=self.output.stops_of,
+                                 moves=self.moves,
                                  special_in_content=cfg.chat_special_in_content, pooling=cfg.pooling)
         self.poller = zmq.Poller()
         self.clients.register(self.poller)
@@ -211,6 +215,9 @@ class Front:
             if self.sched.engine_down and self.health.state == READY:  # a missing worker is back
                 self.sched.engine_down = None
             self._dispatch()
+            for ident, id in self.moves.expired():
+                self._apply([self.requests.refuse(ident, id, R.REJECTED_BAD_REQUEST, "its KV stopped coming (more "
+                                                  "than IMPORT_IDLE_S between two kv parts)")])
             self.clients.publish_kv(self.sched.kv_events())
             self.clients.flush()
             if self.gateway is not None and drain_deadline is None:
@@ -304,6 +311,8 @@ class Front:
 
     def _update(self, outcome: Reply | Refusal | None) -> list[Event]:
         """A tick's outcome -> the sessions' events (sent by the caller, after the next dispatch)."""
+        if outcome is not None and outcome.tick.plan.kv:
+            self.moves.ran(outcome.tick.plan)
         if isinstance(outcome, Reply):
             self.sched.mem_available = outcome.mem_available
             return self.sched.apply(outcome.tick, outcome.result)
@@ -335,6 +344,7 @@ class Front:
         # destroy, not term: a start that failed half-way (a port in use) leaves sockets no owner closes,
         # and term would wait for them for ever
         steps = [(self.gateway, "stop"), (self.link, "stop"), (self.texts, "close"), (self.clients, "close"),
+                 (self.moves, "close"),
                  (self.arena, "close"),
                  (self.zctx, "destroy"), *((lock, "release") for lock in self._locks), (self.tok, "close"),
                  (self.notifier, "close"), (self.reaper, "done")]

@@ -57,6 +57,7 @@ class Output:
     send: object  # (ident, frames, final) -> outbox outcome: Clients.send
     telemetry: object  # counts the clients that stopped reading or vanished with sessions live
     latency: object = None  # told each gap between a session's tokens and each done's usage (front/prom.py)
+    export: object = None  # (exported event, stop strings) -> its frames (front/moves.py)
     clock: object = time.monotonic
     streams: dict = field(default_factory=dict)  # key -> Stream, from admission to done
 
@@ -78,6 +79,9 @@ class Output:
         for ev in events:
             if ev.kind == "tokens":
                 self._tokens(ev, finishes)
+            elif ev.kind == "exported":  # its `done` follows (or came first, when it ended before the export)
+                for frames in self.export(ev, self.stops_of(ev.session.key)):
+                    self._deliver(ev.session.key[0], frames, True, finishes)
             elif ev.kind == "embedding":
                 key = ev.session.key
                 self._deliver(key[0], P.embedding(key[1], ev.embedding, len(ev.session.prompt)), False, finishes)

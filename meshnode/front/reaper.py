@@ -3,7 +3,7 @@
 A SIGKILLed front runs no cleanup, and its engine may be gone too (after a
 crash loop, or killed with it), so the cleanup cannot live in either. At start,
 before any thread exists, the front forks this reaper; as it creates files
-(sockets, locks, the shared arena, engine-link sockets) it tells the reaper
+(sockets, locks, the shared arena, engine-link sockets, the folder of moving sessions' KV) it tells the reaper
 their paths over a pipe, and on a clean exit it says "done". When the pipe
 closes without "done", the front died: the reaper removes every path it was
 told of (only those: never another node's), then exits. It holds no lock and
@@ -12,6 +12,7 @@ no descriptor but its end of the pipe.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 _DONE = b"\0done\n"
@@ -54,7 +55,10 @@ def _reap(r: int) -> None:
         if not data.endswith(_DONE):
             for path in data.decode(errors="replace").splitlines():
                 try:
-                    os.unlink(path)
+                    if os.path.isdir(path) and not os.path.islink(path):  # a folder of the front's own files
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.unlink(path)
                 except OSError:
                     pass
     finally:

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from ipc import link
 from ipc import protocol as P
 from meshnode.core import reasons as R
+from meshnode.core.admission import AdmissionDecision
 from meshnode.core.scheduler import Event, Scheduler
 from meshnode.core.session import Ask, Session
 from meshnode.core.telemetry import Telemetry
 from meshnode.core.types import Grammar
+from meshnode.front.moves import Moves
 from meshnode.text.jobs import TextJob, TextJobs
 from meshnode.text.tokenizer import Tokenizer
 
@@ -48,15 +50,15 @@ Action = Answer | Opened | Event
 
 class Requests:
     def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, status,
-                 metrics=lambda: [], stops_of=lambda key: [], special_in_content: bool = False,
-                 pooling: str = "mean"):
+                 moves: Moves, metrics=lambda: [], special_in_content: bool = False, pooling: str = "mean"):
         """`status(prompt_tokens) -> frames`: the node's status answer (front/report.py); `metrics() -> frames`:
-        its Prometheus text (front/prom.py); `stops_of(key)`: a live session's stop strings (front/output.py).
+        its Prometheus text (front/prom.py).
+        `moves`: the files of sessions moving between nodes (front/moves.py).
         `special_in_content`: chat content may spell special tokens (llama-server's behaviour;
         meshnode/text/chat.py)."""
         self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
         self.status, self.metrics, self.pooling = status, metrics, pooling  # pooling: an `embed: true`'s
-        self.stops_of = stops_of
+        self.moves = moves
         self.special_in_content = special_in_content
         self.held: dict[bytes, deque] = {}  # per client waiting behind its text: (frames, arrival)
         self._constraints = None  # llguidance over the served vocab, built for the first response_format
@@ -88,6 +90,8 @@ class Requests:
             return [Answer(ident, self.metrics())]
         if isinstance(req, P.Export):
             return self._export(ident, req.id)
+        if isinstance(req, P.KvChunk):
+            return self._kv(ident, req, arrived)
         if isinstance(req, P.Cancel):
             ev = self.sched.cancel((ident, req.id))
             if ev is not None:
@@ -108,12 +112,14 @@ class Requests:
 
     def _submit(self, ident: bytes, req: P.Submit, arrived: float) -> list[Action]:
         if req.embed is True and self.pooling == "none":
-            return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, "this node pools no embedding by default "
+            return [self.refuse(ident, req.id, R.REJECTED_BAD_REQUEST, "this node pools no embedding by default "
                                  "(pooling = none): name one (embed: mean, cls or last), or start it with another")]
         grammar, why = self._grammar(req)
         if why:  # before admission, with the library's own words
             self.telemetry.count_bad_frame()
             return [Answer(ident, P.error(R.BAD_REQUEST, why, req.id))]
+        if req.kv is not None:
+            return self._import(ident, req, arrived)
         if req.tokens is not None:
             return self._admit(ident, req, req.tokens, arrived, grammar)
         prompt = self.tok.special_prompt(req.text) if req.special else req.text
@@ -122,13 +128,13 @@ class Requests:
                 prompt = self.tok.chat_prompt(req.messages, self.special_in_content, req.tools,
                                               req.add_generation_prompt, req.continue_final_message)
             except ValueError as e:
-                return [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
+                return [self.refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
         ask = Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe, req.priority)
         d = self.sched.precheck(ask)
         if not d.accepted:
-            return [self._refuse(ident, req.id, d.reason, d.detail)]
+            return [self.refuse(ident, req.id, d.reason, d.detail)]
         if not self.texts.submit((ident, req, arrived, grammar), prompt, owner=ident):
-            return [self._refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
+            return [self.refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
                                  f"the tokenizer's backlog is full ({self.texts.max_backlog_chars} characters of "
                                  "text wait); retry later or send tokens")]
         self.held[ident] = deque()
@@ -138,7 +144,7 @@ class Requests:
         """A text is tokenized: admit it, then handle what its client sent behind it."""
         ident, req, arrived, grammar = job.key
         if job.error:
-            out = [self._refuse(ident, req.id, R.REJECTED_BAD_REQUEST, job.error)]
+            out = [self.refuse(ident, req.id, R.REJECTED_BAD_REQUEST, job.error)]
         else:
             out = self._admit(ident, req, job.tokens, arrived, grammar)
         held = self.held.pop(ident, deque())
@@ -150,38 +156,57 @@ class Requests:
         return out
 
     def _export(self, ident: bytes, id: str) -> list[Action]:
-        """The session's state for another node (`exported`), then its `done` EXPORTED: it ends here, and
-        an `import` of that state elsewhere draws the same next tokens (counter-based draws, the prompt and
-        what it generated prefilled again). Samples still in flight are dropped, not lost: they are drawn
-        again there."""
+        """Take the session off this node (core/moves.py): its `exported` state and KV, then its `done`
+        EXPORTED, come once the tick that saves it is answered (the output stage sends them)."""
         s = self.sched.live.get((ident, id))
         if s is None:
             self.telemetry.count_unknown_session()
             return [Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {id!r}", id))]
-        if s.grammar is not None or s.embed:
+        if s.grammar is not None or s.embed or s.export_to:
             self.telemetry.count_bad_frame()
-            return [Answer(ident, P.error(R.BAD_REQUEST, "a session with a response_format or an embedding does "
-                                          "not move between nodes; cancel it and submit it there", id))]
-        state = P.exported(id, s.prompt, s.generated, s.max_tokens, s.sampling, sorted(s.stop_tokens), s.ignore_eos,
-                           self.stops_of(s.key), s.priority, self.sched.admission.recipe or "")
-        return [Answer(ident, state), self.sched.end(s.key, R.EXPORTED)]
+            why = "it is being exported already" if s.export_to else \
+                "a session with a response_format or an embedding does not move between nodes; cancel it and " \
+                "submit it there"
+            return [Answer(ident, P.error(R.BAD_REQUEST, why, id))]
+        return self.sched.export(s.key, self.moves.path())
 
-    def _refuse(self, ident: bytes, id: str, reason: str, detail: str) -> Answer:
+    def _import(self, ident: bytes, req: P.Submit, arrived: float) -> list[Action]:
+        """An import with KV: refused now if it could not be admitted now, else its bytes are awaited."""
+        key = (ident, req.id)
+        d = self.sched.precheck(Ask(key, len(req.tokens), req.max_tokens, req.recipe, req.priority))
+        if d.accepted and self.moves.receiving(key):
+            d = AdmissionDecision(R.REJECTED_DUPLICATE, f"an import {req.id!r} of this client is receiving its KV")
+        why = d.detail if not d.accepted else self.moves.begin(ident, req)
+        if why:
+            return [self.refuse(ident, req.id, d.reason if not d.accepted else R.REJECTED_BAD_REQUEST, why)]
+        return []
+
+    def _kv(self, ident: bytes, c: P.KvChunk, arrived: float) -> list[Action]:
+        if not self.moves.receiving((ident, c.id)):
+            self.telemetry.count_unknown_session()
+            return [Answer(ident, P.error(R.UNKNOWN_SESSION, f"no import {c.id!r} is receiving its KV", c.id))]
+        req, path, why = self.moves.chunk(ident, c)
+        if why:
+            return [self.refuse(ident, c.id, R.REJECTED_BAD_REQUEST, why)]
+        return self._admit(ident, req, req.tokens, arrived, kv_import=(path, req.kv.positions)) if req else []
+
+    def refuse(self, ident: bytes, id: str, reason: str, detail: str) -> Answer:
         self.telemetry.count_reject(reason)
         return Answer(ident, P.rejected(id, reason, detail))
 
     def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float,
-               grammar: Grammar | None = None) -> list[Action]:
+               grammar: Grammar | None = None, kv_import: tuple | None = None) -> list[Action]:
         # no max_tokens: what the session's context share leaves (llama-server's n_predict -1, vLLM's default)
         # an embedding asks one result (its vector) where a generation's token would come
         max_tokens = 1 if req.embed else req.max_tokens or max(1, self.sched.budget.n_ctx_seq - len(prompt))
         s = Session((ident, req.id), prompt, max_tokens, req.sampling, frozenset(req.stop_tokens),
                     req.ignore_eos, req.recipe, owner=ident, grammar=grammar, priority=req.priority, t_submit=arrived,
                     stop_text=bool(req.stop), embed=self.pooling if req.embed is True else req.embed or "",
-                    tokens=prompt + req.generated if req.generated else [])  # an import goes on from there
+                    tokens=prompt + req.generated if req.generated else [],  # an import goes on from there
+                    kv_import=kv_import)
         d = self.sched.submit(s)
         if d.accepted:  # a queued session it displaced (priority policy) gets its `done` right after
             for _ in d.displaced:
                 self.telemetry.count_reject(R.REJECTED_QUEUE_FULL)
             return [Opened(s, req.stop), Answer(ident, P.admitted(req.id, d.reason)), *d.displaced]
-        return [self._refuse(ident, req.id, d.reason, d.detail)]
+        return [self.refuse(ident, req.id, d.reason, d.detail)]

@@ -1,0 +1,158 @@
+"""The front's half of moving sessions: the KV files the engine saves and loads, and their bytes on the wire.
+
+The engine writes a leaving session's KV to a file in this node's own folder
+(core/moves.py says when); here it is read, hashed (SHA-256) and sent as the
+`exported` event's `kv` and the `kv` events after it, then removed. An arriving
+session's `kv` requests are written to a file as they come, in order, each
+import bounded by what its positions can hold; when the last byte is in, the
+checksum and the tokens in the file's head (ipc/seqstate.py) must be the ones
+its state names, or it is refused before admission. The file then waits for the
+tick that loads it and is removed once that tick is answered. An import whose
+bytes stop coming for IMPORT_IDLE_S is refused and its file removed, so a client
+that vanished half-way holds nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+from ipc import protocol as P
+from ipc import seqstate
+from meshnode.core import reasons as R
+from meshnode.core.session import Event
+from meshnode.core.types import Load
+
+IMPORT_IDLE_S = 30.0  # an import whose next bytes take longer is refused
+MAX_INCOMING = 64  # imports receiving their KV at once
+HEAD_SLACK = 1 << 20  # a state file's bytes beyond its cells': head, tokens, per-layer headers
+
+
+@dataclass
+class Incoming:
+    req: P.Submit
+    path: str
+    file: object
+    hasher: object = field(default_factory=hashlib.sha256)
+    received: int = 0
+    last: float = 0.0
+
+
+class Moves:
+    def __init__(self, bytes_per_position: int, clock):
+        """`bytes_per_position`: the most KV one position can take on this node (an import's bound)."""
+        self.dir = tempfile.mkdtemp(prefix="meshnode-kv-")
+        self.bytes_per_position, self.clock = bytes_per_position, clock
+        self.incoming: dict[tuple, Incoming] = {}
+        self._names = itertools.count()
+
+    def path(self) -> str:
+        """A new file in this node's folder, for a leaving session's KV."""
+        return os.path.join(self.dir, f"{next(self._names)}.kv")
+
+    # -- leaving ---------------------------------------------------------------------------------
+    def exported(self, ev: Event, stops: list[str], recipe: str) -> list[list[bytes]]:
+        """The frames that answer an export: its state and KV, or, for a session that ended first, why not."""
+        s = ev.session
+        path = s.export_to
+        try:
+            if ev.reason:
+                return [P.error(R.UNKNOWN_SESSION, f"session {s.key[1]!r} ended ({ev.reason}) before its export",
+                                s.key[1])]
+            data, header = b"", None
+            if ev.kv:
+                with open(path, "rb") as f:
+                    data = f.read()
+                header = P.KvHeader(len(data), hashlib.sha256(data).hexdigest(), ev.kv[1])
+            state = P.exported(s.key[1], s.prompt, s.generated, s.max_tokens, s.sampling, sorted(s.stop_tokens),
+                               s.ignore_eos, stops, s.priority, recipe, header)
+            return [state, *P.kv_parts(s.key[1], data)]
+        finally:
+            remove(path)
+
+    # -- arriving --------------------------------------------------------------------------------
+    def begin(self, ident: bytes, req: P.Submit) -> str:
+        """Wait for an import's KV bytes; why it cannot ("" when it can)."""
+        kv = req.kv
+        limit = kv.positions * self.bytes_per_position + HEAD_SLACK
+        if kv.bytes > limit:
+            return f"kv.bytes {kv.bytes} is more than {kv.positions} positions take on this node (at most {limit})"
+        if len(self.incoming) >= MAX_INCOMING:
+            return f"{MAX_INCOMING} imports are receiving their KV already; retry later"
+        path = self.path()
+        self.incoming[(ident, req.id)] = Incoming(req, path, open(path, "wb"), last=self.clock())
+        return ""
+
+    def receiving(self, key) -> bool:
+        return key in self.incoming
+
+    def chunk(self, ident: bytes, c: P.KvChunk) -> tuple[P.Submit | None, str, str]:
+        """One `kv` request of an import that is `receiving`: (the import and its file, once its KV is whole
+        and checked, "") or (None, "", why it failed: it is dropped then), or nothing yet."""
+        inc = self.incoming[(ident, c.id)]
+        kv = inc.req.kv
+        if c.offset != inc.received or inc.received + len(c.data) > kv.bytes:
+            self.drop((ident, c.id))
+            return None, "", (f"kv at offset {c.offset} with {len(c.data)} bytes does not follow the "
+                              f"{inc.received} received of {kv.bytes}; send the parts in order")
+        inc.file.write(c.data)
+        inc.hasher.update(c.data)
+        inc.received += len(c.data)
+        inc.last = self.clock()
+        if inc.received < kv.bytes:
+            return None, "", ""
+        del self.incoming[(ident, c.id)]
+        inc.file.close()
+        why = self._check(inc)
+        if why:
+            remove(inc.path)
+            return None, "", why
+        return inc.req, inc.path, ""
+
+    def _check(self, inc: Incoming) -> str:
+        if inc.hasher.hexdigest() != inc.req.kv.sha256:
+            return "the KV's SHA-256 is not the one its import names: it was changed or cut on the way"
+        try:
+            tokens = seqstate.tokens_in(inc.path)
+        except ValueError as e:
+            return f"the KV is not this node's kind: {e}"
+        want = (inc.req.tokens + inc.req.generated)[:inc.req.kv.positions]
+        if tokens[:len(want)] != want or len(tokens) < len(want):
+            return "the KV was computed for other tokens than the import's prompt and generated tokens"
+        return ""
+
+    def expired(self) -> list[tuple]:
+        """Imports whose bytes stopped coming: dropped; their keys (each gets its refusal)."""
+        now = self.clock()
+        out = [key for key, inc in self.incoming.items() if now - inc.last > IMPORT_IDLE_S]
+        for key in out:
+            self.drop(key)
+        return out
+
+    def drop(self, key) -> None:
+        inc = self.incoming.pop(key, None)
+        if inc is not None:
+            inc.file.close()
+            remove(inc.path)
+
+    def ran(self, plan) -> None:
+        """A tick was answered or refused: the files it loaded (or would have) are no longer needed."""
+        for op in plan.kv:
+            if isinstance(op, Load):
+                remove(op.path)
+
+    def close(self) -> None:
+        for key in list(self.incoming):
+            self.drop(key)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def remove(path: str) -> None:
+    """Gone, whether it was there or not."""
+    try:
+        os.unlink(path)
+    except (FileNotFoundError, TypeError):
+        pass
