@@ -137,3 +137,24 @@ def embed() -> list[str]:
             "llama-server `--embedding --pooling mean` on one slot (on 8 slots this build's llama-server answers a "
             "request of several inputs with vectors mixed across them, cosine 0.62-0.96 to its own one-slot "
             "answers; on 9 it aborts at start).", "", f"- {e['verdict']}", ""]
+
+
+def moves() -> list[str]:
+    m = load("moves-bench-smollm2.json")
+    if not m:
+        return []
+    md = ["## A session moved with its KV vs prefilled again (issue 56)", "",
+          "`python -m benchmarks moves --model smollm2-q8_0 --threads 2 --rounds 3 --json "
+          f"evidence/moves-bench-smollm2.json` ({m['build']}): SmolLM2-135M-Instruct q8_0, two nodes on this "
+          "machine, f16 KV; a session of each context length generates 4 tokens on node A and is exported; its "
+          "state goes to node B with its KV, and (another prompt of that length) without it. Medians of "
+          f"{m['rounds']} rounds; 'move' is the export on A (request to last KV byte) plus the import on B "
+          "(request to its first token there).", "",
+          "| context | KV MiB | export ms | import with KV ms | move ms | import prefilling again ms | "
+          "re-prefill / move |", "|---|---|---|---|---|---|---|"]
+    for n, row in m["lengths"].items():
+        x = row["median"]
+        move = x["export_s"] + x["import_kv_s"]
+        md.append(f"| {n} | {x['kv_bytes'] / 2**20:.1f} | {x['export_s'] * 1e3:.0f} | {x['import_kv_s'] * 1e3:.0f} | "
+                  f"{move * 1e3:.0f} | {x['import_prefill_s'] * 1e3:.0f} | {x['import_prefill_s'] / move:.2f}x |")
+    return md + [""]

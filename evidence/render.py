@@ -151,7 +151,7 @@ def main() -> int:
     md += sections.scale()
     md += sections.memory()
     md += front.priority()
-    md += front.llamatests() + front.embed() + front.samples()
+    md += front.llamatests() + front.embed() + front.samples() + front.moves()
     md += sections.deterministic_sweeps()
     restarts = {k: v for k, v in (("tiny", load("restart-tiny.json")), ("bench", load("restart-bench.json"))) if v}
     if restarts:

@@ -3,9 +3,10 @@
 llama.cpp's threads wait for each other at every graph node by spinning, not
 sleeping: when the front takes a core answering a flood of valid requests, one
 decode thread is descheduled and every barrier waits for it (a step can take
-a hundred times its length; docs/architecture.md). So client work is metered like a
-token bucket of CPU seconds: it refills at `share` seconds per second up to
-`burst`, and while it is empty the front leaves the client socket alone and
+a hundred times its length; docs/architecture.md). So while sessions decode
+(an idle engine has nothing to protect) client work is metered like a token
+bucket of CPU seconds: it refills at `share` seconds per second up to `burst`,
+and while it is empty the front leaves the client socket alone and
 the requests wait in the clients' own queues (ZeroMQ's backpressure), while
 ticks and replies go on. A request is charged the time the front spent on it
 plus what receiving its bytes cost other threads. Pure: the caller passes the

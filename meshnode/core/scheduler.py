@@ -367,6 +367,19 @@ class Scheduler:
         """The prefix cache's blocks as its KV events key them, for the status answer."""
         return self.seqs.cache.block_hashes()
 
+    def save_cache(self, choose) -> list:
+        """The next plan saves the cached entries `choose(entries)` picks ((entry, path) pairs, returned):
+        the drain's last tick, for kv_persist (front/persist.py)."""
+        saving = choose(self.seqs.cache.entries.values())
+        self.seqs.save_entries(saving)
+        return saving
+
+    def restore_cache(self, kept: list) -> int:
+        """Entries read back at start (front/persist.py) into the prefix cache; how many fit."""
+        n = self.seqs.restore(kept)
+        self.seqs.fit(0)
+        return n
+
     def engine_restarted(self) -> None:
         """The engine's KV is gone (its driver dropped the ticks in flight): rebuild every running session by
         re-prefilling it."""

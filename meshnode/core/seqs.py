@@ -16,7 +16,7 @@ import bisect
 from meshnode.core import moves
 from meshnode.core.prefix import MIN_SHARE, Hit, PrefixCache
 from meshnode.core.session import RUNNING, Session
-from meshnode.core.types import Keep, Release, Share
+from meshnode.core.types import Keep, Load, Release, Save, Share
 
 
 class Sequences:
@@ -75,6 +75,23 @@ class Sequences:
             s.n_planned = s.n_reused = hit.n
             self.reused.append(s)
         s.leader, s.seq_id = lead, seq_id
+
+    def save_entries(self, saving: list) -> None:
+        """The next plan writes these cached entries' KV ((entry, path) pairs: front/persist.py)."""
+        self.kv_ops += [Save(e.seq_id, len(e.tokens), path) for e, path in saving]
+
+    def restore(self, kept: list) -> int:
+        """Cached entries read back from files (front/persist.py): each takes a free id, which the next plan
+        loads (a file the engine cannot load is a miss: the entry is dropped). How many fit."""
+        n = 0
+        for k in kept:
+            if not self.free:
+                break
+            seq_id = self.free.pop(0)
+            self.kv_ops.append(Load(seq_id, len(k.tokens), k.path))
+            self.cache.store(seq_id, k.tokens, len(k.tokens), k.owner, k.n_prompt)
+            n += 1
+        return n
 
     def fit(self, reserved_cells: int) -> None:
         """On a unified pool, evict cached entries until they fit beside the cells reserved."""

@@ -29,8 +29,10 @@ class Clients:
     def __init__(self, zctx: zmq.Context, listen: str, telemetry: str, *, curve: Curve | None, insecure: bool,
                  max_clients: int, metrics_listen: str | None = None, busy=None, idle_s: float = 0.0,
                  per_host: int = 0, evict_after_s: float = EVICT_AFTER_S, exposition: Exposition | None = None,
-                 kv_events: str | None = None):
+                 kv_events: str | None = None, decoding=None):
         """`busy()`: the client identities with a live session (their connections are never given up);
+        `decoding()`: whether sessions are decoding now (only then is client work kept to its CPU share: an idle
+        engine has nothing to protect, and an import's KV should come in at the socket's speed);
         `exposition`: what /metrics shows (front/prom.py); `kv_events`: where the prefix cache's KV events go
         (the telemetry's rule: the events carry prompts' token ids)."""
         self._auth: list = []
@@ -48,7 +50,7 @@ class Clients:
         self._kv_seq = 0
         self.metrics = MetricsServer(metrics_listen) if metrics_listen else None
         self.exposition = exposition or Exposition()
-        self.share = CpuShare(time.perf_counter())
+        self.share, self._decoding = CpuShare(time.perf_counter()), decoding or (lambda: True)
         self._watching, self._metrics_fds = True, set()
 
     def register(self, poller: zmq.Poller) -> None:
@@ -59,7 +61,7 @@ class Clients:
     def watch(self, poller: zmq.Poller) -> float:
         """Point the poller at the client sockets while requests are within their CPU share; return how
         long until they are again (0 now): meanwhile requests wait in the clients' own queues."""
-        wait = self.share.wait_s(time.perf_counter())
+        wait = self.share.wait_s(time.perf_counter()) if self._decoding() else 0.0
         allowed = wait == 0
         if allowed != self._watching:
             self._watching = allowed
@@ -82,8 +84,8 @@ class Clients:
             return
         # a time slice, not a count: a flood of valid but costly requests (maximal token lists,
         # status, scrapes) must leave the engine link its turn, and the decode its CPU
-        start = time.perf_counter()
-        until = start + min(CLIENT_SLICE_S, self.share.available(start))
+        start, metered = time.perf_counter(), self._decoding()
+        until = start + (min(CLIENT_SLICE_S, self.share.available(start)) if metered else CLIENT_SLICE_S)
         received = 0
         try:
             for fd in self._metrics_fds:
@@ -99,7 +101,8 @@ class Clients:
                 received += sum(map(len, frames))
                 yield frames[0], frames[1:]
         finally:
-            self.share.spend(time.perf_counter() - start + received * RECEIVE_S_PER_BYTE)
+            if metered:
+                self.share.spend(time.perf_counter() - start + received * RECEIVE_S_PER_BYTE)
 
     def send(self, ident: bytes, frames: list[bytes], final: bool = True) -> str:
         self.gates[0].sent(ident)

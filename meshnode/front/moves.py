@@ -141,7 +141,7 @@ class Moves:
     def ran(self, plan) -> None:
         """A tick was answered or refused: the files it loaded (or would have) are no longer needed."""
         for op in plan.kv:
-            if isinstance(op, Load):
+            if isinstance(op, Load) and os.path.dirname(op.path) == self.dir:  # not kv_persist's (front/persist.py)
                 remove(op.path)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import gc
 import logging
 import math
 import os
+import select
 import time
 
 import zmq
@@ -39,6 +40,7 @@ from meshnode.front.engine_link import EngineLink
 from meshnode.front.gate import RESERVE_FDS, SAFE_IPC_FDS, descriptors
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.moves import Moves
+from meshnode.front.persist import KvPersist
 from meshnode.front.prom import Exposition
 from meshnode.front.gateway_child import GatewayChild
 from meshnode.front.reaper import Reaper
@@ -53,6 +55,7 @@ from meshnode.text.jobs import TextJobs
 from meshnode.text.tokenizer import Tokenizer
 
 log = logging.getLogger("meshnode.front")
+PERSIST_S = 60.0  # the drain's last tick, which writes the prefix cache for kv_persist, may take this long
 
 
 class StartStopped(Exception):
@@ -67,7 +70,7 @@ class Front:
         self._locks: list[EndpointLock] = []
         # set by initialize(); shutdown() releases whichever of them exist
         self.sched = self.link = self.clients = self.arena = self.zctx = self.tok = self.texts = self.requests = None
-        self.reaper = self.gateway = self.moves = None
+        self.reaper = self.gateway = self.moves = self.persist = None
 
     # -- initialize ------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -92,7 +95,8 @@ class Front:
         self.clients = Clients(self.zctx, self.listen, self.telemetry_ep, curve=curve, insecure=cfg.insecure,
                                max_clients=max_clients, metrics_listen=cfg.metrics_listen, busy=self._busy_clients,
                                idle_s=cfg.client_idle_timeout_s, per_host=cfg.max_clients_per_host,
-                               evict_after_s=cfg.evict_after_s, exposition=self.exposition, kv_events=cfg.kv_events)
+                               evict_after_s=cfg.evict_after_s, exposition=self.exposition, kv_events=cfg.kv_events,
+                               decoding=lambda: self.sched is not None and bool(self.sched.running))
         self.arena = TokenArena.create(wire.arena_tokens(cfg.n_batch))
         self.reaper.claim(f"/dev/shm/{self.arena.name}")
         self.health = EngineHealth(cfg.tick_deadline_s, cfg.start_timeout_s, cfg.restart_timeout_min_s)
@@ -106,6 +110,8 @@ class Front:
         self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
         self.moves = Moves(2 * self.budget.kv_bytes_per_token + 64, time.monotonic)
         self.reaper.claim(self.moves.dir)
+        if cfg.kv_persist:
+            self._restore_kv()
         self.output = Output(self.tok, self.clients.send, self.telemetry, latency=self.exposition,
                              export=lambda ev, stops: self.moves.exported(ev, stops, self.recipe))
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
@@ -128,6 +134,30 @@ class Front:
                                         cfg.http_sampling_defaults)
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
+
+    def _restore_kv(self) -> None:
+        """The prefix cache as the last drain left it (front/persist.py); the first tick loads it."""
+        cfg = self.cfg
+        self.persist = KvPersist(cfg.kv_persist, int(cfg.kv_persist_mb * 2**20), self.recipe,
+                                 self.budget.kv_bytes_per_token)
+        n = self.sched.restore_cache(self.persist.load(self.budget.n_seq_max))
+        log.info("kv_persist: %d cached conversations read back from %s", n, cfg.kv_persist)
+
+    def _persist_kv(self) -> None:
+        """At the drain's end, the prefix cache's entries to kv_persist in one last tick (front/persist.py)."""
+        saving, saved = self.sched.save_cache(self.persist.to_save), {}
+        deadline = time.monotonic() + PERSIST_S
+        self._dispatch()
+        while not self.ticks.idle and time.monotonic() < deadline and not self.ticks.why_dead(time.monotonic()):
+            self._watch_link()
+            if self._link_fd is not None and select.select([self._link_fd], [], [], 0.1)[0]:
+                outcome = self.ticks.reply()
+                if isinstance(outcome, Reply):
+                    saved.update(outcome.result.saved)
+                self._update(outcome)
+            self._dispatch()
+        log.info("kv_persist: %d cached conversations written to %s", self.persist.commit(saving, saved),
+                 self.cfg.kv_persist)
 
     def _claim_endpoints(self) -> None:
         """What a killed node left removed, and the client and telemetry endpoints locked for this one."""
@@ -205,6 +235,8 @@ class Front:
                 drain_deadline = self._begin_drain(now)
             if signals.received > 1 or (drain_deadline and (now >= drain_deadline or not self.sched.live)):
                 self._send(self.sched.end_all(R.DRAINED))
+                if self.persist is not None and signals.received == 1:  # a second signal: stop now
+                    self._persist_kv()
                 break
             self._poll(timeout_ms=max(0, min(100, int(self.report.due(now) * 1e3), self._plan_in_ms(now))))
             now = time.monotonic()

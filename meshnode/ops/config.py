@@ -133,6 +133,11 @@ class NodeConfig:
     prefix_cache: str = setting("client", "reuse finished sessions' KV for prompts that start the same: client "
                                 "(same client identity only), node (anyone: a hit is a timing signal), off",
                                 choices=SCOPES)
+    kv_persist: str | None = setting(None, "a folder the prefix cache's entries are written to at drain and read back "
+                                     "at start, so conversations outlive a restart (each file checked by SHA-256, "
+                                     "recipe and tokens); unset = off", example="/var/lib/meshnode/kv")
+    kv_persist_mb: float = setting(1024.0, "the most KV kv_persist writes at drain, the most recently used entries "
+                                   "first", range=(1e-3, 1e9))
     rpc_timeout_s: float = setting(2.0, "each rpc worker must answer ggml's hello within this long, at start and "
                                    "before an engine restart, or the node names it (exit 1 at start)",
                                    range=(0.1, 600))
