@@ -440,15 +440,17 @@ def admitted(id: str, reason: str) -> list[bytes]:
     return event("admitted", id=id, state=R.RUNNING if reason == R.ADMITTED else R.QUEUED, reason=reason)
 
 
-def exported(id: str, prompt: list[int], generated: list[int], max_tokens: int, sampling: Sampling,
-             stop_tokens: list[int], ignore_eos: bool, stop: list[str], priority: int, recipe: str,
-             kv: KvHeader | None = None) -> list[bytes]:
-    """A session's state for another node on the same recipe: `state` is an `import` request but for its
-    `op` and `id` (import_request); with `kv`, its KV's bytes follow as `kv` events."""
-    state = {"tokens": prompt, "generated": generated, "max_tokens": max_tokens, "recipe": recipe,
-             "sampling": {k: v for k, v in asdict(sampling).items() if k != "logprobs"},
-             "logprobs": sampling.logprobs, "stop_tokens": stop_tokens, "ignore_eos": ignore_eos, "stop": stop,
-             "priority": priority, **({"kv": asdict(kv)} if kv else {})}
+def export_state(prompt: list[int], generated: list[int], max_tokens: int, sampling: Sampling, stop_tokens: list[int],
+                 ignore_eos: bool, stop: list[str], priority: int, recipe: str, kv: KvHeader | None = None) -> dict:
+    """A session's state for another node on the same recipe: an `import` request but for its `op` and `id`
+    (import_request); with `kv`, its KV's bytes go with it (as `kv` events, or `kv` requests)."""
+    return {"tokens": prompt, "generated": generated, "max_tokens": max_tokens, "recipe": recipe,
+            "sampling": {k: v for k, v in asdict(sampling).items() if k != "logprobs"},
+            "logprobs": sampling.logprobs, "stop_tokens": stop_tokens, "ignore_eos": ignore_eos, "stop": stop,
+            "priority": priority, **({"kv": asdict(kv)} if kv else {})}
+
+
+def exported(id: str, state: dict) -> list[bytes]:
     return event("exported", id=id, state=state)
 
 

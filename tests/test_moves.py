@@ -207,3 +207,23 @@ def test_a_kv_the_engine_cannot_load_ends_that_session_cache_miss_and_nobody_els
     while sched.live:
         events += step(sched, eng, sched.plan())
     assert done_reasons(events) == {moved.key: R.CACHE_MISS, other.key: R.LENGTH}
+
+
+def test_a_node_killed_while_it_receives_a_kv_started_nothing_and_the_move_goes_on_elsewhere(nodes, tiny_model):
+    """kill -9 of the importing node half-way through the KV: no `admitted` came, so the session never started
+    there; the same state goes to another node and continues, every token once."""
+    ca, _ = nodes
+    ask = {**ASK, "tokens": [3 + (k * 13) % 500 for k in range(400)], "max_tokens": 60}
+    ref = ca.generate("ref-long", **ask)
+    state, left = leave(ca, "long", ask)
+    parts = P.kv_requests("long", state["kv"]["data"])
+    assert len(parts) >= 2  # 400 positions of the tiny model's KV: more than one part
+    with NodeProcess(tiny_model, *ARGS) as victim, victim.client() as cv:
+        cv.sock.send_multipart(P.import_request("long", state))
+        cv.sock.send_multipart(parts[0])
+        assert cv.status()["telemetry"]["active_sessions"] == 0  # the node read the part: nothing started
+        victim.proc.kill()
+        victim.proc.wait()
+    ca.resume("long2", state)
+    went = ca.collect(["long2"])["long2"]
+    assert state["generated"] + went.tokens == ref.done["tokens"] and went.done["reason"] == R.LENGTH

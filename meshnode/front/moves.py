@@ -57,21 +57,27 @@ class Moves:
     def exported(self, ev: Event, stops: list[str], recipe: str) -> list[list[bytes]]:
         """The frames that answer an export: its state and KV, or, for a session that ended first, why not."""
         s = ev.session
-        path = s.export_to
+        if ev.reason:
+            remove(s.export_to)
+            return [P.error(R.UNKNOWN_SESSION, f"session {s.key[1]!r} ended ({ev.reason}) before its export",
+                            s.key[1])]
+        state, data = self.state(ev, stops, recipe)
+        return [P.exported(s.key[1], state), *P.kv_parts(s.key[1], data)]
+
+    @staticmethod
+    def state(ev: Event, stops: list[str], recipe: str) -> tuple[dict, bytes]:
+        """A leaving session's state (its KV's description in it) and its KV's bytes; the file goes."""
+        s = ev.session
         try:
-            if ev.reason:
-                return [P.error(R.UNKNOWN_SESSION, f"session {s.key[1]!r} ended ({ev.reason}) before its export",
-                                s.key[1])]
             data, header = b"", None
             if ev.kv:
-                with open(path, "rb") as f:
+                with open(s.export_to, "rb") as f:
                     data = f.read()
                 header = P.KvHeader(len(data), hashlib.sha256(data).hexdigest(), ev.kv[1])
-            state = P.exported(s.key[1], s.prompt, s.generated, s.max_tokens, s.sampling, sorted(s.stop_tokens),
-                               s.ignore_eos, stops, s.priority, recipe, header)
-            return [state, *P.kv_parts(s.key[1], data)]
+            return P.export_state(s.prompt, s.generated, s.max_tokens, s.sampling, sorted(s.stop_tokens), s.ignore_eos,
+                                  stops, s.priority, recipe, header), data
         finally:
-            remove(path)
+            remove(s.export_to)
 
     # -- arriving --------------------------------------------------------------------------------
     def begin(self, ident: bytes, req: P.Submit) -> str:

@@ -39,6 +39,7 @@ from meshnode.front.clients import TELEMETRY_SUBSCRIBERS, Clients
 from meshnode.front.engine_link import EngineLink
 from meshnode.front.gate import RESERVE_FDS, SAFE_IPC_FDS, descriptors
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
+from meshnode.front.handoff import Handoff
 from meshnode.front.moves import Moves
 from meshnode.front.persist import KvPersist
 from meshnode.front.prom import Exposition
@@ -55,6 +56,7 @@ from meshnode.text.jobs import TextJobs
 from meshnode.text.tokenizer import Tokenizer
 
 log = logging.getLogger("meshnode.front")
+HANDOFF_CUT_S = 2.0  # at the drain's deadline, how long the peer has to answer the cancels of what it relays
 PERSIST_S = 60.0  # the drain's last tick, which writes the prefix cache for kv_persist, may take this long
 
 
@@ -70,7 +72,7 @@ class Front:
         self._locks: list[EndpointLock] = []
         # set by initialize(); shutdown() releases whichever of them exist
         self.sched = self.link = self.clients = self.arena = self.zctx = self.tok = self.texts = self.requests = None
-        self.reaper = self.gateway = self.moves = self.persist = None
+        self.reaper = self.gateway = self.moves = self.persist = self.handoff = None
 
     # -- initialize ------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -113,17 +115,21 @@ class Front:
         if cfg.kv_persist:
             self._restore_kv()
         self.output = Output(self.tok, self.clients.send, self.telemetry, latency=self.exposition,
-                             export=lambda ev, stops: self.moves.exported(ev, stops, self.recipe))
+                             export=self._exported, relays=lambda key: bool(self.handoff and self.handoff.relays(key)))
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
                                      self.notifier, self.budget, self.recipe, self.listen, self.telemetry_ep,
                                      self.fd_limit, self.sched.deterministic, self.link.info.devices,
                                      self.tok.tool_format))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
                                  metrics=lambda: P.metrics(self.exposition.render(self.report.snapshot()).decode()),
-                                 moves=self.moves,
+                                 moves=self.moves, relayed=lambda key: bool(self.handoff and self.handoff.cancel(key)),
                                  special_in_content=cfg.chat_special_in_content, pooling=cfg.pooling)
         self.poller = zmq.Poller()
         self.clients.register(self.poller)
+        if cfg.handoff:
+            self.handoff = Handoff(self.zctx, cfg.handoff, self.clients.send, self.output.end_moved,
+                                   self.output.forget_moved)
+            self.poller.register(self.handoff.sock, zmq.POLLIN)
         self.poller.register(self.texts.fileno(), zmq.POLLIN)
         self._link_fd = None
         self._planned_out = False  # the last dispatch found nothing to plan
@@ -233,8 +239,9 @@ class Front:
             now = time.monotonic()
             if signals.received and drain_deadline is None:
                 drain_deadline = self._begin_drain(now)
-            if signals.received > 1 or (drain_deadline and (now >= drain_deadline or not self.sched.live)):
+            if signals.received > 1 or (drain_deadline and (now >= drain_deadline or not self._draining())):
                 self._send(self.sched.end_all(R.DRAINED))
+                self._end_handoff()
                 if self.persist is not None and signals.received == 1:  # a second signal: stop now
                     self._persist_kv()
                 break
@@ -260,7 +267,40 @@ class Front:
                  self.cfg.drain_timeout_s)
         self.sched.draining = True
         self.notifier.notify("STOPPING=1", "STATUS=draining")
+        if self.handoff is not None:  # every live session that can move goes to the peer (front/handoff.py)
+            for s in list(self.sched.live.values()):
+                if s.grammar is None and not s.embed and not s.export_to:
+                    self.handoff.leaving.add(s.key)
+                    self._send(self.sched.export(s.key, self.moves.path()))
         return now + self.cfg.drain_timeout_s
+
+    def _draining(self) -> bool:
+        """Sessions the drain still waits for: live ones, and those a handoff relays."""
+        return bool(self.sched.live) or bool(self.handoff and self.handoff.active)
+
+    def _end_handoff(self) -> None:
+        """The drain is over: the peer cancels what it still runs for this node (a short wait for its answers),
+        and what it did not end ends here."""
+        if self.handoff is None or not self.handoff.routes:
+            return
+        self.handoff.cut()
+        deadline = time.monotonic() + HANDOFF_CUT_S
+        while self.handoff.routes and time.monotonic() < deadline:
+            if self.handoff.sock.poll(50):
+                self.handoff.on_ready()
+        self.handoff.abandon()
+        self.clients.flush()
+
+    def _exported(self, ev: Event, stops: list[str]) -> list[list[bytes]]:
+        """A leaving session's frames for its client, or nothing where a drain's handoff carries it on."""
+        key = ev.session.key
+        if self.handoff is None or key not in self.handoff.leaving:
+            return self.moves.exported(ev, stops, self.recipe)
+        if ev.reason:  # it ended here first: its own done went to its client
+            self.handoff.leaving.discard(key)
+            return self.moves.exported(ev, stops, self.recipe)[:0]
+        self.handoff.go(key, *self.moves.state(ev, stops, self.recipe))
+        return []
 
     def _poll(self, timeout_ms: int) -> None:
         self._watch_link()
@@ -270,6 +310,8 @@ class Front:
         ready = dict(self.poller.poll(timeout_ms))
         if ready.pop(self._link_fd, None):
             self.step()
+        if self.handoff is not None and ready.pop(self.handoff.sock, None):
+            self.handoff.on_ready()
         if ready.pop(self.texts.fileno(), None):
             for job in self.texts.finished():
                 self._apply(self.requests.on_text(job))
@@ -300,6 +342,8 @@ class Front:
     def _busy_clients(self) -> set:
         """Client identities with a live session or a text being tokenized: their connections stay."""
         busy = {key[0] for key in self.sched.live} if self.sched is not None else set()
+        if self.handoff is not None:
+            busy |= {r.key[0] for r in self.handoff.routes.values()}
         return busy | set(self.requests.held) if self.requests is not None else busy
 
     def _apply(self, actions: list[Action]) -> None:
@@ -375,7 +419,8 @@ class Front:
             self._send(self.sched.end_all(R.DRAINED))
         # destroy, not term: a start that failed half-way (a port in use) leaves sockets no owner closes,
         # and term would wait for them for ever
-        steps = [(self.gateway, "stop"), (self.link, "stop"), (self.texts, "close"), (self.clients, "close"),
+        steps = [(self.gateway, "stop"), (self.link, "stop"), (self.texts, "close"), (self.handoff, "close"),
+                 (self.clients, "close"),
                  (self.moves, "close"),
                  (self.arena, "close"),
                  (self.zctx, "destroy"), *((lock, "release") for lock in self._locks), (self.tok, "close"),

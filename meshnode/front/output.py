@@ -58,6 +58,8 @@ class Output:
     telemetry: object  # counts the clients that stopped reading or vanished with sessions live
     latency: object = None  # told each gap between a session's tokens and each done's usage (front/prom.py)
     export: object = None  # (exported event, stop strings) -> its frames (front/moves.py)
+    relays: object = lambda key: False  # a handoff carries the session on: its `done` EXPORTED is not its client's
+    moved: dict = field(default_factory=dict)  # key -> Stream of a session a handoff relays (front/handoff.py)
     clock: object = time.monotonic
     streams: dict = field(default_factory=dict)  # key -> Stream, from admission to done
 
@@ -116,20 +118,37 @@ class Output:
 
     def _done(self, key, reason: str, detail: str, finishes: list[Finish]) -> None:
         """The last `tokens` (what was held back) and the `done`; the session's stream ends."""
+        if reason == R.EXPORTED and self.relays(key):  # it goes on at a drain's peer (front/handoff.py)
+            self.moved[key] = self.streams.pop(key)
+            return
         for frames in self._last_frames(key, reason, detail):
             self._deliver(key[0], frames, True, finishes)
 
-    def _last_frames(self, key, reason: str, detail: str) -> list[list[bytes]]:
+    def end_moved(self, key, reason: str, detail: str, relayed: list[int]) -> None:
+        """A session a handoff took ends here after all (the peer refused it, or did not end it in time), with
+        the tokens the peer generated for it; what this node held back is flushed only if there were none."""
+        out = self.moved.pop(key, None)
+        if out is None:
+            return
+        out.session.tokens += relayed
+        self.streams[key] = out
+        for frames in self._last_frames(key, reason, detail, flush=not relayed):
+            self._deliver(key[0], frames, True, [])
+
+    def forget_moved(self, key) -> None:
+        self.moved.pop(key, None)
+
+    def _last_frames(self, key, reason: str, detail: str, flush: bool = True) -> list[list[bytes]]:
         out = self.streams.pop(key)
         s = out.session
         s.t_done = s.t_done or self.clock()
         tail = ""
-        if reason != R.EXPORTED:  # an exported session's held-back text is streamed where it goes
+        if reason != R.EXPORTED and flush:  # an exported session's held-back text is streamed where it goes
             tail = out.text.end()
             if out.stop:
                 tail = out.stop.end(tail)
         frames = [P.tokens(s.key[1], [], tail)] if tail else []  # streamed pieces add up to done.text
-        text = out.stop.text if out.stop else self.tok.decode(s.generated)
+        text = out.stop.text if out.stop and flush else self.tok.decode(s.generated)
         usage = s.usage()
         if self.latency is not None:
             self.latency.observe_done(usage)

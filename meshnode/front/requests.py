@@ -50,15 +50,17 @@ Action = Answer | Opened | Event
 
 class Requests:
     def __init__(self, sched: Scheduler, tok: Tokenizer, texts: TextJobs, telemetry: Telemetry, *, status,
-                 moves: Moves, metrics=lambda: [], special_in_content: bool = False, pooling: str = "mean"):
+                 moves: Moves, metrics=lambda: [], special_in_content: bool = False, pooling: str = "mean",
+                 relayed=lambda key: False):
         """`status(prompt_tokens) -> frames`: the node's status answer (front/report.py); `metrics() -> frames`:
         its Prometheus text (front/prom.py).
-        `moves`: the files of sessions moving between nodes (front/moves.py).
+        `moves`: the files of sessions moving between nodes (front/moves.py); `relayed(key)`: a cancel of a
+        session a drain's handoff relays, passed on to the peer (front/handoff.py).
         `special_in_content`: chat content may spell special tokens (llama-server's behaviour;
         meshnode/text/chat.py)."""
         self.sched, self.tok, self.texts, self.telemetry = sched, tok, texts, telemetry
         self.status, self.metrics, self.pooling = status, metrics, pooling  # pooling: an `embed: true`'s
-        self.moves = moves
+        self.moves, self.relayed = moves, relayed
         self.special_in_content = special_in_content
         self.held: dict[bytes, deque] = {}  # per client waiting behind its text: (frames, arrival)
         self._constraints = None  # llguidance over the served vocab, built for the first response_format
@@ -96,6 +98,8 @@ class Requests:
             ev = self.sched.cancel((ident, req.id))
             if ev is not None:
                 return [ev]
+            if self.relayed((ident, req.id)):
+                return []
             self.telemetry.count_unknown_session()
             return [Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
         return self._submit(ident, req, arrived)

@@ -157,6 +157,9 @@ class NodeConfig:
                                range=(0, 100))
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long running and queued sessions get to finish",
                                      range=(0, DAY))
+    handoff: str | None = setting(None, "at a drain, move the live sessions with their KV to this peer node (its "
+                                  "client endpoint, same recipe) and relay their streams until they end there; "
+                                  "unset = they get drain_timeout_s, then DRAINED", example="tcp://10.0.0.3:5555")
     max_clients: int = setting(1024, "client connections at once; at the cap a new one takes the place of the "
                                "longest-idle one with no session, and is refused only when all are busy",
                                range=(1, 1_000_000))

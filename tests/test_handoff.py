@@ -1,0 +1,61 @@
+"""A drain that hands over (`--handoff`): live sessions go to a peer node with their KV, and their clients'
+streams go on through the draining node until they end there (front/handoff.py)."""
+import signal
+
+from meshnode.core import reasons as R
+from meshnode.core.types import Sampling
+from meshnode.dev.nodeproc import NodeProcess
+
+SLOW = {"faults": [{"step_sleep_s": 0.03}]}  # a tick takes 30 ms: the sessions still run when the drain comes
+ARGS = ("--deterministic", "--decode-steps-ms", "0")
+PROMPT = [3 + (k * 23) % 500 for k in range(41)]
+ASKS = {"a": dict(tokens=PROMPT, max_tokens=200, ignore_eos=True, sampling=Sampling(0.9, 40, 0.95, 3), logprobs=1),
+        "b": dict(tokens=PROMPT[:20], max_tokens=150, ignore_eos=True)}
+
+
+def _drain_with_sessions_running(node, c):
+    for sid, ask in ASKS.items():
+        c.submit(sid, **ask)
+    for sid in ASKS:
+        c.wait_for(lambda e: e["event"] == "tokens" and e["id"] == sid, keep=True)
+    node.proc.send_signal(signal.SIGTERM)
+    return c.collect(list(ASKS))
+
+
+def test_sessions_live_at_a_drain_finish_on_the_peer_and_their_streams_go_on(tiny_model):
+    with NodeProcess(tiny_model, *ARGS) as peer, peer.client() as cp:
+        want = {sid: cp.generate(f"ref-{sid}", **ask) for sid, ask in ASKS.items()}
+        with NodeProcess(tiny_model, *ARGS, "--handoff", peer.listen, internal=SLOW) as node, node.client() as c:
+            got = _drain_with_sessions_running(node, c)
+            assert node.proc.wait(60) == 0
+            assert "handoff" not in node.log()  # nothing refused, nothing malformed
+    for sid, r in got.items():
+        ref = want[sid]
+        assert r.admission["event"] == "admitted" and r.done["reason"] == R.LENGTH, r.done
+        assert r.tokens == r.done["tokens"] == ref.done["tokens"]  # bitwise, every token once
+        assert "".join(e["text"] for e in r.events) == r.done["text"] == ref.done["text"]
+        assert [e["event"] for e in r.events].count("admitted") == 0  # one admitted, at the start (r.admission)
+
+
+def test_a_peer_that_refuses_leaves_the_sessions_to_end_drained_with_their_tokens(tiny_model):
+    with NodeProcess(tiny_model, "--no-deterministic") as other:  # another recipe: it refuses every import
+        with NodeProcess(tiny_model, *ARGS, "--handoff", other.listen, internal=SLOW) as node, node.client() as c:
+            got = _drain_with_sessions_running(node, c)
+            assert node.proc.wait(60) == 0
+            log = node.log()
+    for r in got.values():
+        assert r.done["reason"] == R.DRAINED and "REJECTED_RECIPE_MISMATCH" in r.done["detail"]
+        assert r.tokens == r.done["tokens"] and 1 <= len(r.tokens) < 150
+        assert "".join(e["text"] for e in r.events) == r.done["text"]
+    assert "handoff:" in log
+
+
+def test_at_the_drain_deadline_the_peer_stops_what_it_carries_and_every_client_gets_one_done(tiny_model):
+    with NodeProcess(tiny_model, *ARGS, internal=SLOW) as peer:  # the peer is slow too: it cannot finish in time
+        with NodeProcess(tiny_model, *ARGS, "--handoff", peer.listen, "--drain-timeout-s", "1",
+                         internal=SLOW) as node, node.client() as c:
+            got = _drain_with_sessions_running(node, c)
+            assert node.proc.wait(60) == 0
+    for r in got.values():
+        assert r.done["reason"] == R.DRAINED and r.tokens == r.done["tokens"] and len(r.tokens) < 150
+        assert "".join(e["text"] for e in r.events) == r.done["text"]
