@@ -221,14 +221,14 @@ def test_chunks_of_one_length_share_a_call_and_cost_no_call_of_their_own_when_fi
 
 def test_streams_chunks_are_whole_tiles_leave_no_sliver_and_a_second_prompt_needs_a_tile():
     _, streams = scheduler(pool_cells=0)
-    assert streams.fill(180, [(0, 1000, 1000)], True) == [180]  # the last tile mostly full: kept
-    assert streams.fill(150, [(0, 1000, 1000)], True) == [128]  # 22 rows in a last tile of 64: left for a later tick
-    assert streams.fill(150, [(0, 180, 180)], True) == [116]  # not 150 and a 30-token tail: 64 are left
-    assert streams.fill(150, [(0, 100, 100), (0, 500, 500)], True) == [100]  # 50 rows left: not worth a call of their own
-    assert streams.fill(300, [(0, 100, 100), (0, 500, 500)], True) == [100, 192]
-    assert streams.fill(40, [(0, 30, 30), (0, 500, 500)], True) == [30]  # a short prompt finishing is always taken
+    assert streams.sizing.cuts(180, [(0, 1000, 1000)], True) == [180]  # the last tile mostly full: kept
+    assert streams.sizing.cuts(150, [(0, 1000, 1000)], True) == [128]  # 22 rows in a last tile of 64: left for a later tick
+    assert streams.sizing.cuts(150, [(0, 180, 180)], True) == [116]  # not 150 and a 30-token tail: 64 are left
+    assert streams.sizing.cuts(150, [(0, 100, 100), (0, 500, 500)], True) == [100]  # 50 rows left: not worth a call of their own
+    assert streams.sizing.cuts(300, [(0, 100, 100), (0, 500, 500)], True) == [100, 192]
+    assert streams.sizing.cuts(40, [(0, 30, 30), (0, 500, 500)], True) == [30]  # a short prompt finishing is always taken
     _, unified = scheduler(pool_cells=4096)  # one call for the whole tick: no such rules
-    assert unified.fill(150, [(0, 1000, 1000)], True) == [150] and unified.fill(150, [(0, 100, 100), (0, 500, 500)], True) == [100, 50]
+    assert unified.sizing.cuts(150, [(0, 1000, 1000)], True) == [150] and unified.sizing.cuts(150, [(0, 100, 100), (0, 500, 500)], True) == [100, 50]
 
 
 def true_cost(s):

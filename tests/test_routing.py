@@ -8,6 +8,7 @@ from meshnode.core import reasons as R
 from meshnode.core.kvevents import BLOCK_TOKENS, block_hashes
 from meshnode.core.session import Session
 from meshnode.dev.fake import FakeEngine
+from meshnode.ops.config import NodeConfig
 
 
 def replay(events, held=None) -> set:
@@ -333,8 +334,8 @@ def test_a_reserved_slot_starts_a_better_request_at_once_and_only_such_a_one():
     step(sched, engine, tick)
     ends = [ev.session.key for ev in run_to_completion(sched, engine) if ev.kind == "done"]
     assert ends[-1] == "c"  # it ran once a slot beyond the reserved one was free
-    with pytest.raises(ValueError, match="priority_reserved_slots"):
-        scheduler(reserved_slots=1, max_active=3)  # not with fcfs
+    with pytest.raises(ValueError, match="priority_reserved_slots"):  # not with fcfs: the node refuses to start
+        NodeConfig(priority_reserved_slots=1, max_active=3).resolve()
 
 
 def test_under_the_priority_policy_a_better_sessions_prompt_takes_the_prefill_room_first():

@@ -66,7 +66,7 @@ def _replay(sched, prompts: list[tuple[int, int, int]], decoders: list[tuple[int
             unified += len(live) - sum(pos + k for pos, left in decoders if left == k)
         room = prefill_room(cost, sched.tick_target, top, live, unified, prompts[0][0])
         chunks = []
-        for n in sched.fill(room, prompts, bool(live)):  # as plan() gives the room
+        for n in sched.sizing.cuts(room, prompts, bool(live)):  # as plan() gives the room
             pos, left, n_prompt = prompts[0]
             chunks.append((pos, n))
             prompts[0] = (pos + n, left - n, n_prompt)

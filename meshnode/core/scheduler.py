@@ -34,7 +34,7 @@ what is released when) is meshnode/core/seqs.py's: a session that starts where
 cached KV agrees with its tokens prefills only the rest, and the cache gives way
 the moment a new session needs an id or cells, so it never changes an admission
 decision. How many prompt tokens a tick carries, and in which cuts, is the cost
-model's (meshnode/core/costmodel.py: `fill`, `fill_deterministic`).
+model's (meshnode/core/sizing.py asks it).
 """
 from __future__ import annotations
 
@@ -47,15 +47,14 @@ import numpy as np
 from meshnode.core import reasons as R
 from meshnode.core import moves
 from meshnode.core.admission import Admission, AdmissionDecision
-from meshnode.core.budget import NodeBudget, deterministic_rows_problem
-from meshnode.core.types import ConfigError
-from meshnode.core.costmodel import (Shape, TickCost, fill, fill_deterministic, prefill_room, rows_per_call, shape,
-                                     sized, within_target)
+from meshnode.core.budget import NodeBudget
+from meshnode.core.costmodel import Shape, TickCost, shape, sized
 from meshnode.core.pipeline import Tick
 from meshnode.core.schedconfig import SchedulerConfig
-from meshnode.core.priority import displaceable, policy_problem, victims
+from meshnode.core.priority import displaceable, victims
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Event, Session
 from meshnode.core.seqs import Sequences
+from meshnode.core.sizing import Sizing
 from meshnode.core.steps import plan_steps
 from meshnode.core.types import Constrained, Plan, Release, SeqChunk, StepResult
 
@@ -91,21 +90,17 @@ class Scheduler:
         self.waiting: list[Session] = []  # in start order (core/priority.py POLICIES)
         self.running: list[Session] = []
         self.live: dict = {}
-        why = deterministic and deterministic_rows_problem(budget.n_batch, budget.max_batch_size)
-        if why:  # NodeConfig.resolve() refuses this before the model loads; here for schedulers built otherwise
-            raise ConfigError(why)
         self.deterministic, self.pool_cells = deterministic, pool_cells
         self.config = config
         self.seqs = Sequences(budget.n_seq_max, config.prefix_cache, deterministic, pool_cells, config.kv_events)
         self.counters = Counters()
         self.cost, self.tick_target = TickCost(), config.tick_target
+        self.sizing = Sizing(self.cost, config.tick_target, budget.max_prefill_tokens_per_tick, deterministic,
+                             streams=not pool_cells)
         self.draining = False
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
         self.gather_ms, self.steps_ms = config.gather_ms, config.steps_ms
-        why = policy_problem(config.policy, config.reserved_slots, budget.effective_active_cap)
-        if why:  # NodeConfig.resolve() refuses this at start; here for schedulers built otherwise
-            raise ConfigError(why)
         self.policy, self._arrivals, self._plans = config.policy, 0, 0
         self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
 
@@ -200,11 +195,8 @@ class Scheduler:
         if self.policy == "priority":  # a better session's prompt goes first into the tick's prefill room too
             prompts.sort(key=lambda s: s.order)
         prompts = prompts[: b.max_batch_size - len(chunks)]
-        sizes = self.fill(self._prefill_room([c for _, c in chunks], prompts),
-                          [(s.n_planned, s.pending, len(s.prompt)) for s in prompts], bool(chunks))
-        sizes = sizes[:within_target(self.cost, self.tick_target, [(c.pos, 1) for _, c in chunks],
-                                     self.cells_planned if self.pool_cells else 0,
-                                     [(s.n_planned, n) for s, n in zip(prompts, sizes)])]
+        sizes = self.sizing.prompt_cuts([c for _, c in chunks], [(s.n_planned, s.pending, len(s.prompt))
+                                                                  for s in prompts], self._cells())
         for s, n in zip(prompts, sizes):
             chunks.append(self._chunk(s, n))
             self.counters.prefill_tokens += n
@@ -224,40 +216,12 @@ class Scheduler:
         self._arrived = None
         tick.plan.steps = plan_steps(chunks, len(self.running), bool(prompts or self.waiting),
                                      self.cost.measured_decode_ms(len(chunks)), self.steps_ms)
-        tick.predicted_ms = self._predicted_ms(tick.plan.chunks) * tick.plan.steps
+        tick.predicted_ms = self.sizing.predicted_ms(tick.plan.chunks, self._cells()) * tick.plan.steps
         return tick
 
-    def _predicted_ms(self, chunks: list[SeqChunk]) -> float:
-        """What the tick will take, by the cost model (0 before it can say): the front plans the next tick
-        late in this one (TickPipeline.plan_ahead_at). A decode-only tick takes what ticks of its rows took,
-        which needs no fit; others, the fit's prediction."""
-        if not chunks:
-            return 0.0
-        ms = self.cost.measured_decode_ms(len(chunks)) if all(len(c.tokens) == 1 for c in chunks) else None
-        if ms is None and self.cost.coef is not None:
-            spans = [(c.pos, len(c.tokens)) for c in chunks]
-            ms = self.cost.predict(shape(spans, self.cells_planned if self.pool_cells else 0), sized(spans))
-        return ms or 0.0
-
-    def _prefill_room(self, decode: list[SeqChunk], prompts: list[Session]) -> int:
-        """The room for `prompts` (in line) beside `decode`, sized at the first one's position."""
-        if not prompts:
-            return 0
-        return prefill_room(self.cost, self.tick_target, self.budget.max_prefill_tokens_per_tick,
-                            [(c.pos, 1) for c in decode], self.cells_planned if self.pool_cells else 0,
-                            prompts[0].n_planned)
-
-    def fill(self, room: int, prompts: list[tuple[int, int, int]], decoding: bool) -> list[int]:
-        """The prompt tokens each prompt in line ((position, tokens left, prompt length)) computes in a
-        tick with `room` (costmodel.fill: the tile rules hold on streams, where the chunks of each length
-        are a call of their own; in deterministic mode costmodel.fill_deterministic)."""
-        if not prompts:
-            return []
-        streams = not self.pool_cells
-        per_call = rows_per_call(self.cost) if streams else 0  # a prediction: the cost model refits if stale
-        if self.deterministic:
-            return fill_deterministic(room, prompts, decoding, per_call)
-        return fill(room, [left for _, left, _ in prompts], decoding, streams, per_call)
+    def _cells(self) -> int:
+        """What each row of a unified pool attends to once the ticks planned so far run (0 on streams)."""
+        return self.cells_planned if self.pool_cells else 0
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
         s.last_tick = self.counters.ticks

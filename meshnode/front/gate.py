@@ -55,6 +55,20 @@ def descriptors() -> tuple[int, int]:
     return soft, max(0, soft - RESERVE_FDS)
 
 
+def client_room(max_clients: int, others: int) -> tuple[int, int]:
+    """The descriptor limit (raised to the hard one) and the client connections it leaves room for beside
+    `others` (subscribers, /metrics connections)."""
+    limit, for_connections = descriptors()
+    room = min(max_clients, for_connections - others)
+    if room < 1:
+        raise RuntimeError(f"the descriptor limit ({limit}) leaves no room for clients; raise it "
+                           f"(LimitNOFILE= in the unit, ulimit -n) to at least {RESERVE_FDS + 100}")
+    if room < max_clients:
+        log.warning("the descriptor limit (%d) allows %d client connections, not max_clients=%d", limit, room,
+                    max_clients)
+    return limit, room
+
+
 def open_descriptors() -> int:
     try:
         return len(os.listdir("/proc/self/fd"))

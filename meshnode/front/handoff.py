@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -54,9 +55,29 @@ class Handoff:
     def active(self) -> bool:
         return bool(self.leaving or self.routes)
 
+    def take(self, sched, path) -> list:
+        """The drain begins: every live session that can move leaves for the peer (`path()`: a file for its KV);
+        the events of those that leave at once."""
+        events = []
+        for s in list(sched.live.values()):
+            if s.grammar is None and not s.embed and not s.export_to:
+                self.leaving.add(s.key)
+                events += sched.export(s.key, path())
+        return events
+
+    def carries(self, ev, state) -> bool:
+        """A leaving session's `exported` event: whether it is the handoff's (then its client hears nothing of
+        it); `state()` gives its state and KV's bytes, which go to the peer."""
+        key = ev.session.key
+        if key not in self.leaving:
+            return False
+        self.leaving.discard(key)
+        if not ev.reason:  # one that ended here first had its own done
+            self.go(key, *state())
+        return True
+
     def go(self, key: tuple, state: dict, data: bytes) -> None:
         """A leaving session's state is ready: import it on the peer, its KV after it."""
-        self.leaving.discard(key)
         pid = f"handoff-{next(self._ids)}"
         self.routes[pid] = Route(key)
         self.sock.send_multipart(P.import_request(pid, state))
@@ -119,9 +140,15 @@ class Handoff:
             r.cut = True
             self.sock.send_multipart(P.encode_request(P.Cancel(pid)))
 
-    def abandon(self) -> None:
-        """The node exits: the relayed sessions the peer did not end in time end here, DRAINED, with every token
-        their clients were sent."""
+    def finish(self, wait_s: float) -> None:
+        """The drain is over: the peer cancels what it still runs for this node, answering within `wait_s`;
+        what it did not end ends here, DRAINED, with every token its client was sent."""
+        if self.routes:
+            self.cut()
+            deadline = time.monotonic() + wait_s
+            while self.routes and time.monotonic() < deadline:
+                if self.sock.poll(50):
+                    self.on_ready()
         for r in list(self.routes.values()):
             self.end_here(r.key, R.DRAINED, f"the drain's peer {self.peer} did not end it in time", r.relayed)
         self.routes.clear()

@@ -37,15 +37,15 @@ from meshnode.core.telemetry import Telemetry
 from meshnode.front import signals
 from meshnode.front.clients import TELEMETRY_SUBSCRIBERS, Clients
 from meshnode.front.engine_link import EngineLink
-from meshnode.front.gate import RESERVE_FDS, SAFE_IPC_FDS, descriptors
+from meshnode.front.gate import SAFE_IPC_FDS, client_room
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.handoff import Handoff
-from meshnode.front.moves import Moves
+from meshnode.front.moves import Moves, remove
 from meshnode.front.persist import KvPersist
 from meshnode.front.prom import Exposition
 from meshnode.front.gateway_child import GatewayChild
 from meshnode.front.reaper import Reaper
-from meshnode.front.report import Report, Sources
+from meshnode.front.report import Report, Sources, ready_line
 from meshnode.front.output import Finish, Output
 from meshnode.front.requests import Action, Answer, Opened, Requests
 from meshnode.front.ticks import Refusal, Reply, Ticks
@@ -79,7 +79,7 @@ class Front:
         cfg = self.cfg
         signals.install()  # already done by `meshnode serve`; here for callers of serve() itself
         self.reaper = Reaper()  # first, while this process has no thread yet
-        self.fd_limit, max_clients = self._descriptors()
+        self.fd_limit, max_clients = client_room(cfg.max_clients, TELEMETRY_SUBSCRIBERS + METRICS_CONNECTIONS)
         if cfg.model is None:
             from meshnode.ops.models import cached_model
             cfg.model = str(cached_model("tiny"))
@@ -112,8 +112,10 @@ class Front:
         self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
         self.moves = Moves(2 * self.budget.kv_bytes_per_token + 64, time.monotonic)
         self.reaper.claim(self.moves.dir)
-        if cfg.kv_persist:
-            self._restore_kv()
+        if cfg.kv_persist:  # the prefix cache as the last drain left it; the first tick loads it
+            self.persist = KvPersist(cfg.kv_persist, int(cfg.kv_persist_mb * 2**20), self.recipe,
+                                     self.budget.kv_bytes_per_token)
+            self.persist.restore(self.sched, self.budget.n_seq_max)
         self.output = Output(self.tok, self.clients.send, self.telemetry, latency=self.exposition,
                              export=self._exported, relays=lambda key: bool(self.handoff and self.handoff.relays(key)))
         self.report = Report(Sources(cfg, self.telemetry, self.link, self.health, self.clients, self.texts,
@@ -133,21 +135,13 @@ class Front:
         self.poller.register(self.texts.fileno(), zmq.POLLIN)
         self._link_fd = None
         self._planned_out = False  # the last dispatch found nothing to plan
-        self._log_ready(max_clients)
+        log.info("%s", ready_line(self.report.src, max_clients))
         if cfg.http:
             self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
                                         cfg.http_cors_origins, cfg.served_model_name,
                                         cfg.http_sampling_defaults)
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
-
-    def _restore_kv(self) -> None:
-        """The prefix cache as the last drain left it (front/persist.py); the first tick loads it."""
-        cfg = self.cfg
-        self.persist = KvPersist(cfg.kv_persist, int(cfg.kv_persist_mb * 2**20), self.recipe,
-                                 self.budget.kv_bytes_per_token)
-        n = self.sched.restore_cache(self.persist.load(self.budget.n_seq_max))
-        log.info("kv_persist: %d cached conversations read back from %s", n, cfg.kv_persist)
 
     def _persist_kv(self) -> None:
         """At the drain's end, the prefix cache's entries to kv_persist in one last tick (front/persist.py)."""
@@ -162,8 +156,7 @@ class Front:
                     saved.update(outcome.result.saved)
                 self._update(outcome)
             self._dispatch()
-        log.info("kv_persist: %d cached conversations written to %s", self.persist.commit(saving, saved),
-                 self.cfg.kv_persist)
+        self.persist.commit(saving, saved)
 
     def _claim_endpoints(self) -> None:
         """What a killed node left removed, and the client and telemetry endpoints locked for this one."""
@@ -184,31 +177,6 @@ class Front:
             if self._locks[-1].path:
                 self.reaper.claim(self._locks[-1].path)
                 self.reaper.claim(self._locks[-1].path + ".lock")
-
-    def _log_ready(self, max_clients: int) -> None:
-        cfg = self.cfg
-        b = self.budget
-        log.info("meshnode ready: listen=%s telemetry=%s model=%s recipe=%s engine_pid=%d "
-                 "max_active=%d max_queue=%d max_batch=%d prefill_chunk=%d kv_budget=%d B (%d B/token, K %s, V %s) "
-                 "ctx_per_seq=%d weights=%d B max_clients=%d kv_layout=%s deterministic=%s devices=%s%s", self.listen,
-                 self.telemetry_ep, cfg.model, self.recipe, self.link.pid, b.effective_active_cap, b.max_queue,
-                 b.max_batch_size,
-                 b.max_prefill_tokens_per_tick, b.kv_budget_bytes, b.kv_bytes_per_token, cfg.type_k, cfg.type_v,
-                 b.n_ctx_seq, b.weight_bytes, max_clients, cfg.layout, _deterministic_line(self.link.info),
-                 _devices_line(self.link.info.devices),
-                 f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else "")
-
-    def _descriptors(self) -> tuple[int, int]:
-        """The descriptor limit (raised to the hard one) and the client connections it leaves room for."""
-        limit, for_connections = descriptors()
-        max_clients = min(self.cfg.max_clients, for_connections - TELEMETRY_SUBSCRIBERS - METRICS_CONNECTIONS)
-        if max_clients < 1:
-            raise RuntimeError(f"the descriptor limit ({limit}) leaves no room for clients; raise it "
-                               f"(LimitNOFILE= in the unit, ulimit -n) to at least {RESERVE_FDS + 100}")
-        if max_clients < self.cfg.max_clients:
-            log.warning("the descriptor limit (%d) allows %d client connections, not max_clients=%d",
-                        limit, max_clients, self.cfg.max_clients)
-        return limit, max_clients
 
     def _start_engine(self) -> Scheduler:
         """The first engine incarnation, and the scheduler sized by what it reports."""
@@ -241,7 +209,9 @@ class Front:
                 drain_deadline = self._begin_drain(now)
             if signals.received > 1 or (drain_deadline and (now >= drain_deadline or not self._draining())):
                 self._send(self.sched.end_all(R.DRAINED))
-                self._end_handoff()
+                if self.handoff is not None:
+                    self.handoff.finish(HANDOFF_CUT_S)
+                    self.clients.flush()
                 if self.persist is not None and signals.received == 1:  # a second signal: stop now
                     self._persist_kv()
                 break
@@ -268,39 +238,19 @@ class Front:
         self.sched.draining = True
         self.notifier.notify("STOPPING=1", "STATUS=draining")
         if self.handoff is not None:  # every live session that can move goes to the peer (front/handoff.py)
-            for s in list(self.sched.live.values()):
-                if s.grammar is None and not s.embed and not s.export_to:
-                    self.handoff.leaving.add(s.key)
-                    self._send(self.sched.export(s.key, self.moves.path()))
+            self._send(self.handoff.take(self.sched, self.moves.path))
         return now + self.cfg.drain_timeout_s
 
     def _draining(self) -> bool:
         """Sessions the drain still waits for: live ones, and those a handoff relays."""
         return bool(self.sched.live) or bool(self.handoff and self.handoff.active)
 
-    def _end_handoff(self) -> None:
-        """The drain is over: the peer cancels what it still runs for this node (a short wait for its answers),
-        and what it did not end ends here."""
-        if self.handoff is None or not self.handoff.routes:
-            return
-        self.handoff.cut()
-        deadline = time.monotonic() + HANDOFF_CUT_S
-        while self.handoff.routes and time.monotonic() < deadline:
-            if self.handoff.sock.poll(50):
-                self.handoff.on_ready()
-        self.handoff.abandon()
-        self.clients.flush()
-
     def _exported(self, ev: Event, stops: list[str]) -> list[list[bytes]]:
         """A leaving session's frames for its client, or nothing where a drain's handoff carries it on."""
-        key = ev.session.key
-        if self.handoff is None or key not in self.handoff.leaving:
-            return self.moves.exported(ev, stops, self.recipe)
-        if ev.reason:  # it ended here first: its own done went to its client
-            self.handoff.leaving.discard(key)
-            return self.moves.exported(ev, stops, self.recipe)[:0]
-        self.handoff.go(key, *self.moves.state(ev, stops, self.recipe))
-        return []
+        if self.handoff is not None and self.handoff.carries(ev, lambda: self.moves.state(ev, stops, self.recipe)):
+            remove(ev.session.export_to)  # one that ended first left its file
+            return []
+        return self.moves.exported(ev, stops, self.recipe)
 
     def _poll(self, timeout_ms: int) -> None:
         self._watch_link()
@@ -428,18 +378,6 @@ class Front:
         for obj, method in steps:
             if obj is not None:
                 getattr(obj, method)()
-
-
-def _deterministic_line(info) -> str:
-    """on, or off and why in the engine's words (the default's choice, a format or CPU it does not hold on)."""
-    return "on" if info.deterministic else f"off ({info.deterministic_problem or 'turned off'})"
-
-
-def _devices_line(devices) -> str:
-    """Where the model is, for the ready line: CPU[0-1],RPC0@10.0.0.2:50052[2-4]."""
-    def span(layers):
-        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else "".join(map(str, layers))
-    return ",".join(f"{d.name}{'@' + d.endpoint if d.endpoint else ''}[{span(d.layers)}]" for d in devices) or "CPU"
 
 
 def serve(cfg: NodeConfig) -> int:

@@ -77,9 +77,15 @@ class KvPersist:
         for name in os.listdir(self.folder):
             if name not in kept:
                 _remove(os.path.join(self.folder, name))
+        log.info("kv_persist: %d cached conversations written to %s", len(kept) // 2, self.folder)
         return len(kept) // 2
 
     # -- at start ------------------------------------------------------------------------------------
+    def restore(self, sched, limit: int) -> None:
+        """The entries that hold up into the scheduler's prefix cache (Scheduler.restore_cache)."""
+        n = sched.restore_cache(self.load(limit))
+        log.info("kv_persist: %d cached conversations read back from %s", n, self.folder)
+
     def load(self, limit: int) -> list[Kept]:
         """The entries a drain wrote that hold up (at most `limit`, the most recently used first); the rest
         are removed, each with one line."""

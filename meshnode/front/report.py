@@ -105,3 +105,27 @@ class Report:
             n.notifier.notify(f"STATUS={self.status_line()}")
             self.next_status = now + STATUS_EVERY_S
         return self.next_publish - now
+
+
+def ready_line(src: Sources, max_clients: int) -> str:
+    """The log line that says the node serves, and with what (every budget, where the model is)."""
+    cfg, b, info = src.cfg, src.budget, src.link.info
+    return (f"meshnode ready: listen={src.listen} telemetry={src.telemetry_ep} model={cfg.model} recipe={src.recipe} "
+            f"engine_pid={src.link.pid} max_active={b.effective_active_cap} max_queue={b.max_queue} "
+            f"max_batch={b.max_batch_size} prefill_chunk={b.max_prefill_tokens_per_tick} kv_budget={b.kv_budget_bytes} B "
+            f"({b.kv_bytes_per_token} B/token, K {cfg.type_k}, V {cfg.type_v}) ctx_per_seq={b.n_ctx_seq} "
+            f"weights={b.weight_bytes} B max_clients={max_clients} kv_layout={cfg.layout} "
+            f"deterministic={_deterministic_line(info)} devices={_devices_line(info.devices)}"
+            + (f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else ""))
+
+
+def _deterministic_line(info) -> str:
+    """on, or off and why in the engine's words (the default's choice, a format or CPU it does not hold on)."""
+    return "on" if info.deterministic else f"off ({info.deterministic_problem or 'turned off'})"
+
+
+def _devices_line(devices) -> str:
+    """Where the model is, for the ready line: CPU[0-1],RPC0@10.0.0.2:50052[2-4]."""
+    def span(layers):
+        return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else "".join(map(str, layers))
+    return ",".join(f"{d.name}{'@' + d.endpoint if d.endpoint else ''}[{span(d.layers)}]" for d in devices) or "CPU"

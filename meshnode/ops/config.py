@@ -27,6 +27,7 @@ from meshnode.core.types import POOLINGS, ConfigError
 from meshnode.engine.config import EngineConfig
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_LAYOUTS, KV_TYPES, MAX_SEQ  # llama.cpp's own limits, defined once
 from meshnode.ops import realmodel
+from meshnode.ops.endpoint_rules import check_endpoints
 
 
 def setting(default=None, help: str = "", *, range: tuple | None = None, choices: tuple | None = None,
@@ -215,7 +216,7 @@ class NodeConfig:
         values (resolve): a start that cannot work fails here, in one line naming the setting."""
         self._check_values()
         self._find_models()
-        self._check_endpoints()
+        check_endpoints(self)
         self.resolve()
 
     def _check_values(self) -> None:
@@ -249,54 +250,6 @@ class NodeConfig:
                     raise ConfigError(f"{key}: {e}") from None
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"{key}: no such file {path}")
-
-    def _check_endpoints(self) -> None:
-        """CURVE files, the metrics and HTTP addresses, and the rule the sockets enforce when they bind."""
-        if (self.curve_secret_key is None) != (self.curve_allow_dir is None):
-            raise ConfigError("curve_secret_key and curve_allow_dir must be given together")
-        if self.curve_secret_key is not None and not os.path.isfile(self.curve_secret_key):
-            raise ConfigError(f"curve_secret_key: no such file {self.curve_secret_key}")
-        if self.curve_allow_dir is not None and not os.path.isdir(self.curve_allow_dir):
-            raise ConfigError(f"curve_allow_dir: no such directory {self.curve_allow_dir}")
-        if self.metrics_listen is not None:
-            host, _, port = self.metrics_listen.rpartition(":")
-            if not (host and port.isdigit() and 1 <= int(port) <= 65535):
-                raise ConfigError(f"metrics_listen: must be HOST:PORT with a port in [1, 65535], "
-                                  f"got {self.metrics_listen!r}")
-        from ipc.transport import EndpointError, api_keys, check_private, exposure
-
-        if self.http is not None:
-            if self.curve_secret_key is not None:
-                raise ConfigError("http: the gateway child cannot reach a CURVE node; run `meshnode gateway` with its "
-                                  "--curve-server-key and --curve-client-cert instead")
-            from meshnode.core.endpoints import hosts_port
-            from meshnode.core.types import sampling_defaults
-
-            for key, check in (("http", hosts_port), ("http_sampling_defaults", sampling_defaults)):
-                try:
-                    check(getattr(self, key))
-                except ValueError as e:
-                    raise ConfigError(f"{key}: {e}") from None
-            if self.http_api_key_file is not None:
-                try:
-                    api_keys(self.http_api_key_file)
-                except FileNotFoundError:
-                    raise ConfigError(f"http_api_key_file: no such file {self.http_api_key_file}") from None
-                except (OSError, UnicodeDecodeError, ValueError) as e:
-                    raise ConfigError(f"http_api_key_file: {e}") from None
-            why = exposure(f"tcp://{self.http}")
-            if why and self.http_api_key_file is None and not self.insecure:
-                raise ConfigError(f"http: refusing to serve HTTP on {self.http} without API keys: {why}; set "
-                                  "http_api_key_file or insecure")
-
-        for key, ep, what in (("listen", self.listen, "client"), ("telemetry", self.telemetry, "telemetry"),
-                              ("kv_events", self.kv_events, "kv events"),
-                              ("metrics_listen", self.metrics_listen and f"tcp://{self.metrics_listen}", "metrics")):
-            try:  # the rule the sockets enforce when they bind, applied before anything starts
-                if ep:
-                    check_private(ep, what, self.curve_secret_key is not None and what != "metrics", self.insecure)
-            except EndpointError as e:
-                raise ConfigError(f"{key}: {e}") from None
 
     @property
     def layout(self) -> str:
