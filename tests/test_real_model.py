@@ -147,3 +147,27 @@ def test_deterministic_mode_holds_on_a_q8_0_copy_alone_and_in_a_crowd(tmp_path):
     assert crowd.tokens == alone.tokens
     lp = lambda r: [x["logprob"] for e in r.events for x in e.get("logprobs", [])]  # noqa: E731
     assert np.array_equal(lp(crowd), lp(alone))
+
+
+def test_a_chat_moved_mid_answer_with_its_kv_goes_on_bitwise_on_another_node(tmp_path):
+    """Issue 56 on the real model: an answer exported after its first tokens and imported on a second node (its
+    KV, 49k-vocab chat and all) goes on with exactly the tokens and log-probabilities it would have had."""
+    q8 = str(real_model("smollm2-q8_0", tmp_path))
+    story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and a storm."}]
+    job = dict(messages=story, max_tokens=120, ignore_eos=True, logprobs=2, sampling=Sampling(0.8, 0, 1.0, 7))
+    args = ("--cache-type-k", "q8_0")
+    with NodeProcess(q8, *args) as a, NodeProcess(q8, *args) as b, a.client(120) as ca, b.client(120) as cb:
+        assert cb.status()["node"]["deterministic"] or not promised(q8)
+        ref = cb.generate("ref", **job)
+        ca.submit("m", **job)
+        ca.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "m", keep=True)
+        state = ca.export("m")
+        left = ca.collect(["m"])["m"]
+        assert left.done["reason"] == R.EXPORTED and 0 < len(state["generated"]) < 120 and state["kv"]["bytes"] > 0
+        cb.resume("m", state)
+        went = cb.collect(["m"])["m"]
+    assert state["generated"] + went.tokens == ref.done["tokens"] == went.done["tokens"]
+    assert went.done["usage"]["cached_tokens"] == state["kv"]["positions"]
+    lp = lambda events: [x["logprob"] for e in events for x in e.get("logprobs", [])]  # noqa: E731
+    assert lp(left.events + went.events) == lp(ref.events)
+    assert "".join(e["text"] for e in left.events + went.events) == ref.done["text"]
