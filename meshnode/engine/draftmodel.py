@@ -16,6 +16,7 @@ import numpy as np
 
 from meshnode.core.types import FatalEngineError
 from meshnode.engine import llamacpp
+from meshnode.engine.seqkv import SeqKV
 
 MAX_CELLS = 16384  # the draft's KV, shared by all sequences: where it is full, drafts stop until it is cleared
 BATCH = 512  # rows of one draft llama_decode: a long prompt is fed in several
@@ -27,9 +28,7 @@ class DraftModel:
 
         self._lc = lc
         mp = lc.llama_model_default_params()
-        self._model = lc.llama_model_load_from_file(path.encode(), mp)
-        if not self._model:
-            raise FatalEngineError(f"draft_model: llama.cpp could not load {path}: {llamacpp.last_errors()}")
+        self._model = llamacpp.load_model(path, mp, "draft_model: ")
         why = llamacpp.vocab_difference(lc.llama_model_get_vocab(self._model), target_vocab)
         if why:
             self.close()
@@ -40,11 +39,8 @@ class DraftModel:
         cp.n_batch = cp.n_ubatch = min(cp.n_ctx, BATCH)
         cp.n_threads = cp.n_threads_batch = threads
         cp.no_perf = True
-        self._ctx = lc.llama_init_from_model(self._model, cp)
-        if not self._ctx:
-            self.close()
-            raise FatalEngineError(f"draft_model: no context: {llamacpp.last_errors() or 'no reason given'}")
-        self._mem = lc.llama_get_memory(self._ctx)
+        llamacpp.new_context(self, cp, "draft_model: ")
+        self.kv = SeqKV(lc, self._ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self._cap = cp.n_batch
         self._batch = lc.llama_batch_init(self._cap, 0, 1)
@@ -57,7 +53,7 @@ class DraftModel:
         backlog = {}
         for s, toks in seqs.items():
             have = min(self.synced.get(s, 0), len(toks) - 1)  # at least the last token is fed: its logits
-            self._lc.llama_memory_seq_rm(self._mem, s, have, -1)
+            self.kv.drop(s, have)
             backlog[s] = (have, toks[have:])
         nxt: dict[int, int] = {}
         while backlog:  # a long prompt's first feed takes several calls
@@ -114,11 +110,11 @@ class DraftModel:
         """The target's sequence kept its first `keep` positions (0: released)."""
         if seq in self.synced:
             self.synced[seq] = min(self.synced[seq], keep)
-            self._lc.llama_memory_seq_rm(self._mem, seq, keep, -1)
+            self.kv.drop(seq, keep)
 
     def forget_all(self) -> None:
         self.synced.clear()
-        self._lc.llama_memory_clear(self._mem, True)
+        self.kv.clear()
 
     def close(self) -> None:
         if getattr(self, "_batch", None) is not None:

@@ -25,6 +25,7 @@ from meshnode.engine.config import EngineConfig
 from meshnode.engine.drafts import Drafted
 from meshnode.engine.embeddings import Pools
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES
+from meshnode.engine.seqkv import SeqKV
 from meshnode.engine.seqmap import SeqMap
 
 
@@ -48,7 +49,7 @@ class LlamaEngine(Drafted, Engine):
         if self.deterministic and cfg.weight_types & invariant.K_QUANTS:
             os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
         threads = self._load(cfg)
-        self._mem = lc.llama_get_memory(self._ctx)
+        self.kv = SeqKV(lc, self._ctx)
         self.devices = self._placement.placed(llamacpp.placement_lines())
         vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(vocab)
@@ -92,9 +93,7 @@ class LlamaEngine(Drafted, Engine):
         mp = lc.llama_model_default_params()
         self._placement = devices.offload(mp, cfg.rpc, cfg.gpu_layers, cfg.tensor_split, cfg.devices)
         mp.use_extra_bufts = cfg.extra_buffers
-        self._model = lc.llama_model_load_from_file(cfg.model_path.encode(), mp)
-        if not self._model:
-            raise FatalEngineError(f"llama.cpp could not load {cfg.model_path}: {llamacpp.last_errors()}")
+        self._model = llamacpp.load_model(cfg.model_path, mp)
         cp = lc.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = cfg.n_ctx, cfg.n_batch, cfg.n_batch
         if cfg.kv_layout == "streams":  # a stream past the trained context holds cells no position can reach
@@ -105,11 +104,7 @@ class LlamaEngine(Drafted, Engine):
         cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
         cp.no_perf = True
         cp.flash_attn_type = FLASH_ATTN[cfg.flash]
-        self._ctx = lc.llama_init_from_model(self._model, cp)
-        if not self._ctx:
-            lc.llama_model_free(self._model)
-            why = llamacpp.last_errors() or "no reason given"
-            raise FatalEngineError(f"llama.cpp could not create a context: {why}")
+        llamacpp.new_context(self, cp)
         return threads
 
     def _check_deterministic(self) -> None:
@@ -259,7 +254,7 @@ class LlamaEngine(Drafted, Engine):
             if embed:
                 self._lc.llama_set_embeddings(self._ctx, False)
         for s, p in dummies:
-            self._lc.llama_memory_seq_rm(self._mem, s, p, -1)
+            self.kv.drop(s, p)
         if rc == 1:
             return None
         if rc == -1:
@@ -299,7 +294,7 @@ class LlamaEngine(Drafted, Engine):
         dummies = []
         placed = list(zip(self._seq[:n].tolist(), self._pos[:n].tolist())) if self.lone_pads else ()
         for s in invariant.pads(placed, self.n_seq_max, self.lone_pads) if placed else ():
-            p = int(self._lc.llama_memory_seq_pos_max(self._mem, s)) + 1
+            p = self.kv.positions(s)
             k = n + len(dummies)
             self._tok[k], self._pos[k], self._seq[k], self._want[k] = self._tok[0], p, s, 1
             dummies.append((s, p))
@@ -346,8 +341,8 @@ class LlamaEngine(Drafted, Engine):
             if len(live) < len(self._ran):
                 self._ran = {s: self._ran[s] for s in live}
             for src, dst in self._ids.arrange(live):
-                self._lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # copied at the next decode
-                self._lc.llama_memory_seq_rm(self._mem, src, -1, -1)
+                self.kv.copy(src, dst)  # copied at the next decode
+                self.kv.drop(src)
 
     def release_kv(self, seq_id: int) -> None:
         self._ran.pop(seq_id, None)
@@ -355,50 +350,44 @@ class LlamaEngine(Drafted, Engine):
         self._pools.forget(seq_id)
         p = seq_id if self._ids is None else self._ids.drop(seq_id)
         if p is not None:
-            self._lc.llama_memory_seq_rm(self._mem, p, -1, -1)
+            self.kv.drop(p)
 
     def trim_kv(self, seq_id: int, n: int) -> None:
         self._forget_drafts(seq_id, n)  # kept drafts' cells are past n: a Keep keeps no more than the sequence holds
         p = seq_id if self._ids is None else self._ids.get(seq_id)
         if p is not None:
-            self._lc.llama_memory_seq_rm(self._mem, p, n, -1)
+            self.kv.drop(p, n)
 
     def share_kv(self, src: int, dst: int, n: int) -> None:
         """Unified: `dst` joins the cells of `src`'s first n positions (no data moves). Streams: llama.cpp
         copies only whole streams (at the next decode), so the copy is trimmed after."""
         if self._ids is None:
-            self._lc.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+            self.kv.copy(src, dst, n)
             return
         ps, pd = self._ids.get(src), self._ids[dst]
-        self._lc.llama_memory_seq_cp(self._mem, ps, pd, -1, -1)
-        self._lc.llama_memory_seq_rm(self._mem, pd, n, -1)
+        self.kv.copy(ps, pd)
+        self.kv.drop(pd, n)
 
     def save_kv(self, seq_id: int, path: str, tokens: list[int]) -> int:
         p = seq_id if self._ids is None else self._ids.get(seq_id)
-        if p is None:
-            return 0
-        arr = (self._lc.llama_token * len(tokens))(*tokens)
-        return int(self._lc.llama_state_seq_save_file(self._ctx, path.encode(), p, arr, len(tokens)))
+        return 0 if p is None else self.kv.save(p, path, tokens)
 
     def load_kv(self, seq_id: int, path: str, n: int) -> list[int] | None:
         """llama.cpp checks the file's format and that its cells fit; the positions it holds are checked here."""
         p = seq_id if self._ids is None else self._ids[seq_id]
-        out, count = (self._lc.llama_token * self.n_ctx_seq)(), ctypes.c_size_t(0)
-        if not self._lc.llama_state_seq_load_file(self._ctx, path.encode(), p, out, self.n_ctx_seq,
-                                                  ctypes.byref(count)):
+        tokens = self.kv.load(p, path, self.n_ctx_seq)
+        if tokens is None or len(tokens) < n or self.kv.positions(p) < n:
             return None
-        if count.value < n or self._lc.llama_memory_seq_pos_max(self._mem, p) + 1 < n:
-            return None
-        self._lc.llama_memory_seq_rm(self._mem, p, n, -1)
-        return list(out[:n])
+        self.kv.drop(p, n)
+        return tokens[:n]
 
     def seq_pos_max(self, seq_id: int) -> int:
         p = seq_id if self._ids is None else self._ids.get(seq_id)
-        return -1 if p is None else int(self._lc.llama_memory_seq_pos_max(self._mem, p))
+        return -1 if p is None else self.kv.positions(p) - 1
 
     def state_seq_size(self, seq_id: int) -> int:
         p = seq_id if self._ids is None else self._ids.get(seq_id)
-        return 0 if p is None else int(self._lc.llama_state_seq_get_size(self._ctx, p))
+        return 0 if p is None else self.kv.state_bytes(p)
 
     def close(self) -> None:
         if getattr(self, "_model_drafts", None) is not None:

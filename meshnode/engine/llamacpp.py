@@ -15,6 +15,8 @@ import logging
 import os
 from collections import deque
 
+from meshnode.core.types import FatalEngineError
+
 log = logging.getLogger("meshnode.llama")
 
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}  # name -> ggml type
@@ -232,6 +234,27 @@ def vocab_difference(draft, target) -> str:
 def cannot_draft(path: str, why: str) -> str:
     return (f"draft_model: {path} cannot draft for this model: {why}; a draft model must share the model's "
             "tokenizer (the same family, another size or quantization)")
+
+
+def load_model(path: str, params, who: str = ""):
+    """llama_model_load_from_file, or FatalEngineError in llama.cpp's own words (`who`: whose model, for them)."""
+    import llama_cpp as lc
+
+    model = lc.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise FatalEngineError(f"{who}llama.cpp could not load {path}: {last_errors()}")
+    return model
+
+
+def new_context(owner, params, who: str = "") -> None:
+    """`owner._ctx` on `owner._model` (llama_init_from_model), or FatalEngineError in llama.cpp's own words, the
+    owner's model freed (free)."""
+    import llama_cpp as lc
+
+    owner._ctx = lc.llama_init_from_model(owner._model, params)
+    if not owner._ctx:
+        free(owner)
+        raise FatalEngineError(f"{who}llama.cpp could not create a context: {last_errors() or 'no reason given'}")
 
 
 def free(owner) -> None:

@@ -23,6 +23,7 @@ import math
 import re
 from collections.abc import Iterator
 
+from meshnode.core.types import FatalEngineError
 from meshnode.engine import llamacpp
 from meshnode.text import chat, jinja
 from meshnode.text.chat import ChatPrompt
@@ -40,9 +41,10 @@ class Tokenizer:
         self._lc = lc
         mp = lc.llama_model_default_params()
         mp.vocab_only = True
-        self._model = lc.llama_model_load_from_file(model_path.encode(), mp)
-        if not self._model:
-            raise RuntimeError(f"cannot load the vocab of {model_path}")
+        try:
+            self._model = llamacpp.load_model(model_path, mp, "the tokenizer: ")
+        except FatalEngineError as e:  # the front's own start fails: no engine to restart
+            raise RuntimeError(str(e)) from None
         self._vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
         self._buf = ctypes.create_string_buffer(256)
@@ -205,9 +207,7 @@ class Tokenizer:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def close(self) -> None:
-        if self._model:
-            self._lc.llama_model_free(self._model)
-            self._model = None
+        llamacpp.free(self)
 
 
 class TextStream:
