@@ -65,19 +65,29 @@ def over_http(port: int, jobs: list[dict], at_once: int) -> dict:
 
     import aiohttp
 
-    out: dict[int, tuple[float, list[float]]] = {}
+    out: dict[int, tuple[float, list[float], int]] = {}
 
-    async def one(session, body: dict) -> list[float]:
-        times = []
-        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True}) as resp:
+    async def one(session, body: dict) -> tuple[list[float], int]:
+        """The arrival of each chunk that carries text, and the tokens generated (the final usage chunk's: a
+        chunk may carry several tokens, the node's multi-step ticks' or a held-back UTF-8 character's)."""
+        times, n = [], 0
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
             async for line in resp.content:
                 if line.startswith(b"data: [DONE]"):
                     break
-                if line.startswith(b"data: ") and json.loads(line[6:])["choices"][0].get("text"):
+                if not line.startswith(b"data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    n = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
                     times.append(time.monotonic())
-        return times
+        if not n:
+            raise RuntimeError("the stream ended without its usage (stream_options.include_usage)")
+        return times, n
 
     async def run():
         todo = list(enumerate(jobs))
@@ -89,8 +99,8 @@ def over_http(port: int, jobs: list[dict], at_once: int) -> dict:
                 while todo:
                     i, job = todo.pop(0)
                     t0 = time.monotonic()
-                    out[i] = (t0, await one(session, {"prompt": job["tokens"], "max_tokens": job["max_tokens"],
-                                                      "temperature": 0, "ignore_eos": True}))
+                    out[i] = (t0, *await one(session, {"prompt": job["tokens"], "max_tokens": job["max_tokens"],
+                                                       "temperature": 0, "ignore_eos": True}))
             await asyncio.gather(*(worker() for _ in range(at_once)))
 
     asyncio.run(run())
@@ -98,7 +108,7 @@ def over_http(port: int, jobs: list[dict], at_once: int) -> dict:
 
 
 def over_zmq(c, jobs: list[dict], at_once: int, tag: str) -> dict:
-    out: dict[int, tuple[float, list[float]]] = {}
+    out: dict[int, tuple[float, list[float], int]] = {}
     pending = list(enumerate(jobs))
     live: dict[str, tuple[int, float]] = {}
     while pending or live:
@@ -112,16 +122,19 @@ def over_zmq(c, jobs: list[dict], at_once: int, tag: str) -> dict:
         if ev["event"] == "admitted":
             continue
         if ev["event"] == "tokens" and ev["text"]:
-            out.setdefault(i, (t0, []))[1].append(time.monotonic())
+            out.setdefault(i, (t0, [], 0))[1].append(time.monotonic())
         elif ev["event"] != "tokens":
             assert ev["event"] == "done", ev
             del live[ev["id"]]
+            out[i] = (*out.get(i, (t0, []))[:2], len(ev["tokens"]))
     return out
 
 
 def figures(res: dict) -> dict:
-    """`res`: each session's (submit time, token arrival times)."""
-    return streams([t0 for t0, _ in res.values()], [ts for _, ts in res.values()])
+    """`res`: each session's (submit time, arrival times of its chunks with text, tokens generated): tok/s
+    counts tokens, the gaps and first-token delays count chunks (what a client waits between two)."""
+    return streams([t0 for t0, _, _ in res.values()], [ts for _, ts, _ in res.values()],
+                   sum(n for _, _, n in res.values()))
 
 
 def processes(node_pid: int) -> dict:
