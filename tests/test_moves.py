@@ -227,3 +227,31 @@ def test_a_node_killed_while_it_receives_a_kv_started_nothing_and_the_move_goes_
     ca.resume("long2", state)
     went = ca.collect(["long2"])["long2"]
     assert state["generated"] + went.tokens == ref.done["tokens"] and went.done["reason"] == R.LENGTH
+
+
+def test_a_node_killed_during_an_export_loses_nothing_its_client_was_sent(nodes, reference, tiny_model):
+    """kill -9 of the node a session runs on, its export asked: whatever the client holds (the `exported` state,
+    if it came before the kill, else the request and the tokens streamed) goes on elsewhere, every token once."""
+    from dataclasses import asdict
+
+    _, cb = nodes
+    with NodeProcess(tiny_model, *ARGS, internal=SLOW) as doomed, doomed.client() as cd:
+        cd.submit("k", **ASK)
+        cd.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "k", keep=True)
+        cd.send(P.Export("k"))
+        doomed.proc.kill()
+        doomed.proc.wait()
+        events = []
+        while (ev := cd.recv(0.5)) is not None:
+            events.append(ev)
+    got = [t for e in events if e["event"] == "tokens" for t in e["tokens"]]
+    exported = [e["state"] for e in events if e["event"] == "exported"]
+    assert [e["event"] for e in events].count("done") <= 1  # its EXPORTED done, if the export beat the kill
+    state = {k: v for k, v in exported[0].items() if k != "kv"} if exported else {
+        "tokens": PROMPT, "generated": got, "max_tokens": 300, "ignore_eos": True, "logprobs": 1,
+        "recipe": cb.status()["node"]["recipe"], "sampling": {k: v for k, v in asdict(ASK["sampling"]).items()
+                                                              if k != "logprobs"}}
+    assert state["generated"] == got and 0 < len(got) < 300
+    cb.resume("after-kill", state)
+    went = cb.collect(["after-kill"])["after-kill"]
+    assert got + went.tokens == reference.done["tokens"]
