@@ -59,3 +59,14 @@ def test_at_the_drain_deadline_the_peer_stops_what_it_carries_and_every_client_g
     for r in got.values():
         assert r.done["reason"] == R.DRAINED and r.tokens == r.done["tokens"] and len(r.tokens) < 150
         assert "".join(e["text"] for e in r.events) == r.done["text"]
+
+
+def test_a_peer_that_never_answers_leaves_every_session_one_done_at_the_deadline(tiny_model, tmp_path):
+    nobody = f"ipc://{tmp_path}/nobody.sock"  # no node listens there: the imports wait in the socket
+    with NodeProcess(tiny_model, *ARGS, "--handoff", nobody, "--drain-timeout-s", "1", internal=SLOW) as node, \
+            node.client() as c:
+        got = _drain_with_sessions_running(node, c)
+        assert node.proc.wait(60) == 0
+    for r in got.values():
+        assert r.done["reason"] == R.DRAINED and r.tokens == r.done["tokens"] and len(r.tokens) < 150
+        assert "".join(e["text"] for e in r.events) == r.done["text"]
