@@ -133,6 +133,7 @@ class Front:
                                    self.output.forget_moved)
             self.poller.register(self.handoff.sock, zmq.POLLIN)
         self.poller.register(self.texts.fileno(), zmq.POLLIN)
+        self.poller.register(self.moves.fileno(), zmq.POLLIN)
         self._link_fd = None
         self._planned_out = False  # the last dispatch found nothing to plan
         log.info("%s", ready_line(self.report.src, max_clients))
@@ -242,8 +243,9 @@ class Front:
         return now + self.cfg.drain_timeout_s
 
     def _draining(self) -> bool:
-        """Sessions the drain still waits for: live ones, and those a handoff relays."""
-        return bool(self.sched.live) or bool(self.handoff and self.handoff.active)
+        """Sessions the drain still waits for: live ones, exports whose KV is still being read, and those a
+        handoff relays."""
+        return bool(self.sched.live or self.output.exporting) or bool(self.handoff and self.handoff.active)
 
     def _exported(self, ev: Event, stops: list[str]) -> list[list[bytes]]:
         """A leaving session's frames for its client, or nothing where a drain's handoff carries it on."""
@@ -262,6 +264,9 @@ class Front:
             self.step()
         if self.handoff is not None and ready.pop(self.handoff.sock, None):
             self.handoff.on_ready()
+        if ready.pop(self.moves.fileno(), None):
+            for key, frames in self.moves.ready():
+                self._finish(self.output.export_ready(key, frames))
         if ready.pop(self.texts.fileno(), None):
             for job in self.texts.finished():
                 self._apply(self.requests.on_text(job))

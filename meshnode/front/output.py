@@ -60,6 +60,7 @@ class Output:
     export: object = None  # (exported event, stop strings) -> its frames (front/moves.py)
     relays: object = lambda key: False  # a handoff carries the session on: its `done` EXPORTED is not its client's
     moved: dict = field(default_factory=dict)  # key -> Stream of a session a handoff relays (front/handoff.py)
+    exporting: dict = field(default_factory=dict)  # key -> its done's frames, held until its KV's frames are out
     clock: object = time.monotonic
     streams: dict = field(default_factory=dict)  # key -> Stream, from admission to done
 
@@ -82,7 +83,10 @@ class Output:
             if ev.kind == "tokens":
                 self._tokens(ev, finishes)
             elif ev.kind == "exported":  # its `done` follows (or came first, when it ended before the export)
-                for frames in self.export(ev, self.stops_of(ev.session.key)):
+                out = self.export(ev, self.stops_of(ev.session.key))
+                if out is None:  # its KV is being read off the loop: its done waits for it (export_ready)
+                    self.exporting[ev.session.key] = []
+                for frames in out or ():
                     self._deliver(ev.session.key[0], frames, True, finishes)
             elif ev.kind == "embedding":
                 key = ev.session.key
@@ -121,6 +125,9 @@ class Output:
         if reason == R.EXPORTED and self.relays(key):  # it goes on at a drain's peer (front/handoff.py)
             self.moved[key] = self.streams.pop(key)
             return
+        if key in self.exporting:  # after its state and KV (export_ready)
+            self.exporting[key] = self._last_frames(key, reason, detail)
+            return
         for frames in self._last_frames(key, reason, detail):
             self._deliver(key[0], frames, True, finishes)
 
@@ -134,6 +141,13 @@ class Output:
         self.streams[key] = out
         for frames in self._last_frames(key, reason, detail, flush=not relayed):
             self._deliver(key[0], frames, True, [])
+
+    def export_ready(self, key, frames: list[list[bytes]]) -> list[Finish]:
+        """An export's state and KV are read (front/moves.py): they go out, then its held `done`."""
+        finishes: list[Finish] = []
+        for f in frames + self.exporting.pop(key, []):
+            self._deliver(key[0], f, True, finishes)
+        return finishes
 
     def forget_moved(self, key) -> None:
         self.moved.pop(key, None)
