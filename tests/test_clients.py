@@ -260,16 +260,17 @@ def test_a_connection_whose_session_waits_in_the_queue_is_never_closed_as_idle(t
     (closed as idle, its tokens would have gone to an identity that no longer exists)."""
     from meshnode.client import Client
 
-    # every tick at least 10 ms: the long session lasts 5 s or more, five idle timeouts of the queued one
+    # every tick at least 100 ms: the long session lasts 5 s or more, five idle timeouts of the queued one (few
+    # ticks, so a busy machine does not stretch it much: 500 ticks of 10 ms took over 120 s beside the suite)
     with NodeProcess(tiny_model, "--client-idle-timeout-s", "1", "--max-active", "1",
-                     internal={"faults": [{"step_sleep_s": 0.01}]}) as n, n.client() as first:
-        first.submit("long", tokens=[3, 4, 5], max_tokens=500, ignore_eos=True)
+                     internal={"faults": [{"step_sleep_s": 0.1}]}) as n, n.client() as first:
+        first.submit("long", tokens=[3, 4, 5], max_tokens=50, ignore_eos=True)
         first.wait_for(lambda e: e["event"] == "tokens", keep=True)
         waiting = Client(n.listen, timeout_s=120)
         waiting.submit("queued", tokens=[3, 4], max_tokens=5, ignore_eos=True)
         assert waiting.wait_for(lambda e: e["event"] == "admitted", keep=True)["state"] == "QUEUED"
-        long = first.collect(["long"], timeout_s=120)["long"]
-        queued = waiting.collect(["queued"], timeout_s=60)["queued"]
+        long = first.collect(["long"], timeout_s=300)["long"]
+        queued = waiting.collect(["queued"], timeout_s=300)["queued"]
         t = first.status()["telemetry"]
         waiting.close()
     assert long.done["reason"] == R.LENGTH and queued.done["reason"] == R.LENGTH and len(queued.tokens) == 5
