@@ -7,7 +7,7 @@ from meshnode.core.types import Sampling
 from meshnode.dev.nodeproc import NodeProcess
 
 SLOW = {"faults": [{"step_sleep_s": 0.03}]}  # a tick takes 30 ms: the sessions still run when the drain comes
-ARGS = ("--deterministic", "--decode-steps-ms", "0")
+ARGS = ("--deterministic", "--decode-steps-ms", "0", "--threads", "1")  # one thread: several nodes at once
 PROMPT = [3 + (k * 23) % 500 for k in range(41)]
 ASKS = {"a": dict(tokens=PROMPT, max_tokens=200, ignore_eos=True, sampling=Sampling(0.9, 40, 0.95, 3), logprobs=1),
         "b": dict(tokens=PROMPT[:20], max_tokens=150, ignore_eos=True)}
@@ -38,7 +38,7 @@ def test_sessions_live_at_a_drain_finish_on_the_peer_and_their_streams_go_on(tin
 
 
 def test_a_peer_that_refuses_leaves_the_sessions_to_end_drained_with_their_tokens(tiny_model):
-    with NodeProcess(tiny_model, "--no-deterministic") as other:  # another recipe: it refuses every import
+    with NodeProcess(tiny_model, "--no-deterministic", "--threads", "1") as other:  # another recipe: refuses imports
         with NodeProcess(tiny_model, *ARGS, "--handoff", other.listen, internal=SLOW) as node, node.client() as c:
             got = _drain_with_sessions_running(node, c)
             assert node.proc.wait(60) == 0

@@ -17,7 +17,7 @@ from meshnode.engine.followups import Followups
 # deterministic on both (the f32 tiny model's mode is bitwise across batch shapes and re-prefills); a tick
 # takes at least 30 ms and one token, so a session of 300 is still running when the export comes
 SLOW = {"faults": [{"step_sleep_s": 0.03}]}
-ARGS = ("--deterministic", "--decode-steps-ms", "0")
+ARGS = ("--deterministic", "--decode-steps-ms", "0", "--threads", "1")  # one thread: several nodes at once
 PROMPT = [3 + (k * 29) % 500 for k in range(37)]
 ASK = dict(tokens=PROMPT, max_tokens=300, ignore_eos=True, sampling=Sampling(0.9, 40, 0.95, 11), logprobs=1)
 

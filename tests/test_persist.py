@@ -5,7 +5,7 @@ import os
 
 from meshnode.dev.nodeproc import NodeProcess
 
-ARGS = ("--deterministic", "--prefix-cache", "node", "--decode-steps-ms", "0")
+ARGS = ("--deterministic", "--prefix-cache", "node", "--decode-steps-ms", "0", "--threads", "1")
 TURN1 = [3 + (k * 31) % 500 for k in range(80)]
 NEXT = [5 + (k * 17) % 400 for k in range(20)]
 
