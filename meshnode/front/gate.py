@@ -110,6 +110,10 @@ class Gate:
         self._local = _local_address(endpoint)
         self._closing: set[int] = set()  # shut down by us: their DISCONNECTED is no news
         self._fd_of: dict[bytes, int] = {}  # identity -> the connection its last request came on
+        # a descriptor's identity when its DISCONNECTED came: a new connection on the same number may have sent
+        # its request (heard) before the monitor told of the old one's end, and must not come back unnamed (it
+        # would be closed as idle under its live session)
+        self._gone: dict[int, bytes] = {}
 
     @property
     def connected(self) -> int:
@@ -141,7 +145,9 @@ class Gate:
             if self._close(fd, known=False):
                 self.refused_total += 1
             return
-        self.conns[fd] = Conn(self.clock(), host=host)
+        self.conns[fd] = Conn(self.clock(), self._gone.pop(fd, None), host=host)
+        if self.conns[fd].ident is not None:
+            self._fd_of.setdefault(self.conns[fd].ident, fd)
         if self.endpoint.startswith("tcp://"):
             self._unheard[fd] = self.conns[fd].since
 
@@ -214,6 +220,8 @@ class Gate:
     def _forget(self, fd: int) -> None:
         self._unheard.pop(fd, None)
         conn = self.conns.pop(fd, None)
+        if conn is not None and conn.ident is not None:
+            self._gone[fd] = conn.ident
         if conn is not None and self._fd_of.get(conn.ident) == fd:
             del self._fd_of[conn.ident]
 
