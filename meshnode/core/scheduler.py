@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
 
-import numpy as np
 
 from meshnode.core import reasons as R
 from meshnode.core import moves
@@ -56,22 +54,11 @@ from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Event, Session
 from meshnode.core.seqs import Sequences
 from meshnode.core.sizing import Sizing
 from meshnode.core.steps import plan_steps
-from meshnode.core.types import Constrained, Plan, Release, SeqChunk, StepResult
+from meshnode.core.telemetry import Counters
+from meshnode.core.types import Plan, Release, SeqChunk, StepResult
 
 
 GATHER_SPAN = 4  # an idle engine's first tick waits at most this many quiet gaps (gather_ms) for more requests
-
-
-@dataclass
-class Counters:
-    ticks: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    occupancy_last: int = 0
-    occupancy_max: int = 0
-    occupancy_sum: int = 0
-    constraint_failures: int = 0  # sessions ended BAD_REQUEST: their response_format failed while generating
-    preemptions: int = 0  # running sessions sent back to the queue for a better priority
 
 
 class Scheduler:
@@ -224,18 +211,7 @@ class Scheduler:
         return self.cells_planned if self.pool_cells else 0
 
     def _chunk(self, s: Session, n: int) -> tuple[Session, SeqChunk]:
-        s.last_tick = self.counters.ticks
-        start, known = s.n_planned, s.tokens[s.n_planned:s.n_planned + n]
-        follow = len(known) < n  # its last token is the sample of the tick still in flight
-        end = start + n == len(s.tokens) + s.draws_in_flight
-        chunk = SeqChunk(s.seq_id, start, np.asarray(known + [-1] * (n - len(known)), dtype=np.int32),
-                         draw=s.n_generated + s.draws_in_flight if end else -1,
-                         sampling=s.sampling if start == s.n_reused else None, follow=follow,
-                         constraint=Constrained(s.grammar, len(s.prompt)) if s.grammar and start == s.n_reused else None,
-                         embed=s.embed)
-        s.n_planned += n
-        s.draws_in_flight += end
-        return s, chunk
+        return s, s.next_chunk(n, self.counters.ticks)
 
     def apply(self, tick: Tick, result: StepResult) -> list[Event]:
         """Turn the engine's result for `tick` (answered, off the pipeline) into per-session events."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from meshnode.core.types import GREEDY, Grammar, Logprob, Sampling
+import numpy as np
+
+from meshnode.core.types import GREEDY, Constrained, Grammar, Logprob, Sampling, SeqChunk
 
 NEW, QUEUED, RUNNING, DONE = "NEW", "QUEUED", "RUNNING", "DONE"
 
@@ -84,6 +86,23 @@ class Session:
         if self.draws_in_flight and self.n_generated + self.draws_in_flight >= self.max_tokens:
             return 0
         return len(self.tokens) + self.draws_in_flight - self.n_planned
+
+    def next_chunk(self, n: int, tick: int) -> SeqChunk:
+        """Its next `n` tokens to feed, as a chunk of tick number `tick`, planned: a chunk that reaches the end
+        of its tokens (and samples in flight) samples the next one; a token still in flight is a `follow` the
+        engine fills in. Sampling and the output constraint ride on its first chunk after reused KV."""
+        self.last_tick = tick
+        start, known = self.n_planned, self.tokens[self.n_planned:self.n_planned + n]
+        end = start + n == len(self.tokens) + self.draws_in_flight
+        first = start == self.n_reused
+        chunk = SeqChunk(self.seq_id, start, np.asarray(known + [-1] * (n - len(known)), dtype=np.int32),
+                         draw=self.n_generated + self.draws_in_flight if end else -1,
+                         sampling=self.sampling if first else None, follow=len(known) < n,
+                         constraint=Constrained(self.grammar, len(self.prompt)) if self.grammar and first else None,
+                         embed=self.embed)
+        self.n_planned += n
+        self.draws_in_flight += end
+        return chunk
 
     def forget_kv(self) -> None:
         """Its KV is gone (an engine restart, a preemption): everything is fed again from position 0."""

@@ -8,9 +8,25 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 
 from meshnode.core import reasons as R
 from meshnode.core.capacity import capacity
+
+
+@dataclass
+class Counters:
+    """What the scheduler counts as it plans and applies ticks; the snapshot reads them."""
+
+    ticks: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    occupancy_last: int = 0
+    occupancy_max: int = 0
+    occupancy_sum: int = 0
+    constraint_failures: int = 0  # sessions ended BAD_REQUEST: their response_format failed while generating
+    preemptions: int = 0  # running sessions sent back to the queue for a better priority
+
 
 RATE_WINDOW_S = 10.0
 ESTIMATE_PROMPT_TOKENS = 512  # the prompt size the published capacity block estimates for
