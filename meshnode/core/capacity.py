@@ -10,7 +10,7 @@ the cost model has seen enough ticks.
 """
 from __future__ import annotations
 
-from meshnode.core.costmodel import prefill_room, shape
+from meshnode.core.costmodel import shape
 from meshnode.core.session import Ask
 
 MAX_TICKS = 10_000  # the replay's bound: beyond it the estimate is unknown
@@ -58,15 +58,13 @@ def _replay(sched, prompts: list[tuple[int, int, int]], decoders: list[tuple[int
     """Ticks until the last of `prompts` ((position, tokens left, prompt length)) is computed, in ms from `t`, with
     `decoders` ((position, tokens left)) ending as they run out and, on a unified KV, the pool's
     `unified` cells growing with every token computed and shrinking as sessions end."""
-    top, cost = sched.budget.max_prefill_tokens_per_tick, sched.cost
-    prompts = list(prompts)
+    cost, prompts = sched.cost, list(prompts)
     for k in range(MAX_TICKS):
         live = [(pos + k, 1) for pos, left in decoders if left > k]
         if unified:
             unified += len(live) - sum(pos + k for pos, left in decoders if left == k)
-        room = prefill_room(cost, sched.tick_target, top, live, unified, prompts[0][0])
         chunks = []
-        for n in sched.sizing.cuts(room, prompts, bool(live)):  # as plan() gives the room
+        for n in sched.sizing.cuts(sched.sizing.room(live, unified, prompts[0][0]), prompts, bool(live)):  # as plan()
             pos, left, n_prompt = prompts[0]
             chunks.append((pos, n))
             prompts[0] = (pos + n, left - n, n_prompt)

@@ -24,10 +24,14 @@ class Sizing:
         if not prompts:
             return []
         rows = [(c.pos, 1) for c in decode]
-        sizes = self.cuts(prefill_room(self.cost, self.target, self.max_prefill, rows, cells, prompts[0][0]),
-                          prompts, bool(decode))
+        sizes = self.cuts(self.room(rows, cells, prompts[0][0]), prompts, bool(decode))
         return sizes[:within_target(self.cost, self.target, rows, cells,
                                     [(pos, n) for (pos, _, _), n in zip(prompts, sizes)])]
+
+    def room(self, rows: list[tuple[int, int]], cells: int, first_pos: int) -> int:
+        """The prompt tokens a tick may carry beside decode `rows` ((position, 1) each), sized at the first
+        prompt's position (costmodel.prefill_room)."""
+        return prefill_room(self.cost, self.target, self.max_prefill, rows, cells, first_pos)
 
     def cuts(self, room: int, prompts: list[tuple[int, int, int]], decoding: bool) -> list[int]:
         """The prompts' tokens in a tick with `room` (costmodel.fill: the tile rules hold on streams, where the
