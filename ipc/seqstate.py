@@ -36,3 +36,9 @@ def tokens_in(path: str) -> list[int]:
     if len(data) < 4 * n:
         raise ValueError(f"it says {n} tokens but holds fewer")
     return np.frombuffer(data, "<i4").tolist()
+
+
+def holds(path: str, tokens: list[int]) -> bool:
+    """Whether the state file's KV was computed for `tokens` (its own tokens start with them); ValueError when it
+    is not such a file."""
+    return tokens_in(path)[:len(tokens)] == list(tokens)

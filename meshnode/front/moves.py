@@ -164,13 +164,10 @@ class Moves:
         if inc.hasher.hexdigest() != inc.req.kv.sha256:
             return "the KV's SHA-256 is not the one its import names: it was changed or cut on the way"
         try:
-            tokens = seqstate.tokens_in(inc.path)
+            ours = seqstate.holds(inc.path, (inc.req.tokens + inc.req.generated)[:inc.req.kv.positions])
         except ValueError as e:
             return f"the KV is not this node's kind: {e}"
-        want = (inc.req.tokens + inc.req.generated)[:inc.req.kv.positions]
-        if tokens[:len(want)] != want or len(tokens) < len(want):
-            return "the KV was computed for other tokens than the import's prompt and generated tokens"
-        return ""
+        return "" if ours else "the KV was computed for other tokens than the import's prompt and generated tokens"
 
     def expired(self) -> list[tuple]:
         """Imports whose bytes stopped coming: dropped; their keys (each gets its refusal)."""

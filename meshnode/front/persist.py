@@ -118,7 +118,7 @@ class KvPersist:
                 data = f.read()
             if len(data) != m["bytes"] or hashlib.sha256(data).hexdigest() != m["sha256"]:
                 return None, "its SHA-256 or size is not the one its manifest names"
-            if seqstate.tokens_in(path)[:len(tokens)] != tokens:
+            if not seqstate.holds(path, tokens):
                 return None, "it holds the KV of other tokens than its manifest names"
             return Kept(path, tokens, int(m["n_prompt"]), bytes.fromhex(owner) if owner else None), ""
         except (OSError, ValueError, KeyError, TypeError) as e:
