@@ -416,6 +416,34 @@ def test_a_connection_just_sent_a_stream_is_not_the_one_given_up(zctx):
         router.close()
 
 
+def test_a_connection_on_a_reused_descriptor_keeps_its_identity_past_the_old_ones_late_disconnect(zctx):
+    """The monitor's events and the requests come on two pipes with no order between them: a new connection on
+    the descriptor number an old one had can be heard before the monitor reports the old one's end. That late
+    DISCONNECTED must not leave the new connection unnamed, or the idle timeout closes it under its live
+    session (it hung a queued-client test in about half the suite runs)."""
+    import zmq
+
+    from ipc.transport import free_tcp_port
+    from meshnode.front import gate as G
+
+    clock = [0.0]
+    router = zctx.socket(zmq.ROUTER)
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    router.bind(ep)
+    g = G.Gate(router, ep, cap=10, busy=lambda: {b"new"}, idle_s=1.0, clock=lambda: clock[0])
+    try:
+        g._accept(101)  # the old connection, as the monitor reports it
+        g.heard(101, b"old")
+        g.heard(101, b"new")  # the old one closed; a new one on number 101 sent its submit first
+        g._forget(101)  # then the monitor's DISCONNECTED of the old one
+        g._accept(101)  # and its ACCEPTED of the new one
+        clock[0] = 5.0
+        assert g.conns[101].ident == b"new" and list(g._quiet(clock[0] - 1.0, {b"new"})) == []
+    finally:
+        g.close()
+        router.close()
+
+
 def test_an_unclosed_client_in_a_reference_cycle_does_not_hang_the_garbage_collector():
     """pyzmq's own finalizer deadlocks on a context collected with its sockets (the clients' finalizer
     closes them first); run where the tests' guard (conftest.py) is not installed."""
