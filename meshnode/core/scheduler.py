@@ -41,7 +41,6 @@ from __future__ import annotations
 import bisect
 import time
 
-
 from meshnode.core import reasons as R
 from meshnode.core import moves
 from meshnode.core.admission import Admission, AdmissionDecision

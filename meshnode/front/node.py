@@ -250,7 +250,8 @@ class Front:
     def _exported(self, ev: Event, stops: list[str]) -> list[list[bytes]]:
         """A leaving session's frames for its client, or nothing where a drain's handoff carries it on."""
         if self.handoff is not None and self.handoff.carries(ev, lambda: self.moves.state(ev, stops, self.recipe)):
-            remove(ev.session.export_to)  # one that ended first left its file
+            if ev.reason:  # it ended here first: nothing read its file (Moves.state removes the one it reads)
+                remove(ev.session.export_to)
             return []
         return self.moves.exported(ev, stops, self.recipe)
 
