@@ -235,6 +235,7 @@ def summary(rounds: list[dict], sides: list[str], work: dict) -> list[str]:
                    + "; repeats " + ", ".join(f"{t} {reps[t]:.2f}" for t in CHATS))
         if "deterministic" in first[side]:
             out.append(f"{side}: deterministic mode {'on' if first[side]['deterministic'] else 'off'}")
+    out += edit_answers(rounds, sides, work)
     base = "llama-server default"
     for node in [s for s in sides if s.startswith("node")]:
         if base in sides:
@@ -256,4 +257,24 @@ def summary(rounds: list[dict], sides: list[str], work: dict) -> list[str]:
         dr = sum(rd[s][t]["drafted"] for rd in rounds for t in ["code-edit", *CHATS])
         out.append(f"{s}: code-edit {med(s, 'code-edit'):.1f} tok/s, chats' median "
                    f"{np.median([med(s, t) for t in CHATS]):.1f} tok/s; drafts accepted {acc}/{dr}")
+    return out
+
+
+def edit_answers(rounds: list[dict], sides: list[str], work: dict) -> list[str]:
+    """What each side's code-edit answer was, round by round: its length, its `repeats` share, and how many of its
+    first tokens it shares with `node spec off`'s answer that round (or llama-server default's). Greedy answers
+    of a model that does not copy the file part with the batch shapes each side's drafts give (the kernels are
+    not batch-invariant outside deterministic mode), so a code-edit ratio compares the speeds of different texts
+    wherever these differ."""
+    ref = next((s for s in ("node spec off", "llama-server default") if s in sides), sides[0])
+    out = []
+    for i, rd in enumerate(rounds):
+        base = rd[ref]["code-edit"]["tokens"]
+        cells = []
+        for s in sides:
+            t = rd[s]["code-edit"]["tokens"]
+            same = next((k for k, (x, y) in enumerate(zip(t, base)) if x != y), min(len(t), len(base)))
+            cells.append(f"{s} {len(t)}/{repeats(work['code-edit'], t):.2f}/{same}")
+        out.append(f"code-edit answers, round {i + 1} (length/repeats/tokens shared with {ref}'s): "
+                   + ", ".join(cells))
     return out
