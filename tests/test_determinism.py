@@ -306,11 +306,11 @@ def test_speculative_drafts_right_or_wrong_leave_a_session_bitwise_the_same_alon
 
     def counting(plan):
         res = step(plan)
-        counts.update(drafted=res.drafted, served=res.served, kept=sum(map(len, e._ahead.values())))
+        counts.update(drafted=res.drafted, served=res.served, kept=sum(map(len, e.drafts.ahead.values())))
         return res
 
     monkeypatch.setattr(e, "step", counting)
-    monkeypatch.setattr(e, "spec", "off")
+    monkeypatch.setattr(e.drafts, "mode", "off")
     off = scenario(e, p, SAMPLINGS[how])
     assert counts["drafted"] == 0
     full = p + off["tokens"]
@@ -322,12 +322,12 @@ def test_speculative_drafts_right_or_wrong_leave_a_session_bitwise_the_same_alon
     for name, mode in (("right", "lookup"), ("wrong", "lookup"), ("lookup", "auto"), ("right", "auto")):
         propose = drafts[name]
         with monkeypatch.context() as m:
-            m.setattr(e, "spec", mode)
+            m.setattr(e.drafts, "mode", mode)
             free_rows = RowCost([(1, 10.0), (64, 14.0)])  # rows nearly free (a GPU's): right drafts pay
             m.setattr(free_rows, "observe", lambda *a, **k: None)  # whatever this CPU's ticks take
-            m.setattr(e, "row_cost", free_rows)
+            m.setattr(e.drafts, "row_cost", free_rows)
             if propose:
-                m.setattr(e._lookup, "propose", propose)
+                m.setattr(e.drafts.lookup, "propose", propose)
             counts.clear()
             runs = {"alone": scenario(e, p, SAMPLINGS[how])}
             alone_counts = counts.copy()  # "wrong" is wrong for x only: a neighbour's may be right by chance
@@ -357,10 +357,10 @@ def test_a_draft_models_drafts_leave_a_session_bitwise_the_same(models, problems
         served = Counter()
         step = e.step
         e.step = lambda plan: (r := step(plan), served.update(n=r.served, drafted=r.drafted))[0]
-        e.spec = "off"
+        e.drafts.mode = "off"
         off = scenario(e, p, SAMPLINGS[how])
         assert served["drafted"] == 0
-        e.spec = "draft"
+        e.drafts.mode = "draft"
         for got in (scenario(e, p, SAMPLINGS[how]), scenario(e, p, SAMPLINGS[how], crowd=2, restart_after=5)):
             assert got["tokens"] == off["tokens"] and got["logprobs"] == off["logprobs"]
     assert served["n"] >= 10 and served["drafted"] >= 4 * 39, served  # a q8_0 copy guesses the f32 model well
@@ -386,14 +386,14 @@ def test_without_deterministic_mode_speculation_keeps_the_sampler_and_its_draws(
     p = [3 + (k * 13) % 500 for k in range(40)]
     same = served = 0
     with LlamaEngine(cfg) as e:
-        assert not e.deterministic and e.spec == "auto"
+        assert not e.deterministic and e.drafts.mode == "auto"
         for seed in range(24):
             sampling = Sampling(temperature=1.0, seed=seed)
-            e.spec = "off"
+            e.drafts.mode = "off"
             off = scenario(e, p, sampling, n_new=24)
             full = p + off["tokens"]
-            e.spec = "lookup"
-            monkeypatch.setattr(e._lookup, "propose", lambda seq, toks, k: full[len(toks):len(toks) + k])
+            e.drafts.mode = "lookup"
+            monkeypatch.setattr(e.drafts.lookup, "propose", lambda seq, toks, k: full[len(toks):len(toks) + k])
             step = e.step
             got = []
             monkeypatch.setattr(e, "step", lambda plan: got.append(step(plan)) or got[-1])

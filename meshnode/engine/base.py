@@ -266,6 +266,13 @@ class Engine:
         if s.logprobs:
             res.logprobs[c.seq_id] = logprobs(logits, tok, s.logprobs)
 
+    def fed(self, seq: int) -> list[int]:
+        """The sequence's tokens fed so far, by position: the engine's own list, not a copy."""
+        return self._history[seq]
+
+    def constrained(self, seq: int) -> bool:
+        return seq in self._constraints
+
     def release(self, seq_id: int) -> None:
         self.release_kv(seq_id)
         self._next_pos[seq_id] = 0
@@ -300,3 +307,12 @@ class Engine:
 
     def _run(self, plan: Plan) -> StepResult:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the engine holds."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -16,6 +16,7 @@ import numpy as np
 
 from meshnode.core.types import FatalEngineError
 from meshnode.engine import llamacpp
+from meshnode.engine.batch import Batch
 from meshnode.engine.seqkv import SeqKV
 
 MAX_CELLS = 16384  # the draft's KV, shared by all sequences: where it is full, drafts stop until it is cleared
@@ -43,7 +44,7 @@ class DraftModel:
         self.kv = SeqKV(lc, self._ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self._cap = cp.n_batch
-        self._batch = lc.llama_batch_init(self._cap, 0, 1)
+        self._batch = Batch(lc, self._ctx, self._cap, self.n_vocab)
         self.synced: dict[int, int] = {}  # sequence -> its first positions the draft context holds
         self.step_ms = 0.0  # what the last proposal's decodes took, per drafted token (the cost model's price)
 
@@ -91,20 +92,14 @@ class DraftModel:
         greedy next token of each whose feed is `last`; None where llama.cpp could not take the call."""
         b, i, rows = self._batch, 0, {}
         for s, (pos, toks, last) in feeds.items():
-            for j, t in enumerate(toks):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = t, pos + j, 1, s
-                b.logits[i] = last and j == len(toks) - 1
-                if b.logits[i]:
-                    rows[s] = i
-                i += 1
-        b.n_tokens = i
-        if self._lc.llama_decode(self._ctx, b) != 0:
+            i = b.put(i, toks, pos, s)
+            if last:
+                b.want[i - 1] = 1
+                rows[s] = i - 1
+        b.n = i
+        if b.decode() != 0:
             return None
-        out = {}
-        for s, r in rows.items():
-            ptr = self._lc.llama_get_logits_ith(self._ctx, r)
-            out[s] = int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
-        return out
+        return {s: int(np.argmax(b.logits(r))) for s, r in rows.items()}
 
     def forget(self, seq: int, keep: int = 0) -> None:
         """The target's sequence kept its first `keep` positions (0: released)."""
@@ -117,7 +112,4 @@ class DraftModel:
         self.kv.clear()
 
     def close(self) -> None:
-        if getattr(self, "_batch", None) is not None:
-            self._lc.llama_batch_free(self._batch)
-            self._batch = None
         llamacpp.free(self)

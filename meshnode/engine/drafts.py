@@ -13,7 +13,7 @@ still good (its row saw only right tokens), the cells after it go through the en
 Drafts come from prompt lookup (`Lookup`: the tokens that followed the earlier occurrence of the
 sequence's last tokens that matches the most of them, prompt and output alike). K comes from the cost
 model (core/speculation.py) in `auto`, from how often the lookup's guesses behind a match of this length
-were right (each tick's guess is checked against the sample, drafted or not: `_observe`, `_learn`); it is
+were right (each tick's guess is checked against the sample, drafted or not: `observe`, `_learn`); it is
 the most allowed in `lookup`. A deterministic lone row that needs a padding row (invariant.pads) gets a
 draft instead (the lookup's, else the token itself).
 Not drafted: sessions with a response_format (their matcher would have to step back), prompt chunks,
@@ -22,7 +22,7 @@ and the unified KV layout (draft cells could take cells another session was prom
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -91,16 +91,37 @@ class Lookup:
             self.match.pop(seq, None)
 
 
-class Drafted:
-    """The drafting part of LlamaEngine (engine/llama.py): uses its `_ids` (streams), `_history`,
-    `_constraints`, `n_ctx_seq`, `n_batch`, `eog`, `sample`, `_logits`, `_pads` and `trim_kv` (which also
-    drops a sequence's `_ahead`)."""
+class DraftHost(Protocol):
+    """What drafting asks of the engine that verifies its drafts (engine/llama.py's LlamaEngine): the
+    sequences' tokens and limits, the sampler and the tick's logits, and the engine's one KV cut."""
+    n_ctx_seq: int
+    n_batch: int
+    eog: list[int]
 
-    def _init_drafts(self, mode: str, k_max: int, k_min: int, model=None) -> None:
+    def fed(self, seq: int) -> list[int]: ...  # the tokens fed to the sequence, by position (the engine's list)
+
+    def constrained(self, seq: int) -> bool: ...
+
+    def pad_rows(self, chunks: list) -> int: ...  # deterministic mode's padding rows for these decode rows
+
+    def sample(self, c: SeqChunk, logits: np.ndarray, res: StepResult) -> None: ...
+
+    def row_logits(self, row: int) -> np.ndarray: ...
+
+    def trim_kv(self, seq: int, n: int) -> None: ...
+
+
+class Speculator:
+    """The engine's drafting: plans a tick's drafted chunks, verifies them from the tick's logits, and answers
+    later ticks from what it kept. Owned by the engine (`LlamaEngine.drafts`); it reaches the engine only
+    through `DraftHost`. `streams`: drafts only on the streams layout (core/speculation.py, in_effect)."""
+
+    def __init__(self, host: DraftHost, mode: str, k_max: int, k_min: int, model=None, streams: bool = True):
         """`model`: a DraftModel (engine/draftmodel.py), the source where the lookup finds nothing, or the
         only one in `draft` mode."""
-        self.spec, self._k_max, self._k_min = mode, min(k_max, MAX_DRAFTS), k_min
-        self._lookup, self._ahead = Lookup(), {}  # sequence -> deque of Ahead: its next ticks, computed
+        self.host, self.streams = host, streams
+        self.mode, self._k_max, self._k_min = mode, min(k_max, MAX_DRAFTS), k_min
+        self.lookup, self.ahead = Lookup(), {}  # sequence -> deque of Ahead: its next ticks, computed
         self._model_drafts, self._source = model, "lookup"
         self._acceptance: dict[int, Acceptance] = {}  # sequence -> the draft model's record for it
         self._shared_guesses = Guesses()  # every session's lookup guesses: a new session's prior
@@ -108,30 +129,28 @@ class Drafted:
         self._guessed: dict[int, tuple[int, int]] = {}  # this tick's undrafted rows: (the lookup's guess, match)
         self._looked: dict[int, tuple[int, int]] = {}  # this tick's drafted rows: (the lookup's own drafts, match)
         self.row_cost = RowCost()
-        self._every_row: dict[int, SeqChunk] = {}  # this tick's drafted chunks: each of their rows is sampled
-        self._rows = 0  # rows the tick computed (padding included): what it cost is RowCost's to learn
 
-    def _draft(self, chunks: list) -> dict[int, SeqChunk]:
+    def plan(self, chunks: list) -> dict[int, SeqChunk]:
         """The decode chunks that carry drafts this tick, by sequence, all with the same K (on streams one
         llama_decode call takes chunks of one length)."""
         self._guessed, self._looked = {}, {}
         rows = [c for c in chunks if len(c.tokens) == 1 and c.draw >= 0 and not c.embed]
-        if not rows or self.spec == "off" or len(rows) < len(chunks) or self._ids is None:
+        if not rows or self.mode == "off" or len(rows) < len(chunks) or not self.streams:
             return {}
-        if any(c.seq_id in self._constraints or c.sampling is not None for c in rows):
+        if any(self.host.constrained(c.seq_id) or c.sampling is not None for c in rows):
             return {}  # a row that cannot be ahead: no tick can be skipped
-        room = min(self.n_ctx_seq - 1 - c.pos for c in rows)
-        k_max = min(self._k_max, room, (self.n_batch - len(rows)) // len(rows))
-        pads = self._pads(rows)  # deterministic mode's padding rows for the rows as they are
+        room = min(self.host.n_ctx_seq - 1 - c.pos for c in rows)
+        k_max = min(self._k_max, room, (self.host.n_batch - len(rows)) // len(rows))
+        pads = self.host.pad_rows(rows)  # deterministic mode's padding rows for the rows as they are
         free = 1 if pads and len(rows) == 1 else 0
-        if (self.spec == "auto" and not free and self._model_drafts is None
+        if (self.mode == "auto" and not free and self._model_drafts is None
                 and not could_pay(len(rows), len(rows) + pads, self.row_cost, k_max, self._k_min)):
             return {}  # nobody looks: even drafts that are always right would not pay
         found = {c.seq_id: self._propose(c, k_max) for c in rows}
-        model = self._model_drafts is not None and (self.spec == "draft" or not all(found.values()))
+        model = self._model_drafts is not None and (self.mode == "draft" or not all(found.values()))
         source = "model" if model else "lookup"
         self._source = source
-        if self.spec in ("lookup", "draft"):
+        if self.mode in ("lookup", "draft"):
             k = k_max if model or all(found.values()) else free
         elif not model and not all(found.values()):
             k = min(free, k_max)
@@ -145,7 +164,7 @@ class Drafted:
             chains = [self._guesses_of(c.seq_id).chain(self._match(c.seq_id), k_max) for c in rows]
             k = draft_len(chains, len(rows) + pads, self.row_cost, k_max, self._k_min, free)
         if k > 0 and model:
-            seen = {c.seq_id: self._history[c.seq_id][:c.pos] + [int(c.tokens[0])] for c in rows}
+            seen = {c.seq_id: self.host.fed(c.seq_id)[:c.pos] + [int(c.tokens[0])] for c in rows}
             found = self._model_drafts.propose(seen, k) or {s: [] for s in seen}
         elif self._source == "lookup":  # what the lookup guessed, to check against what is sampled
             if k <= 0:
@@ -163,12 +182,12 @@ class Drafted:
     def _propose(self, c: SeqChunk, k: int) -> list[int]:
         """The lookup's drafts after the chunk's token: the sequence's history gets the token for the call
         (no copy of a long history every tick)."""
-        h = self._history[c.seq_id]
+        h = self.host.fed(c.seq_id)
         if len(h) != c.pos:
-            return self._lookup.propose(c.seq_id, h[:c.pos] + [int(c.tokens[0])], k)
+            return self.lookup.propose(c.seq_id, h[:c.pos] + [int(c.tokens[0])], k)
         h.append(int(c.tokens[0]))
         try:
-            return self._lookup.propose(c.seq_id, h, k)
+            return self.lookup.propose(c.seq_id, h, k)
         finally:
             h.pop()
 
@@ -179,39 +198,40 @@ class Drafted:
         return g
 
     def _match(self, seq: int) -> int:
-        return self._lookup.match.get(seq, KEY)
+        return self.lookup.match.get(seq, KEY)
 
-    def _observe(self, res: StepResult) -> None:
+    def observe(self, res: StepResult) -> None:
         """This tick's samples of rows computed without drafts, against what the lookup guessed for them."""
         for s, (guess, match) in self._guessed.items():
             if s in res.tokens:
                 self._guesses_of(s).record(match, res.tokens[s] == guess)
 
-    def _verify(self, c: SeqChunk, first: int, res: StepResult) -> None:
+    def verify(self, c: SeqChunk, first: int, res: StepResult) -> None:
         """A drafted chunk whose rows start at batch row `first`: the samples of its positions in turn while
         each is the next draft; the first sample into `res`, the rest kept for the ticks that ask for them,
         the cells past the last right draft cut."""
         toks, k = c.tokens, len(c.tokens) - 1
-        self.sample(SeqChunk(c.seq_id, c.pos, toks[:1], draw=c.draw), self._logits(first), res)
+        self.host.sample(SeqChunk(c.seq_id, c.pos, toks[:1], draw=c.draw), self.host.row_logits(first), res)
         res.drafted += k
         if c.seq_id not in res.tokens:  # failed (no sampler can go on): nothing to keep
-            self.trim_kv(c.seq_id, c.pos + 1)
+            self.host.trim_kv(c.seq_id, c.pos + 1)
             return
         kept, prev, lp = deque(), res.tokens[c.seq_id], None
         i = 0
-        while i < k and prev == toks[i + 1] and prev not in self.eog:
+        while i < k and prev == toks[i + 1] and prev not in self.host.eog:
             i += 1
             step = StepResult()
-            self.sample(SeqChunk(c.seq_id, c.pos, toks[:i + 1], draw=c.draw + i), self._logits(first + i), step)
+            row = SeqChunk(c.seq_id, c.pos, toks[:i + 1], draw=c.draw + i)
+            self.host.sample(row, self.host.row_logits(first + i), step)
             prev, lp = step.tokens[c.seq_id], step.logprobs.get(c.seq_id)
             kept.append(Ahead(c.pos + i, int(toks[i]), c.draw + i, prev, lp))
         if self._source == "model":
             self._acceptance.setdefault(c.seq_id, Acceptance()).record(i, k)
         else:
             self._learn(c.seq_id, i, k)
-        self.trim_kv(c.seq_id, c.pos + 1 + i)
+        self.host.trim_kv(c.seq_id, c.pos + 1 + i)
         if kept:
-            self._ahead[c.seq_id] = kept
+            self.ahead[c.seq_id] = kept
 
     def _learn(self, seq: int, right: int, drafted: int) -> None:
         """A drafted chunk's verdicts on the lookup's own drafts (not the guesses that filled a short one): the
@@ -221,12 +241,12 @@ class Drafted:
         for j in range(min(right + 1, looked)):
             g.record(match + j, j < right)
 
-    def _answered(self, chunks: list, res: StepResult) -> list:
+    def answered(self, chunks: list, res: StepResult) -> list:
         """The chunks left to compute: one that is a tick a draft computed already is answered from it; a
         sequence that went elsewhere loses the kept cells."""
         left = []
         for c in chunks:
-            q = self._ahead.get(c.seq_id)
+            q = self.ahead.get(c.seq_id)
             if q is None:
                 left.append(c)
                 continue
@@ -234,21 +254,26 @@ class Drafted:
             if len(c.tokens) == 1 and (c.pos, int(c.tokens[0]), c.draw) == a[:3] and c.sampling is None:
                 q.popleft()
                 if not q:
-                    del self._ahead[c.seq_id]
+                    del self.ahead[c.seq_id]
                 res.tokens[c.seq_id] = a.sampled
                 if a.logprobs is not None:
                     res.logprobs[c.seq_id] = a.logprobs
                 res.served += 1
                 continue
-            self.trim_kv(c.seq_id, a.pos)
+            self.host.trim_kv(c.seq_id, a.pos)
             left.append(c)
         return left
 
-    def _forget_drafts(self, seq_id: int, keep: int = 0) -> None:
-        self._ahead.pop(seq_id, None)
-        self._lookup.forget(seq_id, keep)
+    def forget(self, seq_id: int, keep: int = 0) -> None:
+        self.ahead.pop(seq_id, None)
+        self.lookup.forget(seq_id, keep)
         if self._model_drafts is not None:
             self._model_drafts.forget(seq_id, keep)
         if keep <= 0:
             self._acceptance.pop(seq_id, None)
             self._guesses.pop(seq_id, None)
+
+    def close(self) -> None:
+        if self._model_drafts is not None:
+            self._model_drafts.close()
+            self._model_drafts = None

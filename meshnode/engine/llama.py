@@ -6,12 +6,10 @@ throughput. On a unified KV the tick's prompt chunks ride in the same call; on
 per-sequence streams (the default) llama.cpp cuts a batch into ubatches of
 consecutive streams with equal token counts, so the prompt chunks of each length
 are a call of their own (`_groups`, from core/costmodel.py's `llama_calls`,
-which the cost model counts too). The batch's arrays are numpy buffers we own (filled with vectorised
-copies, no per-row ctypes calls).
+which the cost model counts too), through the context's one `Batch` (engine/batch.py).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 
 import numpy as np
@@ -21,8 +19,9 @@ from meshnode.core.speculation import RowCost, in_effect as spec_in_effect
 from meshnode.core.types import FatalEngineError, InvalidPlan, Plan, StepResult
 from meshnode.engine import calibration, devices, invariant, llamacpp
 from meshnode.engine.base import Engine
+from meshnode.engine.batch import Batch
 from meshnode.engine.config import EngineConfig
-from meshnode.engine.drafts import Drafted
+from meshnode.engine.drafts import Speculator
 from meshnode.engine.embeddings import Pools
 from meshnode.engine.llamacpp import FLASH_ATTN, KV_TYPES
 from meshnode.engine.seqkv import SeqKV
@@ -35,7 +34,7 @@ from meshnode.engine.seqmap import SeqMap
 LIVE_STEPS = 4
 
 
-class LlamaEngine(Drafted, Engine):
+class LlamaEngine(Engine):
     def __init__(self, cfg: EngineConfig):
         import llama_cpp as lc
 
@@ -78,8 +77,10 @@ class LlamaEngine(Drafted, Engine):
             from meshnode.engine.draftmodel import DraftModel
 
             drafter = DraftModel(cfg.draft_model, vocab, self.n_seq_max, self.n_ctx_seq, threads)
-        self._init_drafts(spec, cfg.draft_max, cfg.draft_min, drafter)
-        self._alloc_batch(self.n_batch)
+        self.drafts = Speculator(self, spec, cfg.draft_max, cfg.draft_min, drafter, streams=self._ids is not None)
+        self._every_row: dict = {}  # this tick's drafted chunks, by sequence: each of their rows is an output
+        self._rows = 0  # rows the tick computed (padding included): what it cost is RowCost's to learn
+        self._b = Batch(lc, self._ctx, self.n_batch, self.n_vocab)
         # which lone decode rows get a dummy neighbour (engine/invariant.py): as the start-up check finds
         self.lone_pads = invariant.LonePads(False, False)
         if self.deterministic:
@@ -138,24 +139,6 @@ class LlamaEngine(Drafted, Engine):
                                       self.n_vocab)
         return self._matchers.start(c)
 
-    def _alloc_batch(self, n: int) -> None:
-        """A llama_batch whose arrays are numpy buffers we own and fill with slices."""
-        lc = self._lc
-        self._tok = np.zeros(n, np.int32)
-        self._pos = np.zeros(n, np.int32)
-        self._nseq = np.ones(n, np.int32)
-        self._seq = np.zeros(n, np.int32)
-        self._want = np.zeros(n, np.int8)
-        self._seq_ptrs = (self._seq.ctypes.data + 4 * np.arange(n, dtype=np.uint64)).astype(np.uint64)
-        b = lc.llama_batch()
-        b.token = self._tok.ctypes.data_as(ctypes.POINTER(lc.llama_token))
-        b.embd = ctypes.POINTER(ctypes.c_float)()
-        b.pos = self._pos.ctypes.data_as(ctypes.POINTER(lc.llama_pos))
-        b.n_seq_id = self._nseq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id)))
-        b.logits = self._want.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self._batch = b
-
     def _groups(self, chunks: list) -> list[list]:
         """The llama_decode calls a tick takes (core/costmodel.py, llama_calls, which the tick cost model
         counts too); on streams each call's chunks ordered by stream, so that consecutive ones are one ubatch.
@@ -175,41 +158,41 @@ class LlamaEngine(Drafted, Engine):
         if res.served == len(plan.chunks) and res.served:  # nothing computed: no tick for the cost model
             res.step_ms = 0.0
         elif self._rows and all(len(c.tokens) == 1 for c in plan.chunks):  # decode rows (and drafts) only
-            self.row_cost.observe(self._rows, res.step_ms)
+            self.drafts.row_cost.observe(self._rows, res.step_ms)
         return res
 
     def _run(self, plan: Plan) -> StepResult:
         res = StepResult()
-        chunks = self._answered(plan.chunks, res) if self._ahead else plan.chunks
-        drafts = self._draft(chunks)
+        chunks = self.drafts.answered(plan.chunks, res) if self.drafts.ahead else plan.chunks
+        drafts = self.drafts.plan(chunks)
         self._every_row = drafts
         for call in self._groups([drafts.get(c.seq_id, c) for c in chunks] if drafts else chunks):
             rows = self._decode(call)
             if rows is None:  # no KV slot: llama.cpp rolled this call back; its sequences lost their place
                 res.cache_miss += [c.seq_id for c in call]
                 continue
-            self._rows += self._batch.n_tokens
+            self._rows += self._b.n
             if call[0].embed:
                 self._embedded(call, rows, res)
                 continue
             for c, r in zip(call, rows):  # read before the next call overwrites the logits
                 if drafts.get(c.seq_id) is c:
-                    self._verify(c, r + 1 - len(c.tokens), res)
+                    self.drafts.verify(c, r + 1 - len(c.tokens), res)
                 elif c.draw >= 0:
-                    self.sample(c, self._logits(r), res)
-        self._observe(res)
+                    self.sample(c, self.row_logits(r), res)
+        self.drafts.observe(res)
         return res
 
     def _embedded(self, call: list, rows: list[int], res: StepResult) -> None:
         """An embedding call's rows into their sessions' pools; the vector of each chunk that asks for it."""
-        n = self._batch.n_tokens
+        n = self._b.n
         out = np.ctypeslib.as_array(self._lc.llama_get_embeddings(self._ctx), shape=(n, self.n_embd))
         for c, r in zip(call, rows):
             self._pools.add(c.seq_id, out[r + 1 - len(c.tokens):r + 1], c.pos == 0)
             if c.draw >= 0:
                 res.embeddings[c.seq_id] = self._pools.take(c.seq_id, c.embed)
 
-    def _pads(self, chunks: list) -> int:
+    def pad_rows(self, chunks: list) -> int:
         """Deterministic mode's padding rows for these decode rows (engine/invariant.py)."""
         if not (self.deterministic and self.lone_pads and self._ids is not None):
             return 0
@@ -219,12 +202,12 @@ class LlamaEngine(Drafted, Engine):
     def calibrate(self) -> tuple:
         """Ticks of known shapes, timed, before the first client (meshnode/engine/calibration.py); the ones
         of one call are what drafting starts from (core/speculation.py, RowCost)."""
-        spec, self.spec = self.spec, "off"  # the shapes as they are, no drafts beside them
+        spec, self.drafts.mode = self.drafts.mode, "off"  # the shapes as they are, no drafts beside them
         try:
             out = calibration.calibrate(self)
         finally:
-            self.spec = spec
-        self.row_cost = RowCost((rows, ms) for calls, rows, *_, sized, ms in out if calls == 1 and not sized)
+            self.drafts.mode = spec
+        self.drafts.row_cost = RowCost((rows, ms) for calls, rows, *_, sized, ms in out if calls == 1 and not sized)
         return out
 
     def logits_for(self, plan: Plan) -> dict[int, np.ndarray]:
@@ -235,7 +218,7 @@ class LlamaEngine(Drafted, Engine):
             rows = self._decode(chunks)
             if rows is None:
                 raise FatalEngineError("no KV slot for the plan")
-            out.update({c.seq_id: self._logits(r).copy() for c, r in zip(chunks, rows) if c.draw >= 0})
+            out.update({c.seq_id: self.row_logits(r).copy() for c, r in zip(chunks, rows) if c.draw >= 0})
         self.end(plan, StepResult())
         return out
 
@@ -249,7 +232,7 @@ class LlamaEngine(Drafted, Engine):
         if embed:
             self._lc.llama_set_embeddings(self._ctx, True)
         try:
-            rc = self._lc.llama_decode(self._ctx, self._batch)
+            rc = self._b.decode()
         finally:
             if embed:
                 self._lc.llama_set_embeddings(self._ctx, False)
@@ -261,70 +244,52 @@ class LlamaEngine(Drafted, Engine):
             raise InvalidPlan("llama_decode rejected the batch as invalid (rc=-1)")
         if rc != 0:
             raise FatalEngineError(f"llama_decode failed with rc={rc}")
-        self._outputs()
         return rows
 
     def _fill(self, chunks: list) -> list[int]:
         """Copy every chunk into the batch; return each chunk's last row."""
-        i, rows = 0, []
-        self._want[: sum(len(c.tokens) for c in chunks)] = 0
+        b, i, rows = self._b, 0, []
         for c in chunks:
             n = len(c.tokens)
-            self._tok[i:i + n] = c.tokens
-            self._pos[i:i + n] = np.arange(c.pos, c.pos + n, dtype=np.int32)
-            self._seq[i:i + n] = self._phys(c.seq_id)
-            i += n
-            self._want[i - 1] = 1 if c.draw >= 0 else 0
+            i = b.put(i, c.tokens, c.pos, self._phys(c.seq_id))
+            b.want[i - 1] = 1 if c.draw >= 0 else 0
             if self._every_row.get(c.seq_id) is c or c.embed:  # drafted or embedding: every row is an output
-                self._want[i - n:i] = 1
+                b.want[i - n:i] = 1
             rows.append(i - 1)
-        self._batch.n_tokens = i
+        b.n = i
         return rows
 
     def _even(self, chunks: list, rows: list[int]) -> list[tuple[int, int]]:
         """Deterministic mode: no ubatch of one row, none with one output row (engine/invariant.py). Rows
         move to their streams' order and `rows` follows them; returns the dummy rows' (stream, pos) to remove."""
-        n = self._batch.n_tokens
+        b = self._b
+        n = b.n
         if len(chunks[0].tokens) > 1:  # prompt chunks of one length, in their own call on streams: 0 or 2 outputs each
             for c, r in zip(chunks, rows):
                 if c.draw >= 0:
-                    self._want[r - 1] = 1
+                    b.want[r - 1] = 1
             return []
-        self._want[:n] = 1
+        b.want[:n] = 1
         dummies = []
-        placed = list(zip(self._seq[:n].tolist(), self._pos[:n].tolist())) if self.lone_pads else ()
+        placed = list(zip(b.seq[:n].tolist(), b.pos[:n].tolist())) if self.lone_pads else ()
         for s in invariant.pads(placed, self.n_seq_max, self.lone_pads) if placed else ():
             p = self.kv.positions(s)
             k = n + len(dummies)
-            self._tok[k], self._pos[k], self._seq[k], self._want[k] = self._tok[0], p, s, 1
+            b.tok[k], b.pos[k], b.seq[k], b.want[k] = b.tok[0], p, s, 1
             dummies.append((s, p))
         if dummies:
             m = n + len(dummies)
-            order = np.argsort(self._seq[:m], kind="stable")
-            for a in (self._tok, self._pos, self._seq, self._want):
+            order = np.argsort(b.seq[:m], kind="stable")
+            for a in (b.tok, b.pos, b.seq, b.want):
                 a[:m] = a[:m][order]
             where = np.empty(m, np.int64)
             where[order] = np.arange(m)
             rows[:] = [int(where[r]) for r in rows]
-            self._batch.n_tokens = m
+            b.n = m
         return dummies
 
-    def _outputs(self) -> None:
-        """The last call's logits as one array, a row per output: llama.h stores the rows that asked for
-        logits contiguously in batch order. One call per llama_decode, not one llama_get_logits_ith a row
-        (about 15 us each: 1 ms a tick at 64 rows)."""
-        want = self._want[: self._batch.n_tokens]
-        self._out_of_row = np.cumsum(want, dtype=np.int64) - 1
-        n = int(self._out_of_row[-1]) + 1 if len(want) else 0
-        ptr = self._lc.llama_get_logits(self._ctx)
-        if n and not ptr:
-            raise FatalEngineError("llama.cpp returned no logits")
-        self._all_logits = np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab)) if n else None
-
-    def _logits(self, row: int) -> np.ndarray:
-        if not self._want[row]:
-            raise FatalEngineError(f"batch row {row} did not ask for logits")
-        return self._all_logits[self._out_of_row[row]]
+    def row_logits(self, row: int) -> np.ndarray:
+        return self._b.logits(row)
 
     def _phys(self, seq_id: int) -> int:
         return seq_id if self._ids is None else self._ids[seq_id]
@@ -346,14 +311,14 @@ class LlamaEngine(Drafted, Engine):
 
     def release_kv(self, seq_id: int) -> None:
         self._ran.pop(seq_id, None)
-        self._forget_drafts(seq_id)
+        self.drafts.forget(seq_id)
         self._pools.forget(seq_id)
         p = seq_id if self._ids is None else self._ids.drop(seq_id)
         if p is not None:
             self.kv.drop(p)
 
     def trim_kv(self, seq_id: int, n: int) -> None:
-        self._forget_drafts(seq_id, n)  # kept drafts' cells are past n: a Keep keeps no more than the sequence holds
+        self.drafts.forget(seq_id, n)  # kept drafts' cells are past n: a Keep keeps no more than the sequence holds
         p = seq_id if self._ids is None else self._ids.get(seq_id)
         if p is not None:
             self.kv.drop(p, n)
@@ -390,13 +355,6 @@ class LlamaEngine(Drafted, Engine):
         return 0 if p is None else self.kv.state_bytes(p)
 
     def close(self) -> None:
-        if getattr(self, "_model_drafts", None) is not None:
-            self._model_drafts.close()
-            self._model_drafts = None
+        if getattr(self, "drafts", None) is not None:
+            self.drafts.close()
         llamacpp.free(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
