@@ -351,3 +351,31 @@ def test_under_the_priority_policy_a_better_sessions_prompt_takes_the_prefill_ro
     step(sched, engine, tick)
     ends = [ev.session.key for ev in run_to_completion(sched, engine) if ev.kind == "done"]
     assert ends == ["high", "low"]
+
+
+@pytest.mark.parametrize("policy,n_prompt,alone", [("priority", 5, True), ("priority", 40, False),
+                                                   ("fcfs", 5, False)])
+def test_a_better_first_token_that_one_tick_gives_takes_that_tick_alone(policy, n_prompt, alone):
+    """Under the priority policy a better request whose whole prompt fits one tick gets a tick of its own:
+    its first token does not wait for the worse class's decode rows beside its prefill (on streams a
+    llama_decode of their own). A prompt longer than a tick (16 tokens here) goes beside them, as under
+    fcfs, where nobody is better: the streams are never stalled for a long prefill."""
+    engine, sched = scheduler(policy=policy, max_active=3, steps_ms=0.0, prefix_cache="off",
+                              max_prefill_tokens_per_tick=16)
+    lows = [Session(f"low{i}", prompt(4, salt=i), 12, priority=3 if policy == "priority" else 0) for i in range(2)]
+    for s in lows:
+        sched.submit(s)
+    events = []
+    while any(s.n_generated < 3 for s in lows):
+        events += step(sched, engine, sched.plan())
+    high = Session("high", prompt(n_prompt, salt=9), 4, priority=-1 if policy == "priority" else 0)
+    assert sched.submit(high).reason == R.ADMITTED
+    tick = sched.plan()
+    seqs = {c.seq_id for c in tick.plan.chunks}
+    assert (seqs == {high.seq_id}) == alone
+    assert all(s.seq_id in seqs for s in lows) != alone
+    events += sched.apply(tick, engine.step(tick.plan))
+    assert high.n_generated == (n_prompt <= 16)  # its first token, where its prompt fit the tick
+    events += run_to_completion(sched, engine)
+    for s in [*lows, high]:  # every token still the one a lone run draws
+        assert s.reason == R.LENGTH and engine.expected(s.tokens, len(s.prompt))

@@ -39,3 +39,16 @@ def victims(head: Session, running: list[Session], fits: Callable[[Ask, list[Ask
         if fits(head.ask, [s.ask for s in worse[:n]]):
             return worse[:n]
     return []
+
+
+def ahead_of_decoding(prompts: list[Session], decoding: list[Session], cut: Callable[[Session], int]) -> list[Session]:
+    """The prompts that take a tick alone, without the decode rows: those of a better priority than every decoding
+    session, before their first token, whose rest `cut` (the tokens a tick alone would give it) finishes.
+    A first token of a better class then waits for its own prefill alone, not for a tick of the worse class's
+    decode rows beside it (on streams each is a llama_decode call of its own); the worse class's streams pay
+    one gap of that prefill. A longer prompt goes the usual way: starving the streams for it would stall them
+    for as long as it takes."""
+    if not decoding:
+        return []
+    worst_running = min(s.priority for s in decoding)
+    return [s for s in prompts if s.priority < worst_running and s.n_generated == 0 and cut(s) >= s.pending]

@@ -17,24 +17,23 @@ Policy (fixed but for the queue's order):
 3. Then prefill: sessions with more than one token pending, oldest first (the
    priority policy: in the queue's order), get prompt chunks into the sequence
    slots left, up to `max_prefill_tokens_per_tick` tokens in all (at least 1, so
-   a huge prompt still progresses). Prefill never stalls decode.
+   a huge prompt still progresses). Prefill never stalls decode, but once under
+   the priority policy: a better class's first token that one tick alone gives
+   runs without the worse class's decode rows (core/priority.py).
 4. A tick of decode rows only, with nobody waiting, runs them for several steps
    (core/steps.py): fewer ticks for the same tokens.
 A chunk that reaches the end of a session's tokens samples the next one.
 
-`plan()` then `apply(tick, result)` is one tick. Whoever drives the ticks
-(the front's meshnode/front/ticks.py, tests' drivers) may plan the next ones
-before the first one's result is back (meshnode/core/pipeline.py): a session
-whose sample is still in flight decodes it as a `follow` chunk the engine fills
-in. After an engine restart, `engine_restarted()` marks every running session's
-KV as gone, and the same chunked prefill rebuilds prompt + generated tokens.
+`plan()` then `apply(tick, result)` is one tick. Whoever drives the ticks (the front's meshnode/front/ticks.py,
+tests' drivers) may plan the next ones before the first one's result is back (meshnode/core/pipeline.py): a session
+whose sample is still in flight decodes it as a `follow` chunk the engine fills in. After an engine restart,
+`engine_restarted()` marks every running session's KV as gone, and the same chunked prefill rebuilds prompt +
+generated tokens.
 
-Where a session's KV lives (its sequence id, what it reuses from the prefix cache,
-what is released when) is meshnode/core/seqs.py's: a session that starts where
-cached KV agrees with its tokens prefills only the rest, and the cache gives way
-the moment a new session needs an id or cells, so it never changes an admission
-decision. How many prompt tokens a tick carries, and in which cuts, is the cost
-model's (meshnode/core/sizing.py asks it).
+Where a session's KV lives (its sequence id, what it reuses from the prefix cache, what is released when) is
+meshnode/core/seqs.py's: a session that starts where cached KV agrees with its tokens prefills only the rest, and
+the cache gives way the moment a new session needs an id or cells, so it never changes an admission decision. How
+many prompt tokens a tick carries, and in which cuts, is the cost model's (meshnode/core/sizing.py asks it).
 """
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ from meshnode.core.budget import NodeBudget
 from meshnode.core.costmodel import Shape, TickCost, shape, sized
 from meshnode.core.pipeline import Tick
 from meshnode.core.schedconfig import SchedulerConfig
-from meshnode.core.priority import displaceable, victims
+from meshnode.core.priority import ahead_of_decoding, displaceable, victims
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Event, Session
 from meshnode.core.seqs import Sequences
 from meshnode.core.sizing import Sizing
@@ -176,10 +175,12 @@ class Scheduler:
                 self.seqs.follow(s)
         b = self.budget
         decoding = sorted((s for s in self.running if s.pending == 1 and not s.export_to), key=lambda s: s.last_tick)
-        chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
         prompts = [s for s in self.running if s.pending > 1 and not s.leader and not s.export_to]
         if self.policy == "priority":  # a better session's prompt goes first into the tick's prefill room too
             prompts.sort(key=lambda s: s.order)
+            if alone := ahead_of_decoding(prompts, decoding, self._alone_cut):  # a better first token's tick
+                decoding, prompts = [], alone
+        chunks = [self._chunk(s, 1) for s in decoding[: b.max_batch_size]]
         prompts = prompts[: b.max_batch_size - len(chunks)]
         sizes = self.sizing.prompt_cuts([c for _, c in chunks], [(s.n_planned, s.pending, len(s.prompt))
                                                                   for s in prompts], self._cells())
@@ -204,6 +205,9 @@ class Scheduler:
                                      self.cost.measured_decode_ms(len(chunks)), self.steps_ms)
         tick.predicted_ms = self.sizing.predicted_ms(tick.plan.chunks, self._cells()) * tick.plan.steps
         return tick
+
+    def _alone_cut(self, s: Session) -> int:
+        return self.sizing.prompt_cuts([], [(s.n_planned, s.pending, len(s.prompt))], self._cells())[0]
 
     def _cells(self) -> int:
         """What each row of a unified pool attends to once the ticks planned so far run (0 on streams)."""
