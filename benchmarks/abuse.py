@@ -31,6 +31,7 @@ import numpy as np
 import zmq
 
 from ipc import protocol as P
+from ipc import events as E
 from ipc.transport import free_tcp_port
 from meshnode.bench import llama_build, model_path, token_gaps
 from meshnode.dev.clients import deaf_client
@@ -107,7 +108,7 @@ def _abuser(kind: str, endpoint: str, metrics_url: str, n_ctx_seq: int, on, stop
         ready = dict(poller.poll(200))
         for entry in socks:
             if ready.get(entry[0]):
-                ev = P.decode_event(entry[0].recv_multipart())
+                ev = E.decode_event(entry[0].recv_multipart())
                 if ev["event"] in ("admitted", "tokens"):  # a session's answer is its done
                     continue
                 entry[2] += 1
@@ -188,7 +189,7 @@ def _slow_reader(endpoint: str, n: int, counts: dict) -> None:
     admitted, done, deadline = set(), {}, time.monotonic() + 120
     while (len(done) < len(admitted) or not admitted) and time.monotonic() < deadline:
         if s.poll(1000):
-            ev = P.decode_event(s.recv_multipart())
+            ev = E.decode_event(s.recv_multipart())
             if ev["event"] == "admitted":
                 admitted.add(ev["id"])
             elif ev["event"] == "done":

@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import front  # noqa: E402
+import node_sections  # noqa: E402
 import sections  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -142,14 +143,14 @@ def main() -> int:
                f"{peers['node_tok_s']:.1f} tok/s: **{peers['ratio']:.2f}x** (target >= 2.0x). "
                f"Greedy tokens identical for {peers['identical_jobs']}/{peers['jobs']} jobs.", ""]
     md += front.overhead_before_after()
-    md += sections.burst() + sections.ticks() + sections.layout() + sections.spec() + sections.kvroute() + sections.chat()
+    md += node_sections.burst() + sections.ticks() + sections.layout() + sections.spec() + sections.kvroute() + sections.chat()
     md += sections.sampling()
-    md += sections.abuse()
-    md += sections.rpc()
-    md += sections.structured()
-    md += sections.gateway()
-    md += sections.scale()
-    md += sections.memory()
+    md += node_sections.abuse()
+    md += node_sections.rpc()
+    md += node_sections.structured()
+    md += node_sections.gateway()
+    md += node_sections.scale()
+    md += node_sections.memory()
     md += front.priority()
     md += front.llamatests() + front.embed() + front.samples() + front.moves()
     md += sections.deterministic_sweeps()

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import zmq
 
 from ipc import protocol as P
+from ipc import events as E
+from ipc import moving as M
 from ipc.transport import client_dealer
 from meshnode.core.types import ResponseFormat, Sampling
 
@@ -75,7 +77,7 @@ class Client:
 
     def _read(self) -> dict:
         """One event off the socket, checked against the submits still open."""
-        ev = P.decode_event(self.sock.recv_multipart())
+        ev = E.decode_event(self.sock.recv_multipart())
         sid, kind = ev.get("id"), ev["event"]
         if kind in SESSION_EVENTS and not self.open.get(sid):
             raise ProtocolViolation(f"{kind} for {sid!r}, which has no open submit: {ev}")
@@ -118,8 +120,8 @@ class Client:
         """Go on with an exported session here as `id`: its next tokens stream as a submit's do (its KV, when
         the state carries it, is sent after it in parts)."""
         self.open[id] = self.open.get(id, 0) + 1
-        self.sock.send_multipart(P.import_request(id, state))
-        for frames in P.kv_requests(id, (state.get("kv") or {}).get("data", b"")):
+        self.sock.send_multipart(M.import_request(id, state))
+        for frames in M.kv_requests(id, (state.get("kv") or {}).get("data", b"")):
             self.sock.send_multipart(frames)
 
     def recv(self, timeout_s: float | None = None) -> dict | None:

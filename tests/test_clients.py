@@ -8,6 +8,7 @@ import pytest
 
 from helpers import assert_as_promised, assert_consistent, deaf_client, deterministic_node, wait_until
 from ipc import protocol as P
+from ipc import events as E
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
 from meshnode.dev.nodeproc import NodeProcess
@@ -46,13 +47,13 @@ def test_a_client_that_pauses_reading_still_gets_every_done(tiny_model, zctx):
         done, admitted, deadline = {}, set(), time.monotonic() + 30
         while len(done) < len(ids) and time.monotonic() < deadline:  # reading again
             if s.poll(1000):
-                ev = P.decode_event(s.recv_multipart())
+                ev = E.decode_event(s.recv_multipart())
                 if ev["event"] == "admitted":
                     admitted.add(ev["id"])
                 elif ev["event"] == "done":
                     assert ev["id"] not in done
                     done[ev["id"]] = ev
-        assert s.poll(300) == 0 or P.decode_event(s.recv_multipart())["event"] == "tokens"
+        assert s.poll(300) == 0 or E.decode_event(s.recv_multipart())["event"] == "tokens"
         s.close()
         with n.client() as c:
             t = c.status()["telemetry"]
@@ -309,7 +310,7 @@ def test_a_stalled_client_gets_what_was_kept_and_the_overflow_is_counted(tiny_mo
 
         def accounted():
             while s.poll(1000):
-                got.append(P.decode_event(s.recv_multipart())["id"])
+                got.append(E.decode_event(s.recv_multipart())["id"])
             return len(got) + dropped() >= n_sent
 
         wait_until(accounted, 300, every_s=0)

@@ -180,6 +180,7 @@ def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnect
     import zmq
 
     from ipc import protocol as P
+    from ipc import events as E
 
     internal = {"faults": [{"kind": "kill", "at_tick": 40}, {}]}
     with NodeProcess(tiny_model, "--max-active", "4", "--max-queue", "64", internal=internal) as n:
@@ -192,7 +193,7 @@ def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnect
         gone.connect(n.listen)
         for i in range(4):
             gone.send_multipart(P.encode_request(P.Submit(f"g{i}", 300, [3 + i, 4], ignore_eos=True)))
-        while P.decode_event(gone.recv_multipart())["event"] != "tokens":  # its sessions are streaming
+        while E.decode_event(gone.recv_multipart())["event"] != "tokens":  # its sessions are streaming
             pass
         gone.close()  # the node finds out at its next send to it
         ids = [f"s{i}" for i in range(12)]
@@ -201,13 +202,13 @@ def test_every_session_gets_exactly_one_done_under_faults_cancels_and_disconnect
         events, cancelled = defaultdict(list), set()
         while sum(e["event"] == "done" for evs in events.values() for e in evs) < len(ids):
             assert s.poll(60_000), f"no done for {[i for i in ids if not any(e['event'] == 'done' for e in events[i])]}"
-            ev = P.decode_event(s.recv_multipart())
+            ev = E.decode_event(s.recv_multipart())
             events[ev["id"]].append(ev)
             if ev["event"] == "tokens" and len(events[ev["id"]]) == 3 and ev["id"] in ("s2", "s7", "s11"):
                 s.send_multipart(P.encode_request(P.Cancel(ev["id"])))  # mid-stream
                 cancelled.add(ev["id"])
         while s.poll(1000):  # anything more would be a second answer
-            ev = P.decode_event(s.recv_multipart())
+            ev = E.decode_event(s.recv_multipart())
             events[ev["id"]].append(ev)
         with n.client() as c:
             t = c.status()["telemetry"]

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipc import protocol as P
+from ipc import events as E
 from meshnode.client import Client
 from meshnode.core import reasons as R
 from meshnode.dev.nodeproc import NodeProcess
@@ -117,7 +118,7 @@ def test_three_thousand_random_frames_then_a_valid_session(tiny_model, zctx):
             for f in frames[i:i + 250]:
                 s.send_multipart(f)
             while answers < i + 250 and s.poll(5000):
-                ev = P.decode_event(s.recv_multipart())
+                ev = E.decode_event(s.recv_multipart())
                 assert ev["event"] == "error"
                 answers += 1
         s.close()

@@ -592,7 +592,7 @@ def test_an_error_that_names_no_request_never_answers_a_status():
     next /health with 503 on a healthy node)."""
     import asyncio
 
-    from ipc import protocol as P
+    from ipc import events as E
     from meshnode.gateway.upstream import Upstream
 
     async def run():
@@ -600,9 +600,9 @@ def test_an_error_that_names_no_request_never_answers_a_status():
         up._loop = asyncio.get_running_loop()
         waiter = up._loop.create_future()
         up._replies.append(waiter)
-        up._on_event(P.error(R.TOO_LARGE, "payload over 1048576 bytes"))
+        up._on_event(E.error(R.TOO_LARGE, "payload over 1048576 bytes"))
         stray_answered = waiter.done()
-        up._on_event(P.status({"healthy": True}, {}, {}))
+        up._on_event(E.status({"healthy": True}, {}, {}))
         up.sock.close(0)
         up.monitor.close(0)
         up.ctx.term()

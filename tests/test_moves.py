@@ -8,6 +8,7 @@ import pytest
 
 from helpers import done_reasons, prompt, scheduler, session, step
 from ipc import protocol as P
+from ipc import moving as M
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
 from meshnode.core.types import Sampling
@@ -90,19 +91,19 @@ def test_what_cannot_move_is_refused_clearly_and_counted(nodes):
 def test_export_and_import_decode_as_typed_requests():
     state = {"tokens": [5, 6], "generated": [7], "max_tokens": 4, "recipe": "mn1-x", "sampling": {"seed": 3},
              "stop": ["\n"]}
-    got = P.decode_request(P.import_request("s", state), 100)
+    got = P.decode_request(M.import_request("s", state), 100)
     assert isinstance(got, P.Submit) and got.generated == [7] and got.tokens == [5, 6] and got.stop == ["\n"]
     assert got.sampling.seed == 3 and P.decode_request(P.encode_request(got), 100) == got  # the client's form too
     assert P.decode_request(P.encode_request(P.Export("s")), 100) == P.Export("s")
     with pytest.raises(P.ProtocolError, match="not text or messages"):
-        P.decode_request(P.import_request("s", {**state, "tokens": None, "text": "hi"}), 100)
+        P.decode_request(M.import_request("s", {**state, "tokens": None, "text": "hi"}), 100)
 
 
 def refusal(cb, id: str, state: dict, frames=None) -> dict:
     """What node B answers an import of `state` whose KV parts are `frames` (as the client sends them)."""
     cb.open[id] = cb.open.get(id, 0) + 1
-    cb.sock.send_multipart(P.import_request(id, state))
-    for f in P.kv_requests(id, state["kv"]["data"]) if frames is None else frames:
+    cb.sock.send_multipart(M.import_request(id, state))
+    for f in M.kv_requests(id, state["kv"]["data"]) if frames is None else frames:
         cb.sock.send_multipart(f)
     return cb.collect([id])[id].admission
 
@@ -128,7 +129,7 @@ def test_a_kv_changed_cut_or_of_other_tokens_is_refused_before_admission(nodes):
                                             "sha256": hashlib.sha256(junk).hexdigest()}})
     assert r["reason"] == R.REJECTED_BAD_REQUEST and "not this node's kind" in r["detail"]
     with pytest.raises(RuntimeError, match="UNKNOWN_SESSION"):  # a kv part of no import
-        cb.sock.send_multipart(P.kv_requests("nobody", b"x")[0])
+        cb.sock.send_multipart(M.kv_requests("nobody", b"x")[0])
         ev = cb.wait_for(lambda e: e.get("id") == "nobody")
         raise RuntimeError(f"{ev['code']}: {ev['detail']}")
     cb.resume("k", state)  # and the import itself still goes on there after all that
@@ -216,10 +217,10 @@ def test_a_node_killed_while_it_receives_a_kv_started_nothing_and_the_move_goes_
     ask = {**ASK, "tokens": [3 + (k * 13) % 500 for k in range(400)], "max_tokens": 60}
     ref = ca.generate("ref-long", **ask)
     state, left = leave(ca, "long", ask)
-    parts = P.kv_requests("long", state["kv"]["data"])
+    parts = M.kv_requests("long", state["kv"]["data"])
     assert len(parts) >= 2  # 400 positions of the tiny model's KV: more than one part
     with NodeProcess(tiny_model, *ARGS) as victim, victim.client() as cv:
-        cv.sock.send_multipart(P.import_request("long", state))
+        cv.sock.send_multipart(M.import_request("long", state))
         cv.sock.send_multipart(parts[0])
         assert cv.status()["telemetry"]["active_sessions"] == 0  # the node read the part: nothing started
         victim.proc.kill()

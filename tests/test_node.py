@@ -9,6 +9,7 @@ import zmq
 from helpers import (assert_as_promised, assert_clean, assert_consistent, assert_continues, children_of,
                      deterministic_node, logprob_entries, prompt, wait_until)
 from ipc import protocol as P
+from ipc import events as E
 from ipc.shm import leftover_segments
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
@@ -140,7 +141,7 @@ def raw(node, frames):
     s.connect(node.listen)
     s.send_multipart(frames)
     assert s.poll(5000), f"no answer to {frames!r}"
-    ev = P.decode_event(s.recv_multipart())
+    ev = E.decode_event(s.recv_multipart())
     s.close()
     return ev
 

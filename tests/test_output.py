@@ -1,6 +1,6 @@
 """The output stage (front/output.py), pure: every session gets exactly one `done`, with the reason of whoever
 ended it first, and what the output stage ends is handed to the scheduler once."""
-from ipc import protocol as P
+from ipc import events as E
 from meshnode.core import reasons as R
 from meshnode.core.scheduler import Event
 from meshnode.core.session import DONE, RUNNING, Session
@@ -27,7 +27,7 @@ class Wire:
         self.got, self.stall = [], set()
 
     def send(self, ident, frames, final):
-        self.got.append((ident, P.decode_event(frames)))
+        self.got.append((ident, E.decode_event(frames)))
         if ident in self.stall:
             self.stall.discard(ident)
             return STALLED

@@ -4,6 +4,7 @@ import pytest
 
 from helpers import Clock, prompt, scheduler
 from ipc import protocol as P
+from ipc import events as E
 from meshnode.core import reasons as R
 from meshnode.core.telemetry import Telemetry
 from meshnode.front.moves import Moves
@@ -57,14 +58,14 @@ class Front:
         self._apply(self.reqs.on_text(job))
 
     def _apply(self, actions):
-        self.replies += [P.decode_event(a.frames) for a in actions if isinstance(a, Answer)]
+        self.replies += [E.decode_event(a.frames) for a in actions if isinstance(a, Answer)]
 
 
 def front(clock, **kw):
     _, sched = scheduler(clock=clock)
     replies, texts = [], Texts()
     kw.setdefault("moves", Moves(1024, clock))
-    reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), status=lambda n: P.pong(), **kw)
+    reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), status=lambda n: E.pong(), **kw)
     return sched, Front(reqs, replies), texts, replies
 
 

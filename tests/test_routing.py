@@ -4,6 +4,7 @@ import pytest
 
 from helpers import Pipelined, prompt, run_to_completion, scheduler, step
 from ipc import protocol as P
+from ipc import events as E
 from meshnode.core import reasons as R
 from meshnode.core.kvevents import BLOCK_TOKENS, block_hashes
 from meshnode.core.session import Session
@@ -248,14 +249,14 @@ def test_a_router_following_the_nodes_kv_events_predicts_its_hits_and_the_status
 
     endpoint = f"ipc://{tmp_path}/kv.sock"
     sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, P.KV_TOPIC)
+    sub.setsockopt(zmq.SUBSCRIBE, E.KV_TOPIC)
     held, seqs = set(), []
 
     def drain():
         while sub.poll(0):
             topic, seq, payload = sub.recv_multipart()
             ts, events = msgpack.unpackb(payload)
-            assert topic == P.KV_TOPIC and ts > 0
+            assert topic == E.KV_TOPIC and ts > 0
             seqs.append(int.from_bytes(seq, "big"))
             replay(events, held)
 

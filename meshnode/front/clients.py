@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from ipc import protocol as P
+from ipc import events as E
 from ipc.transport import Curve, client_router, telemetry_pub
 from meshnode.core.cpushare import RECEIVE_S_PER_BYTE, CpuShare
 from meshnode.front.gate import EVICT_AFTER_S, Gate
@@ -114,7 +114,7 @@ class Clients:
 
     def publish(self, snapshot: dict) -> None:
         """Once a second: the snapshot out, and /metrics connections past their time closed."""
-        self.pub.send_multipart(P.telemetry(snapshot))
+        self.pub.send_multipart(E.telemetry(snapshot))
         self.gates[0].expire()
         if self.metrics is not None:
             self.metrics.publish(self.exposition.render(snapshot))
@@ -123,7 +123,7 @@ class Clients:
     def publish_kv(self, events: list[list]) -> None:
         """The prefix cache's events since the last turn, as one batch (none: nothing sent)."""
         if events and self.kv_pub is not None:
-            self.kv_pub.send_multipart(P.kv_events(self._kv_seq, time.time(), events))
+            self.kv_pub.send_multipart(E.kv_events(self._kv_seq, time.time(), events))
             self._kv_seq += 1
 
     def stats(self) -> dict:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import zmq
 
 from ipc import protocol as P
+from ipc import events as E
+from ipc import moving as M
 from ipc.transport import client_dealer
 from meshnode.core import reasons as R
 
@@ -80,8 +82,8 @@ class Handoff:
         """A leaving session's state is ready: import it on the peer, its KV after it."""
         pid = f"handoff-{next(self._ids)}"
         self.routes[pid] = Route(key)
-        self.sock.send_multipart(P.import_request(pid, state))
-        for frames in P.kv_requests(pid, data):
+        self.sock.send_multipart(M.import_request(pid, state))
+        for frames in M.kv_requests(pid, data):
             self.sock.send_multipart(frames)
 
     def on_ready(self) -> None:
@@ -92,7 +94,7 @@ class Handoff:
             except zmq.Again:
                 return
             try:
-                self._relay(P.decode_event(frames))
+                self._relay(E.decode_event(frames))
             except (ValueError, KeyError, TypeError, P.ProtocolError) as e:  # a peer's garbage ends nothing here
                 self.malformed += 1
                 log.warning("handoff: a malformed event from the peer %s skipped: %r", self.peer, e)
@@ -159,4 +161,4 @@ class Handoff:
 
 def _as(ev: dict, id: str) -> list[bytes]:
     """The peer's event as the client's own: the same fields under the client's id."""
-    return P.event(ev["event"], **{k: v for k, v in ev.items() if k != "event"} | {"id": id})
+    return E.event(ev["event"], **{k: v for k, v in ev.items() if k != "event"} | {"id": id})

@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from ipc import protocol as P
+from ipc import events as E
+from ipc import moving as M
 from ipc import seqstate
 from meshnode.core import reasons as R
 from meshnode.core.session import Event
@@ -69,12 +71,12 @@ class Moves:
         s = ev.session
         if ev.reason:
             remove(s.export_to)
-            return [P.error(R.UNKNOWN_SESSION, f"session {s.key[1]!r} ended ({ev.reason}) before its export",
+            return [E.error(R.UNKNOWN_SESSION, f"session {s.key[1]!r} ended ({ev.reason}) before its export",
                             s.key[1])]
         state = self._state(ev, stops, recipe)
         if not ev.kv:
             remove(s.export_to)
-            return [P.exported(s.key[1], state)]
+            return [E.exported(s.key[1], state)]
         self._reader.submit(self._read, s.key, s.export_to, ev.kv[1], state)
         return None
 
@@ -88,7 +90,7 @@ class Moves:
     @staticmethod
     def _state(ev: Event, stops: list[str], recipe: str) -> dict:
         s = ev.session
-        return P.export_state(s.prompt, s.generated, s.max_tokens, s.sampling, sorted(s.stop_tokens), s.ignore_eos,
+        return M.export_state(s.prompt, s.generated, s.max_tokens, s.sampling, sorted(s.stop_tokens), s.ignore_eos,
                               stops, s.priority, recipe)
 
     def _read(self, key: tuple, path: str, positions: int, state: dict) -> None:
@@ -101,7 +103,7 @@ class Moves:
             data = b""
         finally:
             remove(path)
-        self._ready.put((key, [P.exported(key[1], state), *P.kv_parts(key[1], data)]))
+        self._ready.put((key, [E.exported(key[1], state), *E.kv_parts(key[1], data)]))
         os.write(self._wake_w, b"x")
 
     def fileno(self) -> int:

@@ -24,7 +24,7 @@ import time
 import zmq
 
 from ipc import link as wire
-from ipc import protocol as P
+from ipc import events as E
 from ipc.shm import TokenArena, clean_stale
 from ipc.transport import Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
@@ -123,7 +123,7 @@ class Front:
                                      self.fd_limit, self.sched.deterministic, self.link.info.devices,
                                      self.tok.tool_format))
         self.requests = Requests(self.sched, self.tok, self.texts, self.telemetry, status=self.report.status,
-                                 metrics=lambda: P.metrics(self.exposition.render(self.report.snapshot()).decode()),
+                                 metrics=lambda: E.metrics(self.exposition.render(self.report.snapshot()).decode()),
                                  moves=self.moves, relayed=lambda key: bool(self.handoff and self.handoff.cancel(key)),
                                  special_in_content=cfg.chat_special_in_content, pooling=cfg.pooling)
         self.poller = zmq.Poller()

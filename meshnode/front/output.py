@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ipc import protocol as P
+from ipc import events as E
 from ipc.transport import CLIENT_HWM
 from meshnode.core import reasons as R
 from meshnode.core.scheduler import Event
@@ -90,7 +90,7 @@ class Output:
                     self._deliver(ev.session.key[0], frames, True, finishes)
             elif ev.kind == "embedding":
                 key = ev.session.key
-                self._deliver(key[0], P.embedding(key[1], ev.embedding, len(ev.session.prompt)), False, finishes)
+                self._deliver(key[0], E.embedding(key[1], ev.embedding, len(ev.session.prompt)), False, finishes)
             elif ev.session.key in self.streams:  # not ended here already (a stop string on its last token)
                 self._done(ev.session.key, ev.reason, ev.detail, finishes)
         return finishes
@@ -115,7 +115,7 @@ class Output:
         hit = False
         if out.stop:
             text, hit = out.stop.feed(text)
-        self._deliver(key[0], P.tokens(key[1], ev.tokens, text, ev.logprobs), False, finishes)
+        self._deliver(key[0], E.tokens(key[1], ev.tokens, text, ev.logprobs), False, finishes)
         if hit and key in self.streams:
             self._done(key, R.STOP, "", finishes)
             finishes.append(Finish(key, R.STOP))
@@ -161,13 +161,13 @@ class Output:
             tail = out.text.end()
             if out.stop:
                 tail = out.stop.end(tail)
-        frames = [P.tokens(s.key[1], [], tail)] if tail else []  # streamed pieces add up to done.text
+        frames = [E.tokens(s.key[1], [], tail)] if tail else []  # streamed pieces add up to done.text
         text = out.stop.text if out.stop and flush else self.tok.decode(s.generated)
         usage = s.usage()
         if self.latency is not None:
             self.latency.observe_done(usage)
         incomplete = s.grammar is not None and reason != R.EOS  # cut before its output matched in full
-        return frames + [P.done(s.key[1], reason, s.generated, text, usage, detail, incomplete)]
+        return frames + [E.done(s.key[1], reason, s.generated, text, usage, detail, incomplete)]
 
     def _deliver(self, ident: bytes, frames: list[bytes], final: bool, finishes: list[Finish]) -> None:
         """Send to one client. One that stopped reading or vanished loses its sessions, nobody else does;

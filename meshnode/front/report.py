@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from ipc import protocol as P
+from ipc import events as E
 from meshnode import __version__
 from meshnode.core import speculation
 from meshnode.core.kvevents import BLOCK_TOKENS
@@ -83,7 +83,7 @@ class Report:
         # the prefix cache's blocks, keyed as its KV events key them (core/kvevents.py): what a router that
         # did not follow the events (or lost some) starts from
         held = sorted(n.telemetry.sched.cached_blocks())
-        return P.status(info, snap, {**cap, "cached_blocks": {"block_size": BLOCK_TOKENS, "hashes": held}})
+        return E.status(info, snap, {**cap, "cached_blocks": {"block_size": BLOCK_TOKENS, "hashes": held}})
 
     def status_line(self) -> str:
         t = self.snapshot()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ipc import link
 from ipc import protocol as P
+from ipc import events as E
 from meshnode.core import reasons as R
 from meshnode.core.admission import AdmissionDecision
 from meshnode.core.scheduler import Event, Scheduler
@@ -74,7 +75,7 @@ class Requests:
             held.append((frames, arrived))
             return []
         self.telemetry.count_bad_frame()
-        return [Answer(ident, P.error(R.TOO_LARGE, f"{MAX_HELD} requests already wait behind a text of this client "
+        return [Answer(ident, E.error(R.TOO_LARGE, f"{MAX_HELD} requests already wait behind a text of this client "
                                       "that is being tokenized; read the answers before sending more",
                                       P.request_id(frames)))]
 
@@ -83,9 +84,9 @@ class Requests:
             req = P.decode_request(frames, self.tok.n_vocab)
         except P.ProtocolError as e:
             self.telemetry.count_bad_frame()
-            return [Answer(ident, P.error(e.code, e.detail, e.id))]
+            return [Answer(ident, E.error(e.code, e.detail, e.id))]
         if isinstance(req, P.Ping):
-            return [Answer(ident, P.pong())]
+            return [Answer(ident, E.pong())]
         if isinstance(req, P.Status):
             return [Answer(ident, self.status(req.prompt_tokens))]
         if isinstance(req, P.Metrics):
@@ -101,7 +102,7 @@ class Requests:
             if self.relayed((ident, req.id)):
                 return []
             self.telemetry.count_unknown_session()
-            return [Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
+            return [Answer(ident, E.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
         return self._submit(ident, req, arrived)
 
     def _grammar(self, req: P.Submit) -> tuple[Grammar | None, str]:
@@ -121,7 +122,7 @@ class Requests:
         grammar, why = self._grammar(req)
         if why:  # before admission, with the library's own words
             self.telemetry.count_bad_frame()
-            return [Answer(ident, P.error(R.BAD_REQUEST, why, req.id))]
+            return [Answer(ident, E.error(R.BAD_REQUEST, why, req.id))]
         if req.kv is not None:
             return self._import(ident, req, arrived)
         if req.tokens is not None:
@@ -165,13 +166,13 @@ class Requests:
         s = self.sched.live.get((ident, id))
         if s is None:
             self.telemetry.count_unknown_session()
-            return [Answer(ident, P.error(R.UNKNOWN_SESSION, f"no live session {id!r}", id))]
+            return [Answer(ident, E.error(R.UNKNOWN_SESSION, f"no live session {id!r}", id))]
         if s.grammar is not None or s.embed or s.export_to:
             self.telemetry.count_bad_frame()
             why = "it is being exported already" if s.export_to else \
                 "a session with a response_format or an embedding does not move between nodes; cancel it and " \
                 "submit it there"
-            return [Answer(ident, P.error(R.BAD_REQUEST, why, id))]
+            return [Answer(ident, E.error(R.BAD_REQUEST, why, id))]
         return self.sched.export(s.key, self.moves.path())
 
     def _import(self, ident: bytes, req: P.Submit, arrived: float) -> list[Action]:
@@ -188,7 +189,7 @@ class Requests:
     def _kv(self, ident: bytes, c: P.KvChunk, arrived: float) -> list[Action]:
         if not self.moves.receiving((ident, c.id)):
             self.telemetry.count_unknown_session()
-            return [Answer(ident, P.error(R.UNKNOWN_SESSION, f"no import {c.id!r} is receiving its KV", c.id))]
+            return [Answer(ident, E.error(R.UNKNOWN_SESSION, f"no import {c.id!r} is receiving its KV", c.id))]
         req, path, why = self.moves.chunk(ident, c)
         if why:
             return [self.refuse(ident, c.id, R.REJECTED_BAD_REQUEST, why)]
@@ -196,7 +197,7 @@ class Requests:
 
     def refuse(self, ident: bytes, id: str, reason: str, detail: str) -> Answer:
         self.telemetry.count_reject(reason)
-        return Answer(ident, P.rejected(id, reason, detail))
+        return Answer(ident, E.rejected(id, reason, detail))
 
     def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float,
                grammar: Grammar | None = None, kv_import: tuple | None = None) -> list[Action]:
@@ -212,5 +213,5 @@ class Requests:
         if d.accepted:  # a queued session it displaced (priority policy) gets its `done` right after
             for _ in d.displaced:
                 self.telemetry.count_reject(R.REJECTED_QUEUE_FULL)
-            return [Opened(s, req.stop), Answer(ident, P.admitted(req.id, d.reason)), *d.displaced]
+            return [Opened(s, req.stop), Answer(ident, E.admitted(req.id, d.reason)), *d.displaced]
         return [self.refuse(ident, req.id, d.reason, d.detail)]

@@ -20,6 +20,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ipc import protocol as P
+from ipc import events as E
 from ipc.transport import client_dealer
 
 log = logging.getLogger("meshnode.gateway")
@@ -100,7 +101,7 @@ class Upstream:
 
     def _on_event(self, frames: list[bytes]) -> None:
         try:
-            ev = P.decode_event(frames)
+            ev = E.decode_event(frames)
         except P.ProtocolError as e:  # the node is trusted; a frame it did not mean is logged, not fatal
             log.error("a malformed event from the node, dropped: %s", e)
             return
