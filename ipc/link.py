@@ -56,6 +56,16 @@ class Stop:
     """Exit cleanly."""
 
 
+@dataclass(frozen=True)
+class Hurry:
+    """Ticks up to `tick` are to leave undone what they can (StepResult.deferred): a request of a better
+    priority arrived, and its first token waits for them. One not begun runs none of its chunks (its KV
+    operations only); the one running stops its prompt calls. Read by the engine's link reader as it arrives,
+    never queued behind the ticks it names."""
+
+    tick: int
+
+
 # -- engine -> front ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hello:
@@ -97,7 +107,7 @@ class TickRefused:
     detail: str
 
 
-Message = TickRequest | GrammarText | Stop | Hello | HelloFailed | Aborted | TickDone | TickRefused
+Message = TickRequest | GrammarText | Stop | Hurry | Hello | HelloFailed | Aborted | TickDone | TickRefused
 
 
 class GrammarsSent:
@@ -213,8 +223,9 @@ def encode(msg: Message, arena=None) -> bytes:
                      **({"earlier": [[s, [t for t, _ in xs], [_logprob(lp) for _, lp in xs]]
                                      for s, xs in r.earlier.items()]} if r.earlier else {}),
                      **({"embeddings": [[s, v] for s, v in r.embeddings.items()]} if r.embeddings else {}),
-                     **({"saved": [list(x) for x in r.saved.items()]} if r.saved else {})})
-    kind = {Stop: "stop", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
+                     **({"saved": [list(x) for x in r.saved.items()]} if r.saved else {}),
+                     **({"deferred": list(r.deferred)} if r.deferred else {})})
+    kind = {Stop: "stop", Hurry: "hurry", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
 
 
@@ -266,7 +277,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
                                 int(m.get("served", 0)), {int(q): str(why) for q, why in m.get("failed", [])},
                                 _earlier(m.get("earlier", [])),
                                 {int(q): [float(x) for x in v] for q, v in m.get("embeddings", [])},
-                                {int(q): int(n) for q, n in m.get("saved", [])})
+                                {int(q): int(n) for q, n in m.get("saved", [])},
+                                list(_ints(m.get("deferred", []), "deferred")))
             return TickDone(int(m["tick"]), result, float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
                             int(m["mem_total"]))
         if kind == "refused":
@@ -287,6 +299,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
             return Aborted(str(m["detail"]))
         if kind == "stop":
             return Stop()
+        if kind == "hurry":
+            return Hurry(int(m["tick"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed engine link message {kind!r}: {e!r}") from None
     raise ValueError(f"unknown engine link message kind {kind!r}")

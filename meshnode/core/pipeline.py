@@ -42,6 +42,7 @@ class Tick:
     resync: bool = False  # the first tick after a refusal: the engine starts over from it
     discard: bool = False  # planned on top of a refused tick: refused too, its answer dropped
     planned: int = 0  # the scheduler's plan count when it was planned: a session preempted since is not its any more
+    hurried: bool = False  # asked to leave undone what it can (Ticks.hurry): nothing is planned on top of it
 
     @property
     def chunks(self) -> list[tuple[object, SeqChunk]]:

@@ -50,5 +50,12 @@ def ahead_of_decoding(prompts: list[Session], decoding: list[Session], cut: Call
     for as long as it takes."""
     if not decoding:
         return []
-    worst_running = min(s.priority for s in decoding)
-    return [s for s in prompts if s.priority < worst_running and s.n_generated == 0 and cut(s) >= s.pending]
+    best_decoding = min(s.priority for s in decoding)
+    return [s for s in prompts if s.priority < best_decoding and s.n_generated == 0 and cut(s) >= s.pending]
+
+
+def hurries(new: Session, running: list[Session], cut: Callable[[Session], int]) -> bool:
+    """A request just arrived whose first token the ticks in flight would delay: it will take a tick alone
+    (ahead_of_decoding: better than every decoding session, its prompt one tick's), and what they carry is the
+    worse class's. They may leave it undone (Ticks.hurry): it is planned again behind the better request."""
+    return bool(ahead_of_decoding([new], [s for s in running if s.pending == 1], cut))

@@ -47,7 +47,7 @@ from meshnode.core.budget import NodeBudget
 from meshnode.core.costmodel import Shape, TickCost, shape, sized
 from meshnode.core.pipeline import Tick
 from meshnode.core.schedconfig import SchedulerConfig
-from meshnode.core.priority import ahead_of_decoding, displaceable, victims
+from meshnode.core.priority import ahead_of_decoding, displaceable, hurries, victims
 from meshnode.core.session import DONE, QUEUED, RUNNING, Ask, Event, Session
 from meshnode.core.seqs import Sequences
 from meshnode.core.sizing import Sizing
@@ -86,7 +86,7 @@ class Scheduler:
         self.engine_down: str | None = None  # why the engine cannot serve (a crash loop): new work is refused
         self.mem_available: int | None = None  # the host's or cgroup's, as last measured
         self.gather_ms, self.steps_ms = config.gather_ms, config.steps_ms
-        self.policy, self._arrivals, self._plans = config.policy, 0, 0
+        self.policy, self._arrivals, self._plans, self._hurry = config.policy, 0, 0, False
         self._arrived: tuple[float, float] | None = None  # first and last submit since the last tick was planned
 
     def calibrated(self, ticks) -> None:
@@ -111,6 +111,7 @@ class Scheduler:
         self.live[s.key] = s
         self._arrivals += 1
         s.order = (s.priority if self.policy == "priority" else 0, self._arrivals)
+        self._hurry |= self.policy == "priority" and hurries(s, self.running, self._alone_cut)
         if d.reason == R.ADMITTED:
             self._start(s)
             return d
@@ -118,6 +119,11 @@ class Scheduler:
         at = bisect.bisect(self.waiting, s.order, key=lambda q: q.order)
         self.waiting.insert(at, s)
         return AdmissionDecision(R.QUEUED, f"queued at position {at + 1}", displaced)
+
+    def take_hurry(self) -> bool:
+        """A request arrived since the last call whose first token a tick in flight delays (priority.hurries)."""
+        hurry, self._hurry = self._hurry, False
+        return hurry
 
     def precheck(self, ask: Ask) -> AdmissionDecision:
         """What submit() would decide now, without admitting: for a prompt size that is only a
@@ -220,16 +226,20 @@ class Scheduler:
         """Turn the engine's result for `tick` (answered, off the pipeline) into per-session events."""
         events: list[Event] = []
         steps = tick.plan.steps
-        if tick.plan.chunks and result.step_ms > 0:
+        deferred = set(result.deferred)
+        if tick.plan.chunks and result.step_ms > 0 and not deferred:  # a hurried tick's time is not its plan's
             spans = [(c.pos, len(c.tokens)) for c in tick.plan.chunks]
             self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms / steps,
                               sized(spans), decode_only=all(n == 1 for _, n in spans))
-        missed = set(result.cache_miss)
-        for seq_id in missed:  # a finished session's last tick may have lost its cached KV: nothing to keep
+        for seq_id in (missed := set(result.cache_miss)):  # a finished session's last tick may have lost its KV
             self.seqs.lost(seq_id)
         for s, c in tick.chunks:
             if not self._current(s, c, tick):
                 continue  # cancelled, ended or preempted while the tick ran: its result is stale
+            if c.seq_id in deferred:  # left undone (Ticks.hurry): planned again from where it was
+                s.n_planned, s.draws_in_flight = min(s.n_planned, c.pos), s.draws_in_flight - steps * (c.draw >= 0)
+                self.counters.prefill_tokens -= len(c.tokens) if len(c.tokens) > 1 or c.draw < 0 else 0
+                continue
             if c.draw >= 0:
                 s.draws_in_flight -= steps
                 if c.seq_id in result.embeddings:  # an embedding session's one result
@@ -258,7 +268,7 @@ class Scheduler:
             self.counters.decode_tokens += 1
             if s.n_generated == 1 and not s.t_first:
                 s.t_first = self.clock()
-            reason = self._finish_reason(s, tok)
+            reason = s.finish_reason(tok, self.eog)
             if reason or i == len(samples) - 1:
                 lps = [lp for _, lp in samples[:i + 1]]
                 events.append(Event("tokens", s, [t for t, _ in samples[:i + 1]],
@@ -267,15 +277,6 @@ class Scheduler:
                 events.append(self._end(s, reason))
                 return True
         return False
-
-    def _finish_reason(self, s: Session, tok: int) -> str | None:
-        if tok in self.eog and not s.ignore_eos:
-            return R.EOS
-        if tok in s.stop_tokens:
-            return R.STOP
-        if s.n_generated >= s.max_tokens:
-            return R.LENGTH
-        return None
 
     def refused(self, tick: Tick, reason: str = R.ENGINE_ERROR, behind: list[Tick] = ()) -> list[Event]:
         """The engine refused `tick`: end its sessions; the others go on.
@@ -386,8 +387,7 @@ class Scheduler:
 
     @property
     def cells_planned(self) -> int:
-        """KV cells held once every tick planned so far has run (live sequences and cached entries): what
-        each row of a unified pool attends to, known here before the engine, a tick or two behind, says."""
+        """KV cells held once every tick planned so far has run (live and cached): what a unified pool's rows see."""
         return self.live_cells + self.seqs.cells
 
     @property

@@ -6,6 +6,7 @@ from typing import Hashable
 
 import numpy as np
 
+from meshnode.core import reasons as R
 from meshnode.core.types import GREEDY, Constrained, Grammar, Logprob, Sampling, SeqChunk
 
 NEW, QUEUED, RUNNING, DONE = "NEW", "QUEUED", "RUNNING", "DONE"
@@ -103,6 +104,16 @@ class Session:
         self.n_planned += n
         self.draws_in_flight += end
         return chunk
+
+    def finish_reason(self, tok: int, eog) -> str | None:
+        """Why the session ends on the token it just took, or None (`eog`: the model's end-of-generation ids)."""
+        if tok in eog and not self.ignore_eos:
+            return R.EOS
+        if tok in self.stop_tokens:
+            return R.STOP
+        if self.n_generated >= self.max_tokens:
+            return R.LENGTH
+        return None
 
     def forget_kv(self) -> None:
         """Its KV is gone (an engine restart, a preemption): everything is fed again from position 0."""

@@ -11,10 +11,10 @@ the sampled tokens or the sequences that lost their place) and `release_kv`,
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from typing import Callable
 
 import numpy as np
-
-from dataclasses import replace
 
 from meshnode.core.types import (GREEDY, Constrained, ConstraintFailed, InvalidPlan, Keep, Load, Plan, Release,
                                  Sampling, Save, SeqChunk, Share, StepResult)
@@ -133,10 +133,18 @@ class Engine:
         self._samplers: dict[int, Sampling] = {}
         self._constraints: dict = {}  # seq -> engine/constraint.Constraint, for sessions with a response_format
         self._saved, self._unloaded = {}, set()  # the last plan's Save and failed Load outcomes
+        self._hurried: Callable[[], bool] = lambda: False  # hurry_when's
+        self._steps = 1  # the running plan's steps
+
+    def hurry_when(self, hurried: Callable[[], bool]) -> None:
+        """`hurried()` says the running tick is to leave undone the llama_decode calls it has not finished
+        (StepResult.deferred; the worker asks the link: link.Hurry). Asked from llama.cpp's compute thread."""
+        self._hurried = hurried
 
     def step(self, plan: Plan) -> StepResult:
         """Run one tick: validate, release, compute every chunk, sample where asked; a multi-step plan's rows
         again with their samples, `plan.steps` times in all."""
+        self._steps = plan.steps  # a multi-step tick is never hurried (its steps' samples are counted whole)
         res = self.step_once(plan)
         return self._more_steps(plan, res) if plan.steps > 1 else res
 
@@ -229,12 +237,12 @@ class Engine:
 
     def end(self, plan: Plan, res: StepResult) -> None:
         """The part after: the chunks that ran advance their sequences; the ones that lost their
-        place (a cache miss) are released."""
-        missed = set(res.cache_miss)
+        place (a cache miss) are released; deferred ones stay where they were."""
+        missed, deferred = set(res.cache_miss), set(res.deferred)
         for c in plan.chunks:
             if c.seq_id in missed:
                 self.release(c.seq_id)
-            else:
+            elif c.seq_id not in deferred:
                 self._next_pos[c.seq_id] = c.pos + len(c.tokens)
                 self._history[c.seq_id][c.pos:] = np.asarray(c.tokens).tolist()
         res.kv_cells = sum(self._next_pos)

@@ -63,14 +63,18 @@ class Followups:
             plan = replace(plan, chunks=[c for c in plan.chunks if c.seq_id not in dropped])
         return plan, dropped
 
-    def run(self, engine, plan: Plan, resync: bool = False) -> StepResult:
+    def run(self, engine, plan: Plan, resync: bool = False, hurried: bool = False) -> StepResult:
         """Run `plan` on `engine` right after the tick before it; dropped sequences come back as misses.
+        `hurried`: the front asked this tick to hurry before it began (link.Hurry): only its KV operations
+        run, its chunks come back deferred (planned again from where they were).
 
         A refusal (InvalidPlan, or any error the caller does not treat as fatal) must be followed
         by `refused()`.
         """
-        runnable, dropped = self.resolve(plan, resync)
+        deferred = [c.seq_id for c in plan.chunks] if hurried else []
+        runnable, dropped = self.resolve(replace(plan, chunks=[], steps=1) if hurried else plan, resync)
         res = engine.step(runnable)
+        res.deferred += deferred
         res.cache_miss = list(res.cache_miss) + dropped
         self.sampled, self.lost = dict(res.tokens), set(res.cache_miss) | set(res.failed)
         return res

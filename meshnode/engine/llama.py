@@ -32,6 +32,7 @@ from meshnode.engine.seqmap import SeqMap
 # the others): a session the front skips for a tick or two (more decoding than max_batch) stays, and a finished
 # one whose stream the prefix cache keeps leaves the block a few ticks on
 LIVE_STEPS = 4
+HURRIED = "hurried"  # _decode's answer for a call the hurry stopped
 
 
 class LlamaEngine(Engine):
@@ -79,6 +80,9 @@ class LlamaEngine(Engine):
             drafter = DraftModel(cfg.draft_model, vocab, self.n_seq_max, self.n_ctx_seq, threads)
         self.drafts = Speculator(self, spec, cfg.draft_max, cfg.draft_min, drafter, streams=self._ids is not None)
         self._every_row: dict = {}  # this tick's drafted chunks, by sequence: each of their rows is an output
+        # llama.cpp asks it between graph nodes of a deferrable call (_decode); kept here: ctypes holds a weak pointer
+        self._abort_cb = lc.ggml_abort_callback(lambda _: bool(self._hurried()))
+        self._no_abort = lc.ggml_abort_callback()  # NULL: none
         self._rows = 0  # rows the tick computed (padding included): what it cost is RowCost's to learn
         self._b = Batch(lc, self._ctx, self.n_batch, self.n_vocab)
         # which lone decode rows get a dummy neighbour (engine/invariant.py): as the start-up check finds
@@ -157,7 +161,7 @@ class LlamaEngine(Engine):
         res = super().step_once(plan)
         if res.served == len(plan.chunks) and res.served:  # nothing computed: no tick for the cost model
             res.step_ms = 0.0
-        elif self._rows and all(len(c.tokens) == 1 for c in plan.chunks):  # decode rows (and drafts) only
+        elif self._rows and not res.deferred and all(len(c.tokens) == 1 for c in plan.chunks):  # decode rows only
             self.drafts.row_cost.observe(self._rows, res.step_ms)
         return res
 
@@ -167,7 +171,12 @@ class LlamaEngine(Engine):
         drafts = self.drafts.plan(chunks)
         self._every_row = drafts
         for call in self._groups([drafts.get(c.seq_id, c) for c in chunks] if drafts else chunks):
-            rows = self._decode(call)
+            rows = HURRIED if self._deferrable(call) and self._hurried() else self._decode(call)
+            if rows is HURRIED:  # left undone (StepResult.deferred): their cells are cut back to before them
+                for c in call:
+                    self.trim_kv(c.seq_id, c.pos)
+                res.deferred += [c.seq_id for c in call]
+                continue
             if rows is None:  # no KV slot: llama.cpp rolled this call back; its sequences lost their place
                 res.cache_miss += [c.seq_id for c in call]
                 continue
@@ -182,6 +191,11 @@ class LlamaEngine(Engine):
                     self.sample(c, self.row_logits(r), res)
         self.drafts.observe(res)
         return res
+
+    def _deferrable(self, call: list) -> bool:
+        """A call a hurried tick may leave undone (stopped, or not begun): on streams, where no other sequence's
+        cells move with its own; not an embedding's (its pooled rows would be lost) nor a multi-step tick's."""
+        return self._ids is not None and self._steps == 1 and not call[0].embed
 
     def _embedded(self, call: list, rows: list[int], res: StepResult) -> None:
         """An embedding call's rows into their sessions' pools; the vector of each chunk that asks for it."""
@@ -229,15 +243,22 @@ class LlamaEngine(Engine):
         rows = self._fill(chunks)
         embed = bool(chunks[0].embed)  # a call of embedding chunks: every row an output (embeddings.py)
         dummies = self._even(chunks, rows) if self.deterministic and not embed else []
+        hurry = self._deferrable(chunks)
         if embed:
             self._lc.llama_set_embeddings(self._ctx, True)
+        if hurry:
+            self._lc.llama_set_abort_callback(self._ctx, self._abort_cb, None)
         try:
             rc = self._b.decode()
         finally:
             if embed:
                 self._lc.llama_set_embeddings(self._ctx, False)
+            if hurry:
+                self._lc.llama_set_abort_callback(self._ctx, self._no_abort, None)
         for s, p in dummies:
             self.kv.drop(s, p)
+        if rc == 2 and hurry:  # llama.cpp stopped it and removed the stopped ubatch's cells
+            return HURRIED
         if rc == 1:
             return None
         if rc == -1:

@@ -34,6 +34,9 @@ _ERRORS: deque[str] = deque(maxlen=8)  # llama.cpp's last error lines
 # where llama.cpp put the model: "layer N assigned to device X" (debug) and the model / KV buffer sizes
 _PLACEMENT_MARKS = ("assigned to device", "model buffer size", "KV buffer size")
 _PLACEMENT: list[str] = []
+# what llama.cpp says of a llama_decode its abort callback stopped (GGML_STATUS_ABORTED = 1, rc 2): only a hurried
+# tick sets the callback (engine/llama.py), so these are the node's own doing
+_STOPPED_MARKS = ("compute status: 1", "failed with error 1", "failed to decode, ret = 2", "removing memory module")
 
 
 def install_log() -> None:
@@ -47,7 +50,9 @@ def install_log() -> None:
         msg = text.decode("utf-8", "replace").rstrip("\n") if text else ""
         if msg:
             lvl = _LEVELS.get(level, logging.DEBUG)
-            if lvl >= logging.ERROR:
+            if any(m in msg for m in _STOPPED_MARKS):  # a call the node stopped itself (a hurry), not an error
+                lvl = logging.DEBUG
+            elif lvl >= logging.ERROR:
                 _ERRORS.append(msg.strip())
             if any(m in msg for m in _PLACEMENT_MARKS):
                 _PLACEMENT.append(msg.strip())

@@ -164,6 +164,13 @@ class EngineLink:
         except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
             self.broke(f"engine link send failed: {e}", going_down=True)
 
+    def hurry(self, t: int) -> None:
+        """Ask the engine to leave tick `t`'s prompt chunks undone where it can (link.Hurry)."""
+        try:
+            self.sock.send(link.encode(link.Hurry(t)))
+        except OSError as e:
+            self.broke(f"engine link send failed: {e}", going_down=True)
+
     def why_dead(self, now: float, in_flight=()) -> str:
         """Why the engine is dead now, or "": exited, broken, silent at start, or hung in a tick (of
         `in_flight`, oldest first)."""

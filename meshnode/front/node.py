@@ -274,6 +274,8 @@ class Front:
         if ready:  # what is left is the clients'
             for ident, frames in self.clients.requests(ready):
                 self._apply(self.requests.on_frames(ident, frames))
+        if self.sched.take_hurry():  # a better first token is waiting
+            self.ticks.hurry()
 
     def step(self) -> None:
         """An engine answer through the node, vLLM's EngineCore.step with the execution in the engine

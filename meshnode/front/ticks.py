@@ -45,8 +45,9 @@ class Ticks:
 
     @property
     def room(self) -> bool:
-        """Another tick may go in flight now."""
-        return self.engine.can_send and not self.pipeline.full
+        """Another tick may go in flight now: not on top of a hurried one, whose chunks may come back undone
+        (their sessions are planned again from where they were)."""
+        return self.engine.can_send and not self.pipeline.full and not any(tk.hurried for tk in self.pipeline.ticks)
 
     @property
     def idle(self) -> bool:
@@ -57,6 +58,18 @@ class Ticks:
         meanwhile joins it (TickPipeline.plan_ahead_at); on an idle engine, once the scheduler's gathering
         of a burst of requests ends (`gather_until`, Scheduler.gather_until)."""
         return self.pipeline.plan_ahead_at() if self.pipeline else gather_until
+
+    def hurry(self) -> None:
+        """A better first token waits (Scheduler.take_hurry) behind the ticks in flight: every one of them is
+        asked to leave undone what it can (link.Hurry): one queued at the engine runs none of its chunks, the
+        one running stops the llama_decode calls it has not finished; their chunks come back deferred and are
+        planned again, and nothing goes in flight on top of them until they are answered (`room`)."""
+        ticks = self.pipeline.ticks
+        if not ticks or ticks[-1].hurried:
+            return
+        for tk in ticks:
+            tk.hurried = True
+        self.engine.hurry(ticks[-1].t)
 
     def send(self, tick: Tick, fresh: bool = False) -> None:
         """In flight. `fresh`: sent to an engine that waited for clients, not for us: its wait is not
@@ -78,7 +91,7 @@ class Ticks:
             return Refusal(tick, msg.detail, self.pipeline.refused())
         res = msg.result
         try:
-            absent = {*res.cache_miss, *res.failed} if res.cache_miss or res.failed else ()
+            absent = {*res.cache_miss, *res.failed, *res.deferred}
             link.check_samples(res.tokens, tick.plan, self.engine.n_vocab, absent)
             if tick.plan.steps > 1:
                 link.check_earlier(res.earlier, tick.plan, res.tokens, self.engine.n_vocab)

@@ -38,6 +38,7 @@ class LinkIO:
         self.grammars: dict = {}  # key -> Grammar, as the front's GrammarText messages left them (reader thread only)
         self._mem = {"rss": 0, "mem_available": 0, "mem_total": 0}
         self._mem_at = -MEMORY_EVERY_S
+        self.hurry = -1  # ticks up to this one are to hurry (link.Hurry), set by the reader as it arrives
         self._threads = [threading.Thread(target=self._guard, args=(self._read,), name="link-reader", daemon=True),
                          threading.Thread(target=self._guard, args=(self._write,), name="link-writer", daemon=True)]
 
@@ -95,6 +96,9 @@ class LinkIO:
                 msg = link.decode(data, self.arena, self.grammars)
             except link.MalformedTick as e:
                 msg = e
+            if isinstance(msg, link.Hurry):  # for the ticks running and queued: the engine reads `hurry`
+                self.hurry = msg.tick
+                continue
             if isinstance(msg, link.GrammarText):  # for the ticks behind it: they name it by key
                 self.grammars[msg.grammar.key] = msg.grammar
                 for key in msg.forget:

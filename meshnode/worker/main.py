@@ -62,6 +62,7 @@ class EngineProcess:
         self.cfg = cfg
         self.stop = False
         self._ready_at = 0.0
+        self._tick = -1  # the tick running now (the one a link.Hurry may name)
         self.followups = Followups()
 
     def initialize(self) -> None:
@@ -84,6 +85,7 @@ class EngineProcess:
         gc.freeze()  # the model and the process's start-up stay for good: no collection walks them
         self.sock.send(link.encode(link.Hello(os.getpid(), EngineInfo.of(self.engine, calibration))))
         self.io = LinkIO(self.sock, self.arena)
+        self.engine.hurry_when(lambda: self.io.hurry >= self._tick)
         if hasattr(self.engine, "see_link"):  # a test's fault that must wait for a tick queued behind it
             self.engine.see_link(self.io.queued)
 
@@ -106,6 +108,7 @@ class EngineProcess:
             if msg is CLOSED or isinstance(msg, link.Stop):
                 return
             self.arena.beat(msg.tick, finished=False)  # the front judges a hang by this, not by its clock
+            self._tick = msg.tick
             out = self.run(msg)  # the answer is sent, and "finished" beaten, by the link's writer
             if isinstance(out, link.TickRefused):
                 self.io.refuse(out)
@@ -118,7 +121,7 @@ class EngineProcess:
         try:
             if isinstance(req, link.MalformedTick):  # refused like any bad plan, in its place
                 raise InvalidPlan(str(req))
-            res = self.followups.run(self.engine, req.plan, req.resync)
+            res = self.followups.run(self.engine, req.plan, req.resync, hurried=self.io.hurry >= req.tick)
         except (EngineError, ValueError) as e:
             fatal = getattr(e, "fatal", False)
             if not fatal:

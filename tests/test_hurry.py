@@ -1,0 +1,170 @@
+"""A tick asked to hurry (a better request's first token waits): its prompt chunks are left undone, whether
+their llama_decode had begun or not, and planned again from where they were; nothing else changes. Engine
+over the tiny model; the scheduler's side over the fake engine; the front's ask (Ticks.hurry) over a stub link."""
+import numpy as np
+import pytest
+
+from helpers import prompt, run_to_completion, scheduler, step
+from ipc import link
+from meshnode.core import reasons as R
+from meshnode.core.pipeline import Tick
+from meshnode.core.session import Session
+from meshnode.core.types import GREEDY, Plan, SeqChunk, StepResult
+from meshnode.dev.fake import FakeEngine
+from meshnode.engine.followups import Followups
+from meshnode.engine.llama import LlamaEngine
+from meshnode.front.ticks import Ticks
+from meshnode.ops.config import engine_config
+
+
+def _chunks(low_prompt):
+    """A decode row of sequence 0 (one token after a 4-token prompt) and a prompt chunk of sequence 1."""
+    return [SeqChunk(0, 4, np.array([7], np.int32), draw=1, sampling=None),
+            SeqChunk(1, 0, np.array(low_prompt, np.int32), draw=0, sampling=GREEDY)]
+
+
+@pytest.mark.parametrize("asks", [0, 1])
+def test_a_hurried_tick_leaves_its_calls_undone_and_the_kv_as_before_them(tiny_model, asks):
+    """The hurry is seen at the `asks`-th question: 0, before any call (both skipped); 1, inside the first
+    call (llama.cpp's abort callback stops it at its first graph node: its cells removed), then before the
+    second. Each call is left undone, its sequences hold what they held before, and running the tick again
+    gives the unhurried tick's tokens."""
+    low = prompt(40, salt=3)
+    cfg = engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1, kv_layout="streams")
+    got = {}
+    for hurry in (False, True):
+        with LlamaEngine(cfg) as e:
+            e.step(Plan([SeqChunk(0, 0, np.array(prompt(4), np.int32), draw=0, sampling=GREEDY)]))
+            asked = []
+            if hurry:
+                e.hurry_when(lambda: asked.append(1) or len(asked) > asks)
+            res = e.step(Plan(_chunks(low)))
+            e.hurry_when(lambda: False)
+            if hurry:
+                assert sorted(res.deferred) == [0, 1] and res.tokens == {} and len(asked) == asks + 2
+                assert e.seq_pos_max(0) == 3 and e.seq_pos_max(1) == -1
+                again = e.step(Plan([c for c in _chunks(low) if c.seq_id in res.deferred]))
+                res.tokens |= again.tokens
+            else:
+                assert res.deferred == []
+            got[hurry] = dict(res.tokens)
+    assert got[True] == got[False]
+
+
+def test_a_deferred_prompt_chunk_is_planned_again_from_where_it_was():
+    """The scheduler's side: a result that names a chunk deferred leaves its session where it was; it is cut
+    again, finishes, and every session's tokens are a lone run's."""
+    engine, sched = scheduler(policy="priority", max_active=3, steps_ms=0.0, prefix_cache="off",
+                              max_prefill_tokens_per_tick=16)
+    a, b = Session("a", prompt(4), 6, priority=2), Session("b", prompt(40, salt=1), 6, priority=2)
+    sched.submit(a)
+    step(sched, engine, sched.plan())
+    sched.submit(b)
+    tick = sched.plan()
+    assert {c.seq_id for c in tick.plan.chunks} == {a.seq_id, b.seq_id}
+    run = Plan([c for c in tick.plan.chunks if c.seq_id != b.seq_id])  # what the engine ran of it
+    res = engine.step(run)
+    res.deferred = [b.seq_id]
+    sched.apply(tick, res)
+    assert b.n_planned == 0 and a.n_generated == 2
+    nxt = sched.plan()
+    assert [c.pos for c in nxt.plan.chunks if c.seq_id == b.seq_id] == [0]
+    sched.apply(nxt, engine.step(nxt.plan))
+    run_to_completion(sched, engine)
+    for s in (a, b):
+        assert s.reason == R.LENGTH and engine.expected(s.tokens, len(s.prompt))
+
+
+@pytest.mark.parametrize("policy,priority,hurry", [("priority", -1, True), ("priority", 2, False),
+                                                   ("fcfs", 0, False)])
+def test_a_better_request_asks_a_hurry_once_while_worse_sessions_prefill(policy, priority, hurry):
+    engine, sched = scheduler(policy=policy, max_active=4, steps_ms=0.0, prefix_cache="off")
+    a, b = Session("a", prompt(4), 20, priority=2 * (policy == "priority")), \
+        Session("b", prompt(300, salt=1), 5, priority=2 * (policy == "priority"))
+    sched.submit(a)
+    step(sched, engine, sched.plan())
+    sched.submit(b)
+    assert not sched.take_hurry()
+    sched.submit(Session("c", prompt(5, salt=2), 3, priority=priority))
+    assert sched.take_hurry() == hurry
+    assert not sched.take_hurry()  # once an arrival
+
+
+class _Link:
+    can_send = True
+
+    def __init__(self):
+        self.hurried = []
+
+    def hurry(self, t):
+        self.hurried.append(t)
+
+    def send(self, tick, fresh=False):
+        pass
+
+
+def _tick(t, n):
+    return Tick(t, Plan([SeqChunk(0, 0, np.arange(n, dtype=np.int32), draw=-1)]))
+
+
+def test_every_tick_in_flight_is_hurried_once_and_nothing_is_planned_on_top_of_them():
+    """The ticks in flight were planned before the better request came; each leaves undone what it can, and
+    no tick goes in flight until they are answered (one behind them might hold the next chunk of a prompt
+    they leave undone)."""
+    ln = _Link()
+    ticks = Ticks(ln, depth=2, telemetry=None)
+    ticks.hurry()
+    assert ln.hurried == [] and ticks.room  # nothing in flight: nothing to ask
+    ticks.send(_tick(1, 1))
+    ticks.send(_tick(2, 8))
+    ticks.hurry()
+    assert ln.hurried == [2] and not ticks.room
+    ticks.hurry()
+    assert ln.hurried == [2]  # once
+    ticks.pipeline.answer(1)
+    assert not ticks.room
+    ticks.pipeline.answer(2)
+    assert ticks.room
+    ticks.send(_tick(3, 1))
+    ticks.hurry()
+    assert ln.hurried == [2, 3]
+
+
+def test_a_tick_hurried_before_it_began_runs_its_kv_operations_only():
+    """In the engine process (engine/followups.py): its chunks come back deferred, its releases run."""
+    engine = FakeEngine(n_seq_max=4, n_ctx=512)
+    f = Followups()
+    f.run(engine, Plan([SeqChunk(0, 0, np.array(prompt(4), np.int32), draw=0),
+                        SeqChunk(1, 0, np.array(prompt(4, salt=1), np.int32), draw=0)]))
+    res = f.run(engine, Plan([SeqChunk(0, 4, np.array([5], np.int32), draw=1, follow=True)], release=[1]),
+                hurried=True)
+    ran = engine.plans[-1]
+    assert res.deferred == [0] and res.tokens == {} and ran.chunks == [] and ran.release == [1]
+    res = f.run(engine, Plan([SeqChunk(0, 4, np.array([5], np.int32), draw=1)]))
+    assert res.deferred == [] and 0 in res.tokens
+
+
+def test_a_whole_deferred_tick_plans_its_decode_rows_and_prompts_again():
+    """A tick queued at the engine when the hurry came runs nothing: its decode rows (follows of the tick
+    before) and prompt chunk are planned again from where they were, every token still a lone run's."""
+    engine, sched = scheduler(policy="priority", max_active=3, steps_ms=0.0, prefix_cache="off",
+                              max_prefill_tokens_per_tick=16)
+    a, b = Session("a", prompt(4), 8, priority=2), Session("b", prompt(40, salt=1), 6, priority=2)
+    sched.submit(a)
+    step(sched, engine, sched.plan())
+    sched.submit(b)
+    first = sched.plan()
+    second = sched.plan()  # planned ahead: a's row follows first's sample, b's next prompt chunk
+    events = sched.apply(first, engine.step(first.plan))
+    engine.step(Plan([], second.plan.release, second.plan.kv))
+    events += sched.apply(second, StepResult(deferred=[c.seq_id for c in second.plan.chunks]))
+    assert b.n_planned == 16 and a.n_planned == 5 and a.draws_in_flight == 0  # as after `first`
+    events += run_to_completion(sched, engine)
+    for s in (a, b):
+        assert s.reason == R.LENGTH and engine.expected(s.tokens, len(s.prompt))
+
+
+def test_the_link_carries_the_hurry_and_the_deferred_chunks():
+    assert link.decode(link.encode(link.Hurry(7))) == link.Hurry(7)
+    done = link.decode(link.encode(link.TickDone(3, StepResult({0: 5}, deferred=[1, 2]))))
+    assert done.result.deferred == [1, 2] and done.result.tokens == {0: 5}
