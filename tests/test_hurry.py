@@ -11,6 +11,7 @@ from meshnode.core.pipeline import Tick
 from meshnode.core.session import Session
 from meshnode.core.types import GREEDY, Plan, SeqChunk, StepResult
 from meshnode.dev.fake import FakeEngine
+from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine.followups import Followups
 from meshnode.engine.llama import LlamaEngine
 from meshnode.front.ticks import Ticks
@@ -168,3 +169,26 @@ def test_the_link_carries_the_hurry_and_the_deferred_chunks():
     assert link.decode(link.encode(link.Hurry(7))) == link.Hurry(7)
     done = link.decode(link.encode(link.TickDone(3, StepResult({0: 5}, deferred=[1, 2]))))
     assert done.result.deferred == [1, 2] and done.result.tokens == {0: 5}
+
+
+def test_through_the_node_a_better_request_hurries_the_worse_class_and_nobody_loses_a_token(tiny_model):
+    """A node under the priority policy, two low sessions decoding (a tick takes 30 ms, two in flight): a
+    high request's arrival leaves the ticks in flight undone (deferred_chunks_total counts them), it is served,
+    and in deterministic mode every session's tokens are bitwise those of a node that never hurried."""
+    args = ("--deterministic", "--decode-steps-ms", "0", "--threads", "1", "--scheduling-policy", "priority")
+    asks = {"lo1": dict(tokens=prompt(30, salt=1), max_tokens=60, ignore_eos=True, priority=3),
+            "lo2": dict(tokens=prompt(20, salt=2), max_tokens=60, ignore_eos=True, priority=3),
+            "hi": dict(tokens=prompt(12, salt=3), max_tokens=4, ignore_eos=True, priority=-1)}
+    with NodeProcess(tiny_model, *args) as ref, ref.client() as c:
+        want = {sid: c.generate(f"ref-{sid}", **ask).tokens for sid, ask in asks.items()}
+    with NodeProcess(tiny_model, *args, internal={"faults": [{"step_sleep_s": 0.03}]}) as node, node.client() as c:
+        for sid in ("lo1", "lo2"):
+            c.submit(sid, **asks[sid])
+        for sid in ("lo1", "lo2"):
+            c.wait_for(lambda e: e["event"] == "tokens" and e["id"] == sid, keep=True)
+        c.submit("hi", **asks["hi"])
+        got = c.collect(list(asks))
+        deferred = c.status()["telemetry"]["engine"]["deferred_chunks_total"]
+    assert deferred > 0
+    for sid, r in got.items():
+        assert r.done["reason"] == R.LENGTH and r.tokens == want[sid], sid

@@ -47,7 +47,7 @@ class Telemetry:
         self.client_faults_total = 0  # clients whose sessions were cancelled because they vanished or stalled
         self.engine = {"rss_bytes": 0, "rss_peak_bytes": 0, "last_tick_ms": 0.0, "kv_cells": 0, "kv_cells_peak": 0,
                        "step_ms_total": 0.0, "busy_gap_ms_total": 0.0, "busy_gaps": 0,
-                       "drafted_rows_total": 0, "drafts_served_total": 0}
+                       "drafted_rows_total": 0, "drafts_served_total": 0, "deferred_chunks_total": 0}
         self.memory = {"available_bytes": 0, "total_bytes": 0, "pressure": 0.0}
         self._samples: deque = deque()
         self._waits: deque = deque(maxlen=WAIT_WINDOW)
@@ -62,12 +62,14 @@ class Telemetry:
         self.unknown_sessions_total += 1
 
     def record_tick(self, rss: int, step_ms: float, kv_cells: int, gap_ms: float = -1.0, drafted: int = 0,
-                    served: int = 0) -> None:
+                    served: int = 0, deferred: int = 0) -> None:
         """`gap_ms`: the engine's time between its last step and this one (from that result being
         ready to this step starting), the front + IPC cost of a tick; -1 when the engine was idle
         and the tick is new work (a wait for clients, not us). `drafted`, `served`: draft tokens verified
-        as rows, and ticks answered from right ones with no llama_decode (meshnode/engine/drafts.py)."""
+        as rows, and ticks answered from right ones with no llama_decode (meshnode/engine/drafts.py);
+        `deferred`: chunks a hurried tick left undone (front/ticks.py, hurry)."""
         e = self.engine
+        e["deferred_chunks_total"] += deferred
         e["drafted_rows_total"] += drafted
         e["drafts_served_total"] += served
         if gap_ms >= 0:

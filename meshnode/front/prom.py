@@ -64,6 +64,8 @@ SNAPSHOT = [
      "llama_decode.", lambda t: t["engine"]["drafts_served_total"]),
     ("meshnode_engine_draft_acceptance_ratio", "gauge", "Drafts served over drafts verified, since start.",
      lambda t: t["engine"]["drafts_served_total"] / max(1, t["engine"]["drafted_rows_total"])),
+    ("meshnode_engine_deferred_chunks_total", "counter", "Chunks ticks in flight left undone for a better request's "
+     "first token (priority policy), planned again.", lambda t: t["engine"]["deferred_chunks_total"]),
     ("meshnode_engine_healthy", "gauge", "1 while the engine serves, 0 in a crash loop or waiting for an RPC worker.", lambda t: int(t["engine"]["healthy"])),
     ("meshnode_engine_waiting_for_worker", "gauge", "1 while an RPC worker the engine needs does not answer.",
      lambda t: int(bool(t["engine"].get("missing")))),

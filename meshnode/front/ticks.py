@@ -101,7 +101,8 @@ class Ticks:
             self.engine.broke(f"engine sent a bad reply: {e}")
             return None
         self.engine.health.good_tick()
-        self.telemetry.record_tick(msg.rss, res.step_ms, res.kv_cells, msg.gap_ms, res.drafted, res.served)
+        self.telemetry.record_tick(msg.rss, res.step_ms, res.kv_cells, msg.gap_ms, res.drafted, res.served,
+                                   len(res.deferred))
         self.telemetry.set_memory(msg.mem_available, msg.mem_total)
         self.pipeline.engine_waited(msg.gap_ms)
         return Reply(tick, res, msg.mem_available)
