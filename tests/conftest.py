@@ -62,3 +62,27 @@ def zctx():
     ctx = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    """A node with its gateway child, an openai client on it, and the node's own ZeroMQ client: one for each
+    gateway test module (tests/test_gateway*.py)."""
+    import openai
+
+    from gateway_node import gateway_up
+    from ipc.transport import free_tcp_port
+    from meshnode.dev.nodeproc import NodeProcess
+
+    port, metrics = free_tcp_port(), free_tcp_port()
+    keys = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys.write_text("# one per line\nsk-test-1\n")
+    with NodeProcess(tiny_model, "--http", f"127.0.0.1:{port}", "--http-api-key-file", str(keys),
+                     "--metrics-listen", f"127.0.0.1:{metrics}", "--max-active", "2", "--max-queue", "0",
+                     "--served-model-name", "tiny-chat") as n, \
+            n.client() as c:
+        base = f"http://127.0.0.1:{port}"
+        gateway_up(base)
+        oa = openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-1", max_retries=0, timeout=120)
+        yield base, oa, c, n
+        oa.close()
