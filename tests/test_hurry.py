@@ -31,7 +31,8 @@ def test_a_hurried_tick_leaves_its_calls_undone_and_the_kv_as_before_them(tiny_m
     second. Each call is left undone, its sequences hold what they held before, and running the tick again
     gives the unhurried tick's tokens."""
     low = prompt(40, salt=3)
-    cfg = engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1, kv_layout="streams")
+    cfg = engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1, kv_layout="streams",
+                        scheduling_policy="priority")
     got = {}
     for hurry in (False, True):
         with LlamaEngine(cfg) as e:
@@ -50,6 +51,17 @@ def test_a_hurried_tick_leaves_its_calls_undone_and_the_kv_as_before_them(tiny_m
                 assert res.deferred == []
             got[hurry] = dict(res.tokens)
     assert got[True] == got[False]
+
+
+def test_an_engine_of_a_node_that_never_hurries_runs_every_call_with_no_abort_callback(tiny_model):
+    """fcfs (the default): no tick is ever hurried, so no llama_decode pays llama.cpp's abort callback, and a
+    `hurried` that says yes changes nothing."""
+    with LlamaEngine(engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1, kv_layout="streams")) as e:
+        e.step(Plan([SeqChunk(0, 0, np.array(prompt(4), np.int32), draw=0, sampling=GREEDY)]))
+        asked = []
+        e.hurry_when(lambda: asked.append(1) or True)
+        res = e.step(Plan(_chunks(prompt(40, salt=3))))
+    assert res.deferred == [] and set(res.tokens) == {0, 1} and asked == []
 
 
 def test_a_deferred_prompt_chunk_is_planned_again_from_where_it_was():

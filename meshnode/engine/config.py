@@ -48,6 +48,9 @@ class EngineConfig:
     draft_model: str  # a GGUF with this model's tokenizer that drafts (engine/draftmodel.py); "" = none
     draft_max: int
     draft_min: int
+    # ticks may be hurried (the priority policy, core/priority.py: a better request's first token waits): each
+    # llama_decode runs with llama.cpp's abort callback, a Python call between graph nodes; off, none is set
+    hurry: bool
 
     @cached_property
     def deterministic_problem(self) -> str:

@@ -193,9 +193,10 @@ class LlamaEngine(Engine):
         return res
 
     def _deferrable(self, call: list) -> bool:
-        """A call a hurried tick may leave undone (stopped, or not begun): on streams, where no other sequence's
-        cells move with its own; not an embedding's (its pooled rows would be lost) nor a multi-step tick's."""
-        return self._ids is not None and self._steps == 1 and not call[0].embed
+        """A call a hurried tick may leave undone (stopped, or not begun), where ticks may be hurried at all
+        (EngineConfig.hurry): on streams, where no other sequence's cells move with its own; not an embedding's
+        (its pooled rows would be lost) nor a multi-step tick's."""
+        return self.cfg.hurry and self._ids is not None and self._steps == 1 and not call[0].embed
 
     def _embedded(self, call: list, rows: list[int], res: StepResult) -> None:
         """An embedding call's rows into their sessions' pools; the vector of each chunk that asks for it."""

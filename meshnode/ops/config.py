@@ -280,7 +280,8 @@ class NodeConfig:
                               rpc=listed(self.rpc), gpu_layers=self.gpu_layers,
                               tensor_split=tuple(_share(x) for x in listed(self.tensor_split)),
                               devices=listed(self.device), spec=self.spec, draft_model=self.draft_model or "",
-                              draft_max=self.draft_max, draft_min=self.draft_min)
+                              draft_max=self.draft_max, draft_min=self.draft_min,
+                              hurry=self.scheduling_policy == "priority")
         why = rows_problem(self.n_batch, self.n_ctx, self.n_seq_max, rows) or policy_problem(
             self.scheduling_policy, self.priority_reserved_slots, self.max_active or self.n_seq_max)
         if why:
