@@ -174,15 +174,18 @@ def check_samples(tokens: dict[int, int], plan: Plan, n_vocab: int, absent=()) -
             raise ValueError(f"engine sampled token {tok} for sequence {seq}, outside the vocabulary of {n_vocab}")
 
 
-def check_earlier(earlier: dict, plan: Plan, last: dict, n_vocab: int) -> None:
+def check_earlier(earlier: dict, plan: Plan, last: dict, n_vocab: int, steps: int) -> None:
     """A multi-step tick's earlier samples (StepResult.earlier), as check_samples checks the last: only of the
     plan's sequences, inside the vocabulary, and steps - 1 of them for each sequence with a last sample
-    (`last`), fewer for one that dropped out; ValueError otherwise."""
+    (`last`), fewer for one that dropped out, where `steps` (StepResult.steps: fewer than planned when a hurry
+    stopped the tick) is 1 to plan.steps; ValueError otherwise."""
     seqs = {c.seq_id for c in plan.chunks}
+    if not 1 <= steps <= plan.steps:
+        raise ValueError(f"engine ran {steps} steps of a {plan.steps}-step tick")
     for seq in seqs | set(earlier):
         n = len(earlier.get(seq, ()))
-        if seq not in seqs or n >= plan.steps or (seq in last and n != plan.steps - 1):
-            raise ValueError(f"engine sent {n} earlier samples for sequence {seq} of a {plan.steps}-step tick")
+        if seq not in seqs or n >= steps or (seq in last and n != steps - 1):
+            raise ValueError(f"engine sent {n} earlier samples for sequence {seq} of a {steps}-step tick")
         if any(not 0 <= t < n_vocab for t, _ in earlier.get(seq, ())):
             raise ValueError(f"engine sampled a token for sequence {seq} outside the vocabulary of {n_vocab}")
 
@@ -224,8 +227,10 @@ def encode(msg: Message, arena=None) -> bytes:
                                      for s, xs in r.earlier.items()]} if r.earlier else {}),
                      **({"embeddings": [[s, v] for s, v in r.embeddings.items()]} if r.embeddings else {}),
                      **({"saved": [list(x) for x in r.saved.items()]} if r.saved else {}),
-                     **({"deferred": list(r.deferred)} if r.deferred else {})})
-    kind = {Stop: "stop", Hurry: "hurry", HelloFailed: "hello_failed", Aborted: "aborted", TickRefused: "refused"}[type(msg)]
+                     **({"deferred": list(r.deferred)} if r.deferred else {}),
+                     **({"steps": r.steps} if r.steps != 1 else {})})
+    kind = {Stop: "stop", Hurry: "hurry", HelloFailed: "hello_failed", Aborted: "aborted",
+            TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
 
 
@@ -278,7 +283,7 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
                                 _earlier(m.get("earlier", [])),
                                 {int(q): [float(x) for x in v] for q, v in m.get("embeddings", [])},
                                 {int(q): int(n) for q, n in m.get("saved", [])},
-                                list(_ints(m.get("deferred", []), "deferred")))
+                                list(_ints(m.get("deferred", []), "deferred")), int(m.get("steps", 1)))
             return TickDone(int(m["tick"]), result, float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
                             int(m["mem_total"]))
         if kind == "refused":

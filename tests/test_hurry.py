@@ -183,11 +183,13 @@ def test_the_link_carries_the_hurry_and_the_deferred_chunks():
     assert done.result.deferred == [1, 2] and done.result.tokens == {0: 5}
 
 
-def test_through_the_node_a_better_request_hurries_the_worse_class_and_nobody_loses_a_token(tiny_model):
+@pytest.mark.parametrize("steps_ms", ["0", "50"])
+def test_through_the_node_a_better_request_hurries_the_worse_class_and_nobody_loses_a_token(tiny_model, steps_ms):
     """A node under the priority policy, two low sessions decoding (a tick takes 30 ms, two in flight): a
-    high request's arrival leaves the ticks in flight undone (deferred_chunks_total counts them), it is served,
-    and in deterministic mode every session's tokens are bitwise those of a node that never hurried."""
-    args = ("--deterministic", "--decode-steps-ms", "0", "--threads", "1", "--scheduling-policy", "priority")
+    high request's arrival leaves the ticks in flight undone (deferred_chunks_total counts them; with
+    multi-step ticks, "50", the running one stops between steps), it is served, and in deterministic mode every
+    session's tokens are bitwise those of a node that never hurried."""
+    args = ("--deterministic", "--decode-steps-ms", steps_ms, "--threads", "1", "--scheduling-policy", "priority")
     asks = {"lo1": dict(tokens=prompt(30, salt=1), max_tokens=60, ignore_eos=True, priority=3),
             "lo2": dict(tokens=prompt(20, salt=2), max_tokens=60, ignore_eos=True, priority=3),
             "hi": dict(tokens=prompt(12, salt=3), max_tokens=4, ignore_eos=True, priority=-1)}
@@ -201,6 +203,54 @@ def test_through_the_node_a_better_request_hurries_the_worse_class_and_nobody_lo
         c.submit("hi", **asks["hi"])
         got = c.collect(list(asks))
         deferred = c.status()["telemetry"]["engine"]["deferred_chunks_total"]
-    assert deferred > 0
+    assert deferred > 0 or steps_ms != "0"
     for sid, r in got.items():
         assert r.done["reason"] == R.LENGTH and r.tokens == want[sid], sid
+
+
+def test_a_hurried_multi_step_tick_stops_between_steps_and_the_rest_are_planned_again():
+    """A tick of several decode steps (nobody waiting when it was planned) is not stopped inside a call; a hurry
+    ends it after the step that is running (StepResult.steps), and the scheduler plans the steps it did not run
+    again: every token once, each a lone run's."""
+    engine, sched = scheduler(policy="priority", max_active=2, steps_ms=1000.0, prefix_cache="off")
+    a = Session("a", prompt(4), 30, priority=2)
+    sched.submit(a)
+    step(sched, engine, sched.plan())
+    step(sched, engine, sched.plan())  # the cost model has seen a decode tick: the next ones run several steps
+    tick = sched.plan()
+    assert tick.plan.steps > 3
+    engine.hurry_when(lambda: len(engine.plans) >= 2 + 2)  # after the tick's second step
+    res = engine.step(tick.plan)
+    engine.hurry_when(lambda: False)
+    assert res.steps == 2 and len(res.earlier[a.seq_id]) == 1
+    events = sched.apply(tick, res)
+    assert a.n_generated == 4 and a.pending == 1 and a.draws_in_flight == 0  # its next token is the last drawn
+    events += run_to_completion(sched, engine)
+    assert a.reason == R.LENGTH and engine.expected(a.tokens, len(a.prompt))
+    assert [t for e in events if e.kind == "tokens" for t in e.tokens] == a.generated[2:]
+
+
+def test_a_multi_step_tick_stopped_early_and_the_one_planned_on_it_deferred_leave_each_session_where_it_is():
+    """The two ticks in flight when the hurry came: the running one (16 steps planned) stops after its first,
+    the one planned on top of it (its rows at the positions the first would have reached) runs nothing. Each
+    one's planning is undone exactly, so every session decodes on from its last sample, each token once."""
+    engine, sched = scheduler(policy="priority", max_active=2, steps_ms=1000.0, prefix_cache="off")
+    a, b = Session("a", prompt(4), 60, priority=2), Session("b", prompt(5, salt=1), 60, priority=2)
+    for s in (a, b):
+        sched.submit(s)
+    events = []
+    for _ in range(2):
+        events += step(sched, engine, sched.plan())
+    running, behind = sched.plan(), sched.plan()  # planned ahead: behind's rows follow running's last steps
+    assert running.plan.steps > 2 and all(c.follow for c in behind.plan.chunks)
+    engine.hurry_when(lambda: True)
+    res = engine.step(running.plan)
+    engine.hurry_when(lambda: False)
+    assert res.steps == 1
+    events += sched.apply(running, res)
+    events += sched.apply(behind, StepResult(deferred=[c.seq_id for c in behind.plan.chunks]))
+    assert all(s.pending == 1 and s.draws_in_flight == 0 for s in (a, b))
+    events += run_to_completion(sched, engine)
+    for s in (a, b):
+        assert s.reason == R.LENGTH and engine.expected(s.tokens, len(s.prompt))
+        assert [t for e in events if e.kind == "tokens" and e.session is s for t in e.tokens] == s.generated

@@ -180,11 +180,17 @@ def test_a_multi_step_tick_crosses_the_link_and_a_reply_that_breaks_it_is_refuse
         res = StepResult({0: 11}, earlier={0: [(9, lp), (10, None)]})
         back = link.decode(link.encode(link.TickDone(4, res)), arena).result
         assert back.earlier == {0: [(9, lp), (10, None)]}
-        link.check_earlier(back.earlier, plan, {0: 11}, 100)
+        link.check_earlier(back.earlier, plan, {0: 11}, 100, 3)
+        link.check_earlier({0: [(9, None)]}, plan, {0: 11}, 100, 2)  # a hurry stopped it after its second step
+        hurried = link.decode(link.encode(link.TickDone(4, StepResult({0: 11}, earlier={0: [(9, None)]}, steps=2))))
+        assert hurried.result.steps == 2
+        for steps in (0, 4):
+            with pytest.raises(ValueError):
+                link.check_earlier({}, plan, {0: 11}, 100, steps)
         for earlier, last in (({0: [(9, None)]}, {0: 11}), ({0: [(9, None), (10, None), (11, None)]}, {}),
                               ({1: [(9, None)]}, {}), ({0: [(900, None), (1, None)]}, {0: 11})):
             with pytest.raises(ValueError):
-                link.check_earlier(earlier, plan, last, 100)
-        link.check_earlier({0: [(9, None)]}, plan, {}, 100)  # dropped out after a step: fewer, and no last
+                link.check_earlier(earlier, plan, last, 100, 3)
+        link.check_earlier({0: [(9, None)]}, plan, {}, 100, 3)  # dropped out after a step: fewer, and no last
     finally:
         arena.close()

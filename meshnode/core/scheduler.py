@@ -225,23 +225,23 @@ class Scheduler:
     def apply(self, tick: Tick, result: StepResult) -> list[Event]:
         """Turn the engine's result for `tick` (answered, off the pipeline) into per-session events."""
         events: list[Event] = []
-        steps = tick.plan.steps
-        deferred = set(result.deferred)
+        steps, deferred = tick.plan.steps, set(result.deferred)
         if tick.plan.chunks and result.step_ms > 0 and not deferred:  # a hurried tick's time is not its plan's
             spans = [(c.pos, len(c.tokens)) for c in tick.plan.chunks]
-            self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms / steps,
+            self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms / result.steps,
                               sized(spans), decode_only=all(n == 1 for _, n in spans))
         for seq_id in (missed := set(result.cache_miss)):  # a finished session's last tick may have lost its KV
             self.seqs.lost(seq_id)
         for s, c in tick.chunks:
             if not self._current(s, c, tick):
                 continue  # cancelled, ended or preempted while the tick ran: its result is stale
-            if c.seq_id in deferred:  # left undone (Ticks.hurry): planned again from where it was
-                s.n_planned, s.draws_in_flight = min(s.n_planned, c.pos), s.draws_in_flight - steps * (c.draw >= 0)
+            if c.seq_id in deferred:  # left undone (Ticks.hurry): its planning undone (next_chunk, plan_steps)
+                s.n_planned -= len(c.tokens) + steps - 1
+                s.draws_in_flight -= steps * (c.draw >= 0)
                 self.counters.prefill_tokens -= len(c.tokens) if len(c.tokens) > 1 or c.draw < 0 else 0
                 continue
-            if c.draw >= 0:
-                s.draws_in_flight -= steps
+            if c.draw >= 0:  # a hurried multi-step tick ran result.steps of its steps: the rest are planned again
+                s.draws_in_flight, s.n_planned = s.draws_in_flight - steps, s.n_planned - (steps - result.steps)
                 if c.seq_id in result.embeddings:  # an embedding session's one result
                     events += [Event("embedding", s, embedding=result.embeddings[c.seq_id]), self._end(s, R.EMBEDDED)]
                     continue

@@ -248,6 +248,7 @@ class StepResult:
     # prompt chunks left undone: the front asked the tick to hurry (link.Hurry: a better first token waits) and
     # their llama_decode call was stopped or not begun; their sequences' KV is as before them, they are planned again
     deferred: list[int] = field(default_factory=list)
+    steps: int = 1  # the steps it ran: a multi-step tick hurried (link.Hurry) stops between steps, before Plan.steps
 
     def samples(self, seq_id: int) -> list[tuple[int, Logprob | None]]:
         """Every sample the tick drew for the sequence, in order, with its log-probabilities."""

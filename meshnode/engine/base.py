@@ -163,11 +163,11 @@ class Engine:
     def _more_steps(self, plan: Plan, res: StepResult) -> StepResult:
         """Steps 2..plan.steps of a multi-step tick: each row that sampled decodes its sample at the next
         position with the next draw. A sequence that lost its KV or failed drops out; what it drew before
-        stays in `earlier`."""
-        rows, earlier = plan.chunks, {}
+        stays in `earlier`. A hurry stops it between steps: `steps` says how many ran."""
+        rows, earlier, ran = plan.chunks, {}, 1
         for _ in range(1, plan.steps):
             rows = [c for c in rows if c.seq_id in res.tokens]
-            if not rows:
+            if not rows or self._hurried():  # hurried: the steps run so far are the tick (StepResult.steps)
                 break
             for c in rows:
                 earlier.setdefault(c.seq_id, []).append((res.tokens[c.seq_id], res.logprobs.get(c.seq_id)))
@@ -180,8 +180,8 @@ class Engine:
             nxt.drafted += res.drafted
             nxt.served += res.served
             nxt.saved = res.saved
-            res = nxt
-        res.earlier = earlier
+            res, ran = nxt, ran + 1
+        res.earlier, res.steps = earlier, ran
         return res
 
     def begin(self, plan: Plan) -> None:

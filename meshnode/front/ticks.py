@@ -93,8 +93,8 @@ class Ticks:
         try:
             absent = {*res.cache_miss, *res.failed, *res.deferred}
             link.check_samples(res.tokens, tick.plan, self.engine.n_vocab, absent)
-            if tick.plan.steps > 1:
-                link.check_earlier(res.earlier, tick.plan, res.tokens, self.engine.n_vocab)
+            if tick.plan.steps > 1 or res.steps != 1:
+                link.check_earlier(res.earlier, tick.plan, res.tokens, self.engine.n_vocab, res.steps)
             if res.embeddings:
                 link.check_embeddings(res.embeddings, tick.plan)
         except ValueError as e:  # garbage from the engine: restart it, re-prefill

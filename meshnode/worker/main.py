@@ -85,7 +85,8 @@ class EngineProcess:
         gc.freeze()  # the model and the process's start-up stay for good: no collection walks them
         self.sock.send(link.encode(link.Hello(os.getpid(), EngineInfo.of(self.engine, calibration))))
         self.io = LinkIO(self.sock, self.arena)
-        self.engine.hurry_when(lambda: self.io.hurry >= self._tick)
+        if self.cfg.engine.hurry:  # a node whose ticks may be hurried (the priority policy: EngineConfig.hurry)
+            self.engine.hurry_when(lambda: self.io.hurry >= self._tick)
         if hasattr(self.engine, "see_link"):  # a test's fault that must wait for a tick queued behind it
             self.engine.see_link(self.io.queued)
 
