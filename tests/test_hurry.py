@@ -64,15 +64,22 @@ def test_an_engine_of_a_node_that_never_hurries_runs_every_call_with_no_abort_ca
     assert res.deferred == [] and set(res.tokens) == {0, 1} and asked == []
 
 
-def test_a_deferred_prompt_chunk_is_planned_again_from_where_it_was():
-    """The scheduler's side: a result that names a chunk deferred leaves its session where it was; it is cut
-    again, finishes, and every session's tokens are a lone run's."""
+def _decoding_and_prompting(a_tokens: int):
+    """(engine, scheduler, a, b) over the fake engine: `a` decoding, `b` just admitted, its 40-token prompt
+    three ticks of 16."""
     engine, sched = scheduler(policy="priority", max_active=3, steps_ms=0.0, prefix_cache="off",
                               max_prefill_tokens_per_tick=16)
-    a, b = Session("a", prompt(4), 6, priority=2), Session("b", prompt(40, salt=1), 6, priority=2)
+    a, b = Session("a", prompt(4), a_tokens, priority=2), Session("b", prompt(40, salt=1), 6, priority=2)
     sched.submit(a)
     step(sched, engine, sched.plan())
     sched.submit(b)
+    return engine, sched, a, b
+
+
+def test_a_deferred_prompt_chunk_is_planned_again_from_where_it_was():
+    """The scheduler's side: a result that names a chunk deferred leaves its session where it was; it is cut
+    again, finishes, and every session's tokens are a lone run's."""
+    engine, sched, a, b = _decoding_and_prompting(6)
     tick = sched.plan()
     assert {c.seq_id for c in tick.plan.chunks} == {a.seq_id, b.seq_id}
     run = Plan([c for c in tick.plan.chunks if c.seq_id != b.seq_id])  # what the engine ran of it
@@ -160,12 +167,7 @@ def test_a_tick_hurried_before_it_began_runs_its_kv_operations_only():
 def test_a_whole_deferred_tick_plans_its_decode_rows_and_prompts_again():
     """A tick queued at the engine when the hurry came runs nothing: its decode rows (follows of the tick
     before) and prompt chunk are planned again from where they were, every token still a lone run's."""
-    engine, sched = scheduler(policy="priority", max_active=3, steps_ms=0.0, prefix_cache="off",
-                              max_prefill_tokens_per_tick=16)
-    a, b = Session("a", prompt(4), 8, priority=2), Session("b", prompt(40, salt=1), 6, priority=2)
-    sched.submit(a)
-    step(sched, engine, sched.plan())
-    sched.submit(b)
+    engine, sched, a, b = _decoding_and_prompting(8)
     first = sched.plan()
     second = sched.plan()  # planned ahead: a's row follows first's sample, b's next prompt chunk
     events = sched.apply(first, engine.step(first.plan))
