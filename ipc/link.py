@@ -60,8 +60,9 @@ class Stop:
 class Hurry:
     """Ticks up to `tick` are to leave undone what they can (StepResult.deferred): a request of a better
     priority arrived, and its first token waits for them. One not begun runs none of its chunks (its KV
-    operations only); the one running stops its prompt calls. Read by the engine's link reader as it arrives,
-    never queued behind the ticks it names."""
+    operations only); the one running stops the llama_decode call it is in and skips the rest (a multi-step
+    tick: it stops between steps). Read by the engine's link reader as it arrives, never queued behind the
+    ticks it names."""
 
     tick: int
 

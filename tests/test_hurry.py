@@ -1,6 +1,7 @@
-"""A tick asked to hurry (a better request's first token waits): its prompt chunks are left undone, whether
-their llama_decode had begun or not, and planned again from where they were; nothing else changes. Engine
-over the tiny model; the scheduler's side over the fake engine; the front's ask (Ticks.hurry) over a stub link."""
+"""A tick asked to hurry (a better request's first token waits): its chunks are left undone, whether their
+llama_decode had begun or not (a multi-step tick: the steps after the one running), and planned again from
+where they were; nothing else changes. Engine over the tiny model; the scheduler's side over the fake engine;
+the front's ask (Ticks.hurry) over a stub link."""
 import numpy as np
 import pytest
 

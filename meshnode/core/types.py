@@ -245,8 +245,8 @@ class StepResult:
     earlier: dict[int, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
     embeddings: dict[int, list[float]] = field(default_factory=dict)  # an embedding session's pooled vector
     saved: dict[int, int] = field(default_factory=dict)  # a Save's sequence -> the bytes written (0: it failed)
-    # prompt chunks left undone: the front asked the tick to hurry (link.Hurry: a better first token waits) and
-    # their llama_decode call was stopped or not begun; their sequences' KV is as before them, they are planned again
+    # chunks left undone: the front asked the tick to hurry (link.Hurry: a better first token waits) and their
+    # llama_decode call was stopped or not begun; their sequences' KV is as before them, they are planned again
     deferred: list[int] = field(default_factory=list)
     steps: int = 1  # the steps it ran: a multi-step tick hurried (link.Hurry) stops between steps, before Plan.steps
 

@@ -144,7 +144,7 @@ class Engine:
     def step(self, plan: Plan) -> StepResult:
         """Run one tick: validate, release, compute every chunk, sample where asked; a multi-step plan's rows
         again with their samples, `plan.steps` times in all."""
-        self._steps = plan.steps  # a multi-step tick is never hurried (its steps' samples are counted whole)
+        self._steps = plan.steps  # a multi-step tick's calls are never stopped: a hurry stops it between steps
         res = self.step_once(plan)
         return self._more_steps(plan, res) if plan.steps > 1 else res
 

@@ -157,18 +157,17 @@ class EngineLink:
         return None
 
     def send(self, tick: Tick, fresh: bool = False) -> None:
-        try:
-            for msg in self.grammars.ahead_of(tick.plan):
-                self.sock.send(link.encode(msg))
-            self.sock.send(link.encode(link.TickRequest(tick.t, tick.plan, tick.resync, fresh), self.arena))
-        except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
-            self.broke(f"engine link send failed: {e}", going_down=True)
+        self._send([*self.grammars.ahead_of(tick.plan), link.TickRequest(tick.t, tick.plan, tick.resync, fresh)])
 
     def hurry(self, t: int) -> None:
-        """Ask the engine to leave tick `t`'s prompt chunks undone where it can (link.Hurry)."""
+        """Ask the engine to leave undone what it can of the ticks up to `t` (link.Hurry)."""
+        self._send([link.Hurry(t)])
+
+    def _send(self, messages: list) -> None:
         try:
-            self.sock.send(link.encode(link.Hurry(t)))
-        except OSError as e:
+            for msg in messages:
+                self.sock.send(link.encode(msg, self.arena))
+        except OSError as e:  # it stopped reading or is gone: why_dead() reports it, then the restart
             self.broke(f"engine link send failed: {e}", going_down=True)
 
     def why_dead(self, now: float, in_flight=()) -> str:

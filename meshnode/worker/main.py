@@ -86,7 +86,7 @@ class EngineProcess:
         self.sock.send(link.encode(link.Hello(os.getpid(), EngineInfo.of(self.engine, calibration))))
         self.io = LinkIO(self.sock, self.arena)
         if self.cfg.engine.hurry:  # a node whose ticks may be hurried (the priority policy: EngineConfig.hurry)
-            self.engine.hurry_when(lambda: self.io.hurry >= self._tick)
+            self.engine.hurry_when(self._hurried)
         if hasattr(self.engine, "see_link"):  # a test's fault that must wait for a tick queued behind it
             self.engine.see_link(self.io.queued)
 
@@ -116,13 +116,17 @@ class EngineProcess:
             else:
                 self.io.done(msg.tick, *out)
 
+    def _hurried(self) -> bool:
+        """The front asked the tick running now to hurry (link.Hurry names it or one behind it)."""
+        return self.io.hurry >= self._tick
+
     def run(self, req) -> link.TickRefused | tuple[StepResult, float]:
         """Run one tick request: its refusal, or its result and the gap before it (ms; -1 after an idle
         spell), which the link's writer turns into a TickDone."""
         try:
             if isinstance(req, link.MalformedTick):  # refused like any bad plan, in its place
                 raise InvalidPlan(str(req))
-            res = self.followups.run(self.engine, req.plan, req.resync, hurried=self.io.hurry >= req.tick)
+            res = self.followups.run(self.engine, req.plan, req.resync, hurried=self._hurried())
         except (EngineError, ValueError) as e:
             fatal = getattr(e, "fatal", False)
             if not fatal:
