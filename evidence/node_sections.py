@@ -15,19 +15,22 @@ def burst() -> list[str]:
           "`meshnode bench burst --preset bench --rounds 3 --llama-server PATH --json evidence/burst-bench.json`: "
           f"4 sessions decoding, then 4 arrive with {d['burst_prompt']}-token prompts, on {d.get('build', 'an unrecorded build')}. "
           "`node`: default settings (streams layout, prefill sized by the tick target: "
-          + (f"{d['tick_target_ratio']:g} decode ticks" if d.get("tick_target_ms") is None and d.get("tick_target_ratio")
+          + (f"{d['tick_target_ratio']:g} decode ticks, all their steps" if d.get("tick_target_ms") is None and d.get("tick_target_ratio")
              else f"{d.get('tick_target_ms', 450):g} ms") + "); `node_420ms`: `--tick-target-ms 420` (the default "
           "before stop 26); `node_fixed_64`: `--tick-target-ms 0 --prefill-chunk 64`; llama-server with 8 slots "
           "(`-np 8 -c 8192`). The node's "
           "`capacity` estimate for a 1,000-token prompt is checked against the measured first-token delay (idle: a "
           "lone prompt after a small warm-up job; busy: the first burst prompt).", "",
-          "| round | run | steady ITL p50 ms | p99 | burst worst gap ms | burst first token, first / last ms | "
-          "estimate idle / busy ms | measured idle / busy ms |", "|---|---|---|---|---|---|---|---|"]
+          "Gaps are between the token events a stream gets (the node's decode ticks of several steps send a few "
+          "tokens in one, llama-server one a token), so the streams' speed is given too.", "",
+          "| round | run | steady tok/s a stream | gap p50 ms | p99 | burst worst gap ms | burst first token, first / last "
+          "ms | estimate idle / busy ms | measured idle / busy ms |", "|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(d["rounds"], 1):
         for name, f in r.items():
             est = (f"{f['idle_estimate_ms']} / {f['busy_estimate_ms']}" if "idle_estimate_ms" in f else "")
             meas = (f"{f['idle_measured_ms']:.0f} / {f['busy_measured_ms']:.0f}" if "idle_measured_ms" in f else "")
-            md.append(f"| {i} | {name} | {f['steady_itl_ms_p50']:.1f} | {f['steady_itl_ms_p99']:.1f} | "
+            rate = f"{f['steady_tok_s']:.1f}" if "steady_tok_s" in f else ""
+            md.append(f"| {i} | {name} | {rate} | {f['steady_itl_ms_p50']:.1f} | {f['steady_itl_ms_p99']:.1f} | "
                       f"{f['burst_itl_ms_max']:.0f} | {f['burst_ttft_ms_first']:.0f} / {f['burst_ttft_ms_max']:.0f} | "
                       f"{est} | {meas} |")
     md += [""] + [f"- {v}" for v in d.get("verdicts", [])]

@@ -21,7 +21,7 @@ def true_ms(plan, cells):
 class Node:
     """A scheduler and a fake engine in lockstep on a clock that only the engine's steps move."""
 
-    def __init__(self, target=200.0, top=512, slow_every=0, ratio=0.0, speed=1.0):
+    def __init__(self, target=200.0, top=512, slow_every=0, ratio=0.0, speed=1.0, steps_ms=0.0):
         self.clock = Clock(0.0)
         self.n = 0
 
@@ -30,10 +30,10 @@ class Node:
             ms = true_ms(plan, sum(self.engine._next_pos)) / speed
             return ms * 6 if slow_every and self.n % slow_every == 0 else ms  # a stall now and then
 
-        # one decode step a tick (the targets are counted in those), no prefix cache (prompts repeat here)
+        # one decode step a tick unless `steps_ms` says otherwise, no prefix cache (prompts repeat here)
         self.engine, self.sched = scheduler(FakeEngine(n_seq_max=8, n_ctx=16384, n_batch=1024, cost_ms=cost),
                                             clock=self.clock, max_prefill_tokens_per_tick=top, pool_cells=16384,
-                                            tick_target=TickTarget(target, ratio), steps_ms=0.0,
+                                            tick_target=TickTarget(target, ratio), steps_ms=steps_ms,
                                             prefix_cache="off")
         self.tick_ms: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, ms)
         self.first: dict = {}
@@ -134,6 +134,25 @@ def test_a_ratio_target_bounds_the_gap_in_decode_ticks_on_a_slow_and_a_fast_engi
         burst_ticks[speed] = len(node.tick_ms) - n0
         assert capacity(node.sched)["tick_target_ms"] == pytest.approx(8 * steady, rel=0.05)
     assert abs(burst_ticks[1.0] - burst_ticks[5.0]) <= 0.1 * burst_ticks[1.0], burst_ticks
+
+
+def test_a_ratio_target_counts_the_gap_the_decoders_had_all_steps_of_their_ticks():
+    """Decode ticks of several steps deliver a stream's tokens a few at a time: the burst's ticks are bounded by
+    `ratio` of those gaps, not of one step (which paced a burst at twice the streams' steady gap, in chunks
+    too small for the prefill to keep up with llama-server's)."""
+    node = Node(target=0.0, ratio=8.0, steps_ms=200.0)  # a decode step of 4 rows is ~43 ms here: 4 a tick
+    for i in range(4):
+        node.submit(f"d{i}", 8, 3000)
+    node.run_until(lambda: len(node.first) == 4 and node.sched.cost.ready and len(node.tick_ms) > 40)
+    steady = np.median([ms for d, p, ms in node.tick_ms[-20:] if d and not p])
+    step = node.sched.cost.measured_decode_ms(4)
+    assert steady >= 3 * step, "the decode ticks should run several steps"
+    n0 = len(node.tick_ms)
+    burst = [node.submit(f"b{i}", 1000, 4) for i in range(4)]
+    node.run_until(lambda: all(b.key in node.first for b in burst))
+    during = [ms for d, p, ms in node.tick_ms[n0:] if d and p]
+    assert max(during) <= 8 * steady * 1.05, max(during) / steady
+    assert np.median(during) >= 0.8 * 8 * steady, np.median(during) / steady
 
 
 def test_with_nobody_decoding_a_prompt_goes_in_the_biggest_chunks():

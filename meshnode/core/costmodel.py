@@ -114,6 +114,8 @@ class TickCost:
         self._ratios: deque = deque(maxlen=RATIOS)  # measured / fitted, for the last sized ticks
         self._decode: dict[int, deque] = {}  # rows.bit_length() -> ms of the last decode-only ticks
         self._decode_ms: dict[int, float] = {}  # ... and their median, kept as they come (read every plan)
+        self._cadence: dict[int, deque] = {}  # rows.bit_length() -> ms of the last decode-only ticks, all their steps
+        self._cadence_ms: dict[int, float] = {}  # ... and their median
         self.correction = self.correction_bound = 1.0  # median and high quantile, once there are a few
         self._coef_now: np.ndarray | None = None  # ms per call, per row, per row x cell, extra per cell in small calls
         self._since_fit = 0.0  # engine ms observed since the last fit
@@ -137,15 +139,17 @@ class TickCost:
         if self._since_fit >= REFIT_MS and self.samples >= MIN_SAMPLES:
             self._fit()
 
-    def observe(self, tick: Shape, ms: float, sized: bool = False, decode_only: bool = False) -> None:
-        """A tick that ran: `sized` when it carried prompt rows beside decode rows, sized to the target;
-        `decode_only` when every row was a sequence's next token."""
+    def observe(self, tick: Shape, ms: float, sized: bool = False, decode_only: bool = False, steps: int = 1) -> None:
+        """A step that ran (`ms`, of a tick of `steps` such steps): `sized` when it carried prompt rows beside
+        decode rows, sized to the target; `decode_only` when every row was a sequence's next token."""
         if tick.rows <= 0 or ms <= 0:
             return
         if decode_only:
             size = tick.rows.bit_length()
             self._decode.setdefault(size, deque(maxlen=DECODE_TICKS)).append(ms)
             self._decode_ms[size] = _median(self._decode[size])
+            self._cadence.setdefault(size, deque(maxlen=DECODE_TICKS)).append(ms * steps)
+            self._cadence_ms[size] = _median(self._cadence[size])
         if self.ready:  # judged by the fit as it stands (refitting per tick is what the laziness saves)
             if ms > 2 * self._expected(tick, sized) + 5:
                 self.outliers += 1
@@ -190,10 +194,14 @@ class TickCost:
         return self.predict(tick) if ms is None else ms
 
     def measured_decode_ms(self, rows: int) -> float | None:
-        """What decode-only ticks of about `rows` rows took lately (their median), None where none ran."""
-        size = rows.bit_length()
-        near = [k for k in self._decode_ms if abs(k - size) <= 1]
-        return self._decode_ms[min(near, key=lambda k: abs(k - size))] if near else None
+        """What a step of decode-only ticks of about `rows` rows took lately (their median), None where none ran."""
+        return _nearest(self._decode_ms, rows)
+
+    def cadence_ms(self, tick: Shape) -> float:
+        """How far apart decode-only ticks like `tick` delivered their tokens lately: a tick, all its steps
+        (core/steps.py), the median of the last ones of about its rows; a step where none ran."""
+        ms = _nearest(self._cadence_ms, tick.rows)
+        return self.decode_tick_ms(tick) if ms is None else ms
 
     def bound(self, tick: Shape) -> float:
         """A sized tick's time, as ticks of its kind have run at worst lately (nine in ten under it)."""
@@ -231,6 +239,13 @@ def rows_per_call(cost: TickCost) -> int:
     if coef is None or coef[1] <= 0:
         return 0
     return int(np.ceil(coef[0] / coef[1]))
+
+
+def _nearest(by_size: dict[int, float], rows: int) -> float | None:
+    """The figure kept for ticks of about `rows` rows (the same power of two, or the next one either side)."""
+    size = rows.bit_length()
+    near = [k for k in by_size if abs(k - size) <= 1]
+    return by_size[min(near, key=lambda k: abs(k - size))] if near else None
 
 
 def _median(xs) -> float:
@@ -339,8 +354,11 @@ def fill_deterministic(room: int, prompts: list[tuple[int, int, int]], decoding:
 
 class TickTarget(NamedTuple):
     """How long a tick with prompt rows may take while sessions decode: `ms` when set, else `ratio` times
-    the decode-only tick those decoders take (but at least MIN_TARGET_MS), so that the longest wait between
-    two tokens is the same number of decode ticks on a slow CPU and a fast GPU; neither: fixed chunks."""
+    the decode-only tick those decoders take, all its steps (but at least MIN_TARGET_MS), so that the longest
+    wait between two deliveries is the same number of the decoders' own on a slow CPU and a fast GPU, with
+    one step a tick or several; neither: fixed chunks. Counted per step, a node whose streams get their
+    tokens four steps a tick paced a burst at twice their steady gap, in small chunks each beside a decode
+    call of its own, and a burst's last prompt started far later than llama-server's (evidence/tick-pacing.md)."""
     ms: float = 0.0
     ratio: float = 0.0
 
@@ -348,7 +366,7 @@ class TickTarget(NamedTuple):
         return bool(self.ms or self.ratio)
 
     def bound_ms(self, cost: TickCost, decode_only: Shape) -> float:
-        return self.ms or max(MIN_TARGET_MS, self.ratio * cost.decode_tick_ms(decode_only))
+        return self.ms or max(MIN_TARGET_MS, self.ratio * cost.cadence_ms(decode_only))
 
 
 def within_target(cost: TickCost, target: TickTarget, decode: list, unified_cells: int, chunks: list) -> int:

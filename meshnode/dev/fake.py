@@ -44,7 +44,7 @@ class FakeEngine(Engine):
         self.eog = [eos]
         self.recipe_fingerprint = f"fake-{n_vocab}"
         self.step_s = step_s
-        self.cost_ms = cost_ms  # plan -> the step time to report, for tests of what is sized by it
+        self.cost_ms = cost_ms  # plan -> the time a step of it takes, for tests of what is sized by it
         self.fail_next = False  # the next step raises a fatal error, as llama_decode rc < -1 would
         self.corrupt: set[int] = set(corrupt)  # sequence ids whose samples are deliberately wrong
         self.plans: list[Plan] = []
@@ -78,8 +78,8 @@ class FakeEngine(Engine):
 
     def step(self, plan: Plan) -> StepResult:
         res = super().step(plan)
-        if self.cost_ms is not None:
-            res.step_ms = float(self.cost_ms(plan))
+        if self.cost_ms is not None:  # each step of a multi-step plan costs what the plan's first did
+            res.step_ms = float(self.cost_ms(plan)) * res.steps
         return res
 
     def token(self, h: int, seed: int, draw: int) -> int:
