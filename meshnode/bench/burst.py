@@ -39,15 +39,16 @@ def burst_prompt(i: int, salt: int = 0) -> list[int]:
 
 def summary(times: dict, first: dict, t_burst: float, t_end: float, sizes: dict | None = None) -> dict:
     """`times`: each steady session's token events' arrival times; `sizes`: the tokens each event carried (a
-    node's decode tick of several steps sends them together), one each where not given. The gaps are between
-    events, what a reader sees; `steady_tok_s` is each stream's tokens per second before the burst (median)."""
+    node's decode tick of several steps sends them together; None: not known, as over the gateway's HTTP).
+    The gaps are between events, what a reader sees; `steady_tok_s` is each stream's tokens per second
+    before the burst (median), where the sizes are known."""
     steady, burst = token_gaps(times, 0, t_burst), token_gaps(times, t_burst, t_end)
     ttft = sorted((first[s] - t_burst) * 1e3 for s in first)
     rates = []
-    for sid, ts in times.items():
-        n = [k for t, k in zip(ts, (sizes or {}).get(sid) or [1] * len(ts)) if t <= t_burst]
+    for sid, ts in (times.items() if sizes is not None else ()):
+        n = [k for t, k in zip(ts, sizes[sid]) if t <= t_burst]
         rates.append((sum(n) - n[0]) / (ts[len(n) - 1] - ts[0]))
-    return {"steady_tok_s": float(np.median(rates)), "steady_itl_ms_p50": float(np.percentile(steady, 50)), "steady_itl_ms_p99": float(np.percentile(steady, 99)),
+    return {**({"steady_tok_s": float(np.median(rates))} if rates else {}), "steady_itl_ms_p50": float(np.percentile(steady, 50)), "steady_itl_ms_p99": float(np.percentile(steady, 99)),
             "burst_itl_ms_p99": float(np.percentile(burst, 99)) if burst else 0.0,
             "burst_itl_ms_max": float(max(burst)) if burst else 0.0,
             "burst_ttft_ms_first": ttft[0], "burst_ttft_ms_mean": float(np.mean(ttft)), "burst_ttft_ms_max": ttft[-1]}
@@ -112,12 +113,13 @@ def one(path: str, threads: int, chunk: int | None = None, extra: tuple = (), py
 
 def through_llama_server(binary: str, path: str, threads: int) -> dict:
     with LlamaServer(binary, path, threads, slots=8, ctx=CTX) as server:
-        return burst_with(server.complete)
+        return burst_with(server.complete, one_token_chunks=True)
 
 
-def burst_with(complete, salt: int = 0) -> dict:
+def burst_with(complete, salt: int = 0, one_token_chunks: bool = False) -> dict:
     """The burst through an HTTP server: `complete(prompt, n, on_token)` streams one greedy request past EOS,
-    calling `on_token(time)` per token, which raises Stop to hang up (llama-server's or the gateway's)."""
+    calling `on_token(time)` per chunk of text, which raises Stop to hang up (llama-server's or the gateway's).
+    `one_token_chunks`: each chunk is one token (llama-server's), so the streams' tokens a second are known."""
     times: dict[str, list[float]] = {f"s{i}": [] for i in range(STEADY)}
     first: dict[str, float] = {}
     stop = threading.Event()
@@ -147,7 +149,8 @@ def burst_with(complete, salt: int = 0) -> dict:
     stop.set()
     for w in workers:
         w.join()
-    return summary(times, first, t_burst, t_end)
+    return summary(times, first, t_burst, t_end, {s: [1] * len(t) for s, t in times.items()} if one_token_chunks
+                   else None)
 
 
 def main(a) -> int:

@@ -226,7 +226,8 @@ def main(a) -> int:
             sides["burst gateway"] = lambda r=r: burst_with(_completer(port), r + 1)
             if a.llama_server:
                 sides["mix llama-server"] = lambda r=r: llama_server(lambda p: figures(over_http(p, salted(mix, r), 8)))
-                sides["burst llama-server"] = lambda r=r: llama_server(lambda p: burst_with(_completer(p), r + 1))
+                sides["burst llama-server"] = lambda r=r: llama_server(lambda p: burst_with(_completer(p), r + 1,
+                                                                                                 one_token_chunks=True))
             names = [n for n in sides if not a.sides or n in a.sides.split(",")]
             for name in names[r % len(names):] + names[:r % len(names)]:
                 runs.setdefault(name, []).append(sides[name]())
