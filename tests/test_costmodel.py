@@ -5,8 +5,8 @@ import pytest
 
 from helpers import Clock, scheduler
 from meshnode.core.capacity import capacity
-from meshnode.core.costmodel import (Shape, TickCost, TickTarget, attention, fill, fill_deterministic, prefill_room,
-                                     shape, sized, within_target)
+from meshnode.core.costmodel import Shape, TickCost, attention, fill, fill_deterministic, shape, sized
+from meshnode.core.sizing import TickTarget, prefill_room, within_target
 from meshnode.core.session import Session
 from meshnode.dev.fake import FakeEngine
 

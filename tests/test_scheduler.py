@@ -4,7 +4,7 @@ import pytest
 from helpers import Clock, done_reasons, engine_config, outputs, run_tick, run_to_completion, scheduler, session, step
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
-from meshnode.core.costmodel import TickTarget
+from meshnode.core.sizing import TickTarget
 from meshnode.core.pipeline import TickPipeline
 from meshnode.core.types import ConfigError
 from meshnode.core.session import Session

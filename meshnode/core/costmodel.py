@@ -31,8 +31,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-COLD_PREFILL = 64  # prompt tokens per tick beside decoders until the model has learned the engine
-MIN_PREFILL = 8  # however tight the target, prompts advance
 PER_SHAPE = 32  # newest ticks kept per shape (rows 1, 2-3, 4-7, ... 512-1023, ...)
 MIN_SAMPLES = 10  # below this the model does not guess
 REFIT_MS = 50.0  # engine time a fit may lag behind: a fit costs 0.2-0.6 ms of the front's CPU, so at most
@@ -41,9 +39,6 @@ RATIOS = 16  # the last this many sized ticks (prompt rows beside decode rows) c
 MISS_QUANTILE = 0.9  # ... sizing by this quantile of their misses (the target bounds ticks), estimates by the median
 CORRECTION = (0.8, 1.5)  # how far that correction may go
 DECODE_TICKS = 16  # the last this many decode-only ticks of a size are what a decode tick takes (their median)
-MIN_TARGET_MS = 50.0  # a ratio target never asks for ticks shorter than this: below it the per-tick costs
-# outside the matrix products (the node's, llama.cpp's per call) take a growing share of prefill, and a
-# 50 ms pause in a stream is not one a reader sees
 PRIOR = 0.1  # how hard the fit holds the small-call excess at 0 (relative to its column)
 TILE_ROWS = 64  # llama.cpp's CPU flash attention tiles a call of >= this many rows (GGML_FA_TILE_Q)
 
@@ -352,65 +347,3 @@ def fill_deterministic(room: int, prompts: list[tuple[int, int, int]], decoding:
     return out
 
 
-class TickTarget(NamedTuple):
-    """How long a tick with prompt rows may take while sessions decode: `ms` when set, else `ratio` times
-    the decode-only tick those decoders take, all its steps (but at least MIN_TARGET_MS), so that the longest
-    wait between two deliveries is the same number of the decoders' own on a slow CPU and a fast GPU, with
-    one step a tick or several; neither: fixed chunks. Counted per step, a node whose streams get their
-    tokens four steps a tick paced a burst at twice their steady gap, in small chunks each beside a decode
-    call of its own, and a burst's last prompt started far later than llama-server's (evidence/tick-pacing.md)."""
-    ms: float = 0.0
-    ratio: float = 0.0
-
-    def __bool__(self) -> bool:
-        return bool(self.ms or self.ratio)
-
-    def bound_ms(self, cost: TickCost, decode_only: Shape) -> float:
-        return self.ms or max(MIN_TARGET_MS, self.ratio * cost.cadence_ms(decode_only))
-
-
-def within_target(cost: TickCost, target: TickTarget, decode: list, unified_cells: int, chunks: list) -> int:
-    """How many of a tick's prompt `chunks` ((pos, n) each, in line) to keep so that its bound stays under the
-    target: the room was sized for one chunk, and a prompt that finishes leaves the rest to the next in line,
-    whose chunk is one more llama_decode call on streams (measured: those ticks ran 1.2-1.35x the target).
-    The first chunk always stays, so prompts move."""
-    if not decode or not target or not cost.ready or len(chunks) < 2:
-        return len(chunks)
-    limit = target.bound_ms(cost, shape(decode, unified_cells))
-    keep = len(chunks)
-    while keep > 1:
-        cells = unified_cells + sum(n for _, n in chunks[:keep]) if unified_cells else 0
-        if cost.bound(shape([*decode, *chunks[:keep]], cells)) <= limit:
-            break
-        keep -= 1
-    return keep
-
-
-def prefill_room(cost: TickCost, target: TickTarget, top: int, decode: list, unified_cells: int, pos: int) -> int:
-    """Prompt tokens for a tick beside the `decode` rows ((pos, 1) each), the next prompt at position
-    `pos`, `unified_cells` the cells a unified pool holds before the prompt rows (0 on streams). With
-    nobody decoding, the most the budget allows (a bigger batch is computed more efficiently and no one
-    waits between tokens); with decoders and a target, the most the model says fits it, but always
-    some, so prompts move. Every row's attention counts the prompt rows the tick adds, as the fit saw."""
-    if not decode or not target:
-        return top
-    if not cost.ready:
-        return min(top, COLD_PREFILL)
-    target_ms = target.bound_ms(cost, shape(decode, unified_cells))
-
-    def fits(n: int) -> bool:
-        return cost.bound(shape([*decode, (pos, n)], unified_cells + n if unified_cells else 0)) <= target_ms
-
-    def largest(lo: int, hi: int) -> int:  # the largest n in [lo, hi] that fits, or lo - 1
-        lo -= 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo
-
-    # the cost grows with n, but drops where the chunk becomes a tiled call of its own (streams):
-    # search the tiled sizes first, then the small ones
-    n = largest(TILE_ROWS, top) if top >= TILE_ROWS and not unified_cells else -1
-    if n < TILE_ROWS:
-        n = largest(1, min(top, TILE_ROWS - 1) if not unified_cells else top)
-    return max(min(top, MIN_PREFILL), n)

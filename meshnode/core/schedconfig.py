@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshnode.core.costmodel import TickTarget
+from meshnode.core.sizing import TickTarget
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from meshnode.core.budget import DEFAULT_MAX_QUEUE, BudgetAsk, rows_problem
-from meshnode.core.costmodel import TickTarget
+from meshnode.core.sizing import TickTarget
 from meshnode.core.schedconfig import SchedulerConfig
 from meshnode.core.prefix import SCOPES
 from meshnode.core.priority import POLICIES, policy_problem
