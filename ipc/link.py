@@ -178,14 +178,16 @@ def check_samples(tokens: dict[int, int], plan: Plan, n_vocab: int, absent=()) -
 def check_earlier(earlier: dict, plan: Plan, last: dict, n_vocab: int, steps: int) -> None:
     """A multi-step tick's earlier samples (StepResult.earlier), as check_samples checks the last: only of the
     plan's sequences, inside the vocabulary, and steps - 1 of them for each sequence with a last sample
-    (`last`), fewer for one that dropped out, where `steps` (StepResult.steps: fewer than planned when a hurry
-    stopped the tick) is 1 to plan.steps; ValueError otherwise."""
+    (`last`) unless that sample ends it (Plan.ends: it stopped there), fewer for one that dropped out, where
+    `steps` (StepResult.steps: fewer than planned when a hurry stopped the tick) is 1 to plan.steps;
+    ValueError otherwise."""
     seqs = {c.seq_id for c in plan.chunks}
     if not 1 <= steps <= plan.steps:
         raise ValueError(f"engine ran {steps} steps of a {plan.steps}-step tick")
     for seq in seqs | set(earlier):
         n = len(earlier.get(seq, ()))
-        if seq not in seqs or n >= steps or (seq in last and n != steps - 1):
+        stopped = seq in last and last[seq] in plan.ends.get(seq, ())
+        if seq not in seqs or n >= steps or (seq in last and n != steps - 1 and not stopped):
             raise ValueError(f"engine sent {n} earlier samples for sequence {seq} of a {steps}-step tick")
         if any(not 0 <= t < n_vocab for t, _ in earlier.get(seq, ())):
             raise ValueError(f"engine sampled a token for sequence {seq} outside the vocabulary of {n_vocab}")
@@ -229,7 +231,8 @@ def encode(msg: Message, arena=None) -> bytes:
                      **({"embeddings": [[s, v] for s, v in r.embeddings.items()]} if r.embeddings else {}),
                      **({"saved": [list(x) for x in r.saved.items()]} if r.saved else {}),
                      **({"deferred": list(r.deferred)} if r.deferred else {}),
-                     **({"steps": r.steps} if r.steps != 1 else {})})
+                     **({"steps": r.steps} if r.steps != 1 else {}),
+                     **({"ended": list(r.ended)} if r.ended else {})})
     kind = {Stop: "stop", Hurry: "hurry", HelloFailed: "hello_failed", Aborted: "aborted",
             TickRefused: "refused"}[type(msg)]
     return pack({"kind": kind, **asdict(msg)})
@@ -258,7 +261,8 @@ def _tick_map(msg: TickRequest, arena) -> dict:
             **cols,
             "sampling": sampling, "follow": follow, "resync": msg.resync, "fresh": msg.fresh,
             **({"constraint": constraint} if constraint else {}), **({"embed": embed} if embed else {}),
-            **({"steps": msg.plan.steps} if msg.plan.steps != 1 else {})}
+            **({"steps": msg.plan.steps} if msg.plan.steps != 1 else {}),
+            **({"ends": [[s, sorted(t)] for s, t in msg.plan.ends.items()]} if msg.plan.ends else {})}
 
 
 def decode(data, arena=None, grammars: dict | None = None) -> Message:
@@ -284,7 +288,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
                                 _earlier(m.get("earlier", [])),
                                 {int(q): [float(x) for x in v] for q, v in m.get("embeddings", [])},
                                 {int(q): int(n) for q, n in m.get("saved", [])},
-                                list(_ints(m.get("deferred", []), "deferred")), int(m.get("steps", 1)))
+                                list(_ints(m.get("deferred", []), "deferred")), int(m.get("steps", 1)),
+                                list(_ints(m.get("ended", []), "ended")))
             return TickDone(int(m["tick"]), result, float(m["gap_ms"]), int(m["rss"]), int(m["mem_available"]),
                             int(m["mem_total"]))
         if kind == "refused":
@@ -385,5 +390,10 @@ def _tick_request(m: dict, arena, grammars: dict) -> TickRequest:
     steps = m.get("steps", 1)
     if not isinstance(steps, int):
         raise ValueError(f"steps {steps!r} is not an integer")
-    return TickRequest(tick, Plan(chunks, _ints(m.get("release", []), "release"), kv, steps), bool(m.get("resync")),
-                       bool(m.get("fresh")))
+    ends = {}
+    for e in m.get("ends", []):
+        if not (isinstance(e, list) and len(e) == 2 and isinstance(e[0], int)):
+            raise ValueError(f"malformed ends entry {str(e)[:80]!r}")
+        ends[e[0]] = frozenset(_ints(e[1], "ends"))
+    return TickRequest(tick, Plan(chunks, _ints(m.get("release", []), "release"), kv, steps, ends),
+                       bool(m.get("resync")), bool(m.get("fresh")))

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import psutil
 
+from ipc import link
 from ipc.shm import leftover_segments
 from meshnode.core.budget import NodeBudget
 from meshnode.core.pipeline import TickPipeline
@@ -154,6 +155,11 @@ class Pipelined:
             self.refused.append(tick.plan)
             return self.sched.refused(answered, "ENGINE_ERROR", self.pipeline.refused())
         answered = self.pipeline.answer(tick.t)
+        if answered is not None:  # what the front checks of every answer (front/ticks.py, Ticks.reply)
+            link.check_samples(res.tokens, answered.plan, self.engine.n_vocab,
+                               {*res.cache_miss, *res.failed, *res.deferred, *res.ended})
+            if answered.plan.steps > 1 or res.steps != 1:
+                link.check_earlier(res.earlier, answered.plan, res.tokens, self.engine.n_vocab, res.steps)
         return [] if answered is None else self.sched.apply(answered, res)
 
     def run_to_completion(self, max_ticks=10_000):

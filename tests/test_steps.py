@@ -14,6 +14,7 @@ from meshnode.core.session import Session
 from meshnode.core.steps import MAX_STEPS, decode_steps
 from meshnode.core.types import InvalidPlan, Logprob, Plan, Sampling, SeqChunk, StepResult
 from meshnode.dev.fake import FakeEngine
+from meshnode.engine.followups import Followups
 
 
 def test_steps_fit_the_budget_by_the_rows_measured_time_and_never_pass_a_sessions_last_token():
@@ -104,6 +105,96 @@ def test_a_lost_or_refused_multi_step_tick_ends_its_sessions_once_and_the_rest_g
     assert not s.live and e._next_pos == [0] * e.n_seq_max
 
 
+class Fed(FakeEngine):
+    """Records the last position each llama_decode-like step fed for each sequence."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.fed: dict[int, int] = {}
+
+    def step_once(self, plan):
+        res = super().step_once(plan)
+        for c in plan.chunks:
+            self.fed[c.seq_id] = max(self.fed.get(c.seq_id, -1), c.pos + len(c.tokens) - 1)
+        return res
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_row_stops_on_the_token_that_ends_its_session_and_the_steps_after_it_never_run(pipelined):
+    """Sessions end on the model's end token or a stop token in the middle of long multi-step ticks: each one's
+    row stops there (its end token never fed, not even by a tick planned on top before its end was seen), their tokens
+    are one step a tick's, and the others run on."""
+    def make(ends):
+        return [Session(i, [3 + i, 40 + i], 60, stop_tokens=frozenset(ends.get(i, ())), ignore_eos=i == 3)
+                for i in range(4)]
+
+    one, _, _, _ = run(0.0, lambda: make({}))
+    ends = {i: {one[i][1][10 + 7 * i]} for i in range(3)}  # each ends on its 11th, 18th, 25th token
+    want, _, _, _ = run(0.0, lambda: make(ends))
+    e = Fed(cost_ms=lambda plan: 1.0)
+    _, s = build(e, max_active=4, steps_ms=15.0, prefix_cache="off")
+    sessions_ = make(ends)
+    for x in sessions_:
+        s.submit(x)
+    events = Pipelined(s, e).run_to_completion() if pipelined else run_to_completion(s, e)
+    got = {ev.session.key: (ev.reason, ev.tokens) for ev in events if ev.kind == "done"}
+    assert got == want and [got[i][0] for i in range(4)] == [R.STOP, R.STOP, R.STOP, R.LENGTH]
+    assert max(p.steps for p in e.plans) == 15 and any(p.ends for p in e.plans)
+    for x in sessions_[:3]:
+        assert e.fed[x.seq_id] <= len(x.prompt) + x.n_generated - 2, x.key
+    assert e.fed[sessions_[3].seq_id] >= len(sessions_[3].prompt) + 60 - 2
+    assert not s.live and e._next_pos == [0] * e.n_seq_max
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_conversation_that_ended_inside_a_multi_step_tick_is_reused_only_as_far_as_its_kv_goes(pipelined):
+    """The prefix cache keeps what the engine computed for a session whose row stopped on its end: the next
+    turn reuses it, and gets what a cold run gives (the fake's tokens are a hash of the sequence's contents)."""
+    e = FakeEngine(cost_ms=lambda plan: 1.0)
+    _, s = build(e, max_active=2, steps_ms=15.0)
+    ref = Session("ref", [5, 6, 7], 40)
+    s.submit(ref)
+    run_to_completion(s, e)
+    a = Session("a", [5, 6, 7], 40, stop_tokens=frozenset({ref.tokens[12]}))
+    s.submit(a)
+    Pipelined(s, e).run_to_completion() if pipelined else run_to_completion(s, e)
+    assert a.reason == R.STOP and a.tokens == ref.tokens[:ref.tokens.index(ref.tokens[12]) + 1]
+    assert any(p.steps > 1 and p.ends for p in e.plans)
+    b = Session("b", a.tokens + [9, 10], 30)  # its tokens: the prompt, then what it generated
+    s.submit(b)
+    Pipelined(s, e).run_to_completion() if pipelined else run_to_completion(s, e)
+    assert 3 <= b.n_reused <= len(a.tokens) - 1  # its end token was never fed
+    assert e.expected(b.tokens, len(b.prompt))
+
+
+def test_the_engine_stops_a_row_on_an_end_token_and_the_tick_on_top_drops_its_follow_row_unreported():
+    prompts = Plan([SeqChunk(0, 0, np.array([3, 4, 5], np.int32), draw=-1), SeqChunk(1, 0, np.array([6, 7], np.int32),
+                                                                                      draw=-1)])
+    rows = lambda steps, ends=None: Plan([SeqChunk(0, 3, np.array([9], np.int32), draw=1, sampling=Sampling()),  # noqa: E731
+                                          SeqChunk(1, 2, np.array([8], np.int32), draw=1, sampling=Sampling())],
+                                         steps=steps, ends=ends or {})
+    free = FakeEngine()
+    free.step(prompts)
+    want = free.step(rows(5))
+    end = [t for t, _ in want.samples(0)][1]  # sequence 0's second sample ends it
+    e, fu = FakeEngine(), Followups()
+    fu.run(e, prompts)
+    res = fu.run(e, rows(5, {0: frozenset({end}), 1: frozenset({1})}))
+    assert [t for t, _ in res.samples(0)] == [t for t, _ in want.samples(0)][:2] and res.steps == 5
+    assert [t for t, _ in res.samples(1)] == [t for t, _ in want.samples(1)]
+    assert e._next_pos[:2] == [5, 7]  # sequence 0 fed its first sample only
+    link.check_earlier(res.earlier, rows(5, {0: frozenset({end})}), res.tokens, e.n_vocab, 5)
+    with pytest.raises(ValueError):  # stopping early is for a row's end only
+        link.check_earlier(res.earlier, rows(5), res.tokens, e.n_vocab, 5)
+    on_top = Plan([SeqChunk(0, 8, np.array([-1], np.int32), draw=6, follow=True),
+                   SeqChunk(1, 7, np.array([-1], np.int32), draw=6, follow=True)])
+    nxt = fu.run(e, on_top)
+    assert set(nxt.tokens) == {1} and nxt.ended == [0] and nxt.cache_miss == [] and e._next_pos[:2] == [5, 8]
+    back = link.decode(link.encode(link.TickDone(7, nxt))).result
+    assert back.ended == [0]
+    link.check_samples(back.tokens, on_top, e.n_vocab, {*back.ended})
+
+
 class Failing(FakeEngine):
     """Sequence `seq` fails at its `at`-th sample (a response_format the library gives up on)."""
 
@@ -173,9 +264,9 @@ def test_the_engine_runs_a_plans_steps_as_single_steps_and_a_failed_row_drops_ou
 def test_a_multi_step_tick_crosses_the_link_and_a_reply_that_breaks_it_is_refused():
     arena = TokenArena.create(link.arena_tokens(64))
     try:
-        plan = Plan([SeqChunk(0, 5, np.array([7], np.int32), draw=2)], steps=3)
+        plan = Plan([SeqChunk(0, 5, np.array([7], np.int32), draw=2)], steps=3, ends={0: frozenset({2, 5})})
         got = link.decode(link.encode(link.TickRequest(4, plan), arena), arena)
-        assert got.plan.steps == 3 and got.plan.chunks[0].pos == 5
+        assert got.plan.steps == 3 and got.plan.chunks[0].pos == 5 and got.plan.ends == {0: {2, 5}}
         lp = Logprob(-0.5, ((7, -0.5), (9, -1.5)))
         res = StepResult({0: 11}, earlier={0: [(9, lp), (10, None)]})
         back = link.decode(link.encode(link.TickDone(4, res)), arena).result

@@ -20,15 +20,14 @@ Policy (fixed but for the queue's order):
    a huge prompt still progresses). Prefill never stalls decode, but once under
    the priority policy: a better class's first token that one tick alone gives
    runs without the worse class's decode rows (core/priority.py).
-4. A tick of decode rows only, with nobody waiting, runs them for several steps
-   (core/steps.py): fewer ticks for the same tokens.
+4. A tick of decode rows only, with nobody waiting, runs them for several steps, each row stopping on a
+   token that ends its session (core/steps.py): fewer ticks for the same tokens.
 A chunk that reaches the end of a session's tokens samples the next one.
 
-`plan()` then `apply(tick, result)` is one tick. Whoever drives the ticks (the front's meshnode/front/ticks.py,
-tests' drivers) may plan the next ones before the first one's result is back (meshnode/core/pipeline.py): a session
-whose sample is still in flight decodes it as a `follow` chunk the engine fills in. After an engine restart,
-`engine_restarted()` marks every running session's KV as gone, and the same chunked prefill rebuilds prompt +
-generated tokens.
+`plan()` then `apply(tick, result)` is one tick. Whoever drives the ticks (front/ticks.py, tests' drivers) may
+plan the next ones before the first one's result is back (core/pipeline.py): a session whose sample is still in
+flight decodes it as a `follow` chunk the engine fills in. After an engine restart, `engine_restarted()` marks
+every running session's KV as gone, and the same chunked prefill rebuilds prompt + generated tokens.
 
 Where a session's KV lives (its sequence id, what it reuses from the prefix cache, what is released when) is
 meshnode/core/seqs.py's: a session that starts where cached KV agrees with its tokens prefills only the rest, and
@@ -54,7 +53,6 @@ from meshnode.core.sizing import Sizing
 from meshnode.core.steps import plan_steps
 from meshnode.core.telemetry import Counters
 from meshnode.core.types import Plan, Release, SeqChunk, StepResult
-
 
 GATHER_SPAN = 4  # an idle engine's first tick waits at most this many quiet gaps (gather_ms) for more requests
 
@@ -207,8 +205,8 @@ class Scheduler:
         tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused, leaving,
                     planned=self._plans)
         self._arrived = None
-        tick.plan.steps = plan_steps(chunks, len(self.running), bool(prompts or self.waiting),
-                                     self.cost.measured_decode_ms(len(chunks)), self.steps_ms)
+        tick.plan.steps, tick.plan.ends = plan_steps(chunks, len(self.running), bool(prompts or self.waiting),
+                                                     self.cost.measured_decode_ms(len(chunks)), self.steps_ms, self.eog)
         tick.predicted_ms = self.sizing.predicted_ms(tick.plan.chunks, self._cells()) * tick.plan.steps
         return tick
 
@@ -245,8 +243,10 @@ class Scheduler:
                 if c.seq_id in result.embeddings:  # an embedding session's one result
                     events += [Event("embedding", s, embedding=result.embeddings[c.seq_id]), self._end(s, R.EMBEDDED)]
                     continue
-                if self._deliver(s, result.samples(c.seq_id), events):
-                    continue  # it ended on one of them; the steps after were computed for nothing
+                if (samples := result.samples(c.seq_id)) and samples[-1][0] in tick.plan.ends.get(c.seq_id, ()):
+                    s.n_planned = c.pos + len(samples)  # it ends: never fed, by this tick nor one on top (Plan.ends)
+                if self._deliver(s, samples, events):
+                    continue  # it ended on one of them
             if c.seq_id in missed:
                 events.append(self._end(s, R.CACHE_MISS))  # released again: see engine/followups.py
             elif c.seq_id in result.failed:  # its own request can never complete; the tick went on for the rest

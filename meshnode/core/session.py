@@ -115,6 +115,10 @@ class Session:
             return R.LENGTH
         return None
 
+    def end_tokens(self, eog: frozenset) -> frozenset:
+        """The tokens that end it whenever they come (finish_reason's), for a multi-step tick's row (Plan.ends)."""
+        return self.stop_tokens if self.ignore_eos else eog | self.stop_tokens
+
     def forget_kv(self) -> None:
         """Its KV is gone (an engine restart, a preemption): everything is fed again from position 0."""
         self.n_planned = self.n_reused = self.draws_in_flight = 0

@@ -5,7 +5,9 @@ it both ways, each client hears of it. On a small CPU that work runs beside the 
 (a lone session on 2 cores: 6.0 ms a token in process, 7.5-8 through the node: evidence/README.md, "One
 user"). Where the next tick's plan could not differ (every running session decoding, nobody queued or
 prefilling), a tick runs its decode rows several times in a row instead (vLLM's multi-step scheduling):
-as many as fit `budget_ms` by what decode ticks of these rows took lately, never past a session's last token.
+as many as fit `budget_ms` by what decode ticks of these rows took lately, never past a session's last token,
+and each row stops on a token that ends its session (Plan.ends: its end of generation, a stop token), so an
+answer that ends early is not held back by steps computed for nothing, nor is a waiting request behind it.
 What it costs: a request that arrives meanwhile waits at most `budget_ms` longer to start, a cancel as long
 to take effect, and tokens reach a client a few at a time (every `budget_ms` at most).
 """
@@ -22,17 +24,18 @@ def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
     return max(1, min(MAX_STEPS, left, int(budget_ms // decode_ms)))
 
 
-def plan_steps(chunks: list, running: int, waiting: bool, decode_ms: float | None, budget_ms: float) -> int:
+def plan_steps(chunks: list, running: int, waiting: bool, decode_ms: float | None, budget_ms: float,
+               eog: frozenset) -> tuple[int, dict]:
     """Steps for a tick of (session, chunk) pairs: more than one only where every one of the `running`
     sessions decodes in it, nobody `waiting` (a queue, a prompt to prefill), and no session's text is
-    watched for stop strings (the front finds those, a token at a time). The sessions' planned positions
-    and draws in flight move with the steps."""
+    watched for stop strings (the front finds those, a token at a time); with the tokens that end each row
+    (Plan.ends; `eog`: the model's). The sessions' planned positions and draws in flight move with the steps."""
     if (not chunks or waiting or len(chunks) < running or budget_ms <= 0
             or any(c.draw < 0 or len(c.tokens) != 1 or s.stop_text or c.embed for s, c in chunks)):
-        return 1
+        return 1, {}
     n = decode_steps(decode_ms, 1 + min(s.max_tokens - s.n_generated - s.draws_in_flight for s, _ in chunks),
                      budget_ms)
     for s, _ in chunks:
         s.n_planned += n - 1
         s.draws_in_flight += n - 1
-    return n
+    return n, {c.seq_id: ends for s, c in chunks if (ends := s.end_tokens(eog))} if n > 1 else {}

@@ -204,11 +204,14 @@ class Plan:
     """One tick: `release` runs first, then `kv` in order (each op sees the ones before it), then the
     chunks, which start where those left each sequence. `steps` > 1 (every chunk a one-token row that
     samples): the rows run that many times in a row, each step's sample the next step's token and its draw
-    the next, so each sequence gains `steps` positions and samples (core/steps.py says when)."""
+    the next, so each sequence gains `steps` positions and samples (core/steps.py says when). `ends`: in such
+    a tick, the tokens on which a row's session ends (the model's end of generation, its stop tokens): the
+    row stops at one, since the steps after it would be computed for nothing and its client wait for them."""
     chunks: list[SeqChunk] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
     kv: list[KvOp] = field(default_factory=list)
     steps: int = 1
+    ends: dict[int, frozenset[int]] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -249,6 +252,8 @@ class StepResult:
     # llama_decode call was stopped or not begun; their sequences' KV is as before them, they are planned again
     deferred: list[int] = field(default_factory=list)
     steps: int = 1  # the steps it ran: a multi-step tick hurried (link.Hurry) stops between steps, before Plan.steps
+    # follow rows left out: the tick before sampled a token that ends their session (Plan.ends), which has ended
+    ended: list[int] = field(default_factory=list)
 
     def samples(self, seq_id: int) -> list[tuple[int, Logprob | None]]:
         """Every sample the tick drew for the sequence, in order, with its log-probabilities."""

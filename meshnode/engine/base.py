@@ -163,10 +163,14 @@ class Engine:
     def _more_steps(self, plan: Plan, res: StepResult) -> StepResult:
         """Steps 2..plan.steps of a multi-step tick: each row that sampled decodes its sample at the next
         position with the next draw. A sequence that lost its KV or failed drops out; what it drew before
-        stays in `earlier`. A hurry stops it between steps: `steps` says how many ran."""
-        rows, earlier, ran = plan.chunks, {}, 1
+        stays in `earlier`; one that sampled a token that ends its session (Plan.ends) stops with it, its
+        last sample kept as the tick's. A hurry stops it between steps: `steps` says how many ran."""
+        rows, earlier, ran, ended = plan.chunks, {}, 1, {}
         for _ in range(1, plan.steps):
-            rows = [c for c in rows if c.seq_id in res.tokens]
+            for c in rows:
+                if res.tokens.get(c.seq_id, -1) in plan.ends.get(c.seq_id, ()):
+                    ended[c.seq_id] = (res.tokens[c.seq_id], res.logprobs.get(c.seq_id))
+            rows = [c for c in rows if c.seq_id in res.tokens and c.seq_id not in ended]
             if not rows or self._hurried():  # hurried: the steps run so far are the tick (StepResult.steps)
                 break
             for c in rows:
@@ -181,6 +185,10 @@ class Engine:
             nxt.served += res.served
             nxt.saved = res.saved
             res, ran = nxt, ran + 1
+        for seq, (tok, lp) in ended.items():  # their last samples, the tick's for them as for the rest
+            res.tokens[seq] = tok
+            if lp is not None:
+                res.logprobs[seq] = lp
         res.earlier, res.steps = earlier, ran
         return res
 

@@ -13,6 +13,8 @@ sequences with it:
   sequence and starts a new session on it; a session N+1 meant to start on that
   KV (a `Keep` of it, or a `Share` from it) is dropped the same way, its KV
   operation with it;
+- a multi-step tick N's row sampled a token that ends its session (Plan.ends; the row stopped there): its
+  follow row in tick N+1, planned for all of N's steps, is dropped, unreported: its session has ended;
 - tick N was refused (a bad plan): every later tick that was already queued
   was planned on top of it, so Followups refuses them all until the front,
   having rolled its own state back, sends a tick marked `resync`.
@@ -30,6 +32,7 @@ class Followups:
     def __init__(self):
         self.sampled: dict[int, int] = {}  # seq_id -> token sampled in the last tick
         self.lost: set[int] = set()  # sequences whose KV the last tick lost
+        self.ends: dict[int, frozenset[int]] = {}  # the last tick's Plan.ends: a row that sampled one has ended
         self.refusing = False
 
     def resolve(self, plan: Plan, resync: bool = False) -> tuple[Plan, list[int]]:
@@ -40,7 +43,7 @@ class Followups:
         where building new chunks cost more than the rest of the hand-over together.
         """
         if resync:
-            self.refusing, self.sampled, self.lost = False, {}, set()
+            self.refusing, self.sampled, self.lost, self.ends = False, {}, set(), {}
         if self.refusing:
             raise InvalidPlan(AWAITING_RESYNC)
         lost, gone = self.lost, set()
@@ -72,16 +75,27 @@ class Followups:
         by `refused()`.
         """
         deferred = [c.seq_id for c in plan.chunks] if hurried else []
+        ended = [] if hurried or resync or not self.ends else self._ended(plan)
+        if ended:
+            plan = replace(plan, chunks=[c for c in plan.chunks if c.seq_id not in ended])
         runnable, dropped = self.resolve(replace(plan, chunks=[], steps=1) if hurried else plan, resync)
         res = engine.step(runnable)
         res.deferred += deferred
+        res.ended = ended
         res.cache_miss = list(res.cache_miss) + dropped
         self.sampled, self.lost = dict(res.tokens), set(res.cache_miss) | set(res.failed)
+        self.ends = runnable.ends
         return res
+
+    def _ended(self, plan: Plan) -> list[int]:
+        """The follow rows whose session ended on the token the tick before sampled for them (its Plan.ends)."""
+        restarted = plan.restarted if plan.release or plan.kv else ()
+        return [c.seq_id for c in plan.chunks if c.follow and c.seq_id not in restarted
+                and self.sampled.get(c.seq_id, -1) in self.ends.get(c.seq_id, ())]
 
     def refused(self) -> None:
         """This tick was refused: refuse the queued ticks planned on top of it until a resync."""
-        self.refusing, self.sampled, self.lost = True, {}, set()
+        self.refusing, self.sampled, self.lost, self.ends = True, {}, set(), {}
 
 
 def _target(op) -> int:

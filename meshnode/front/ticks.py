@@ -91,7 +91,7 @@ class Ticks:
             return Refusal(tick, msg.detail, self.pipeline.refused())
         res = msg.result
         try:
-            absent = {*res.cache_miss, *res.failed, *res.deferred}
+            absent = {*res.cache_miss, *res.failed, *res.deferred, *res.ended}
             link.check_samples(res.tokens, tick.plan, self.engine.n_vocab, absent)
             if tick.plan.steps > 1 or res.steps != 1:
                 link.check_earlier(res.earlier, tick.plan, res.tokens, self.engine.n_vocab, res.steps)
