@@ -61,14 +61,17 @@ def test_several_steps_a_tick_give_the_one_step_tokens_events_and_ends(pipelined
     assert not s.live and s.admission.kv_reserved_bytes == 0 and e._next_pos == [0] * e.n_seq_max
 
 
-def test_no_tick_runs_several_steps_while_anyone_waits_or_a_stop_string_is_watched():
+def test_no_tick_runs_several_steps_while_a_prompt_is_prefilled_or_a_stop_string_is_watched():
     e = FakeEngine(cost_ms=lambda plan: 2.0)
-    _, s = build(e, max_active=2, max_queue=8, steps_ms=50.0)
-    for i in range(3):  # the third waits in the queue
-        s.submit(Session(i, [3 + i, 4, 5], 40))
+    _, s = build(e, max_active=2, max_queue=8, steps_ms=50.0, prefix_cache="off", max_prefill_tokens_per_tick=16)
+    s.submit(Session(0, [3, 4, 5], 40))
     for _ in range(6):
         tick = s.plan()
-        assert tick.plan.steps == 1
+        s.apply(tick, e.step(tick.plan))
+    s.submit(Session(1, [3 + k % 50 for k in range(300)], 40))  # a long prompt, prefilled beside the decode row
+    for _ in range(6):
+        tick = s.plan()
+        assert tick.plan.steps == 1 and any(len(c.tokens) > 1 for c in tick.plan.chunks)
         s.apply(tick, e.step(tick.plan))
     e = FakeEngine(cost_ms=lambda plan: 2.0)
     _, s = build(e, max_active=2, steps_ms=50.0)
@@ -77,6 +80,29 @@ def test_no_tick_runs_several_steps_while_anyone_waits_or_a_stop_string_is_watch
         tick = s.plan()
         assert tick.plan.steps == 1
         s.apply(tick, e.step(tick.plan))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_queue_that_waits_for_a_slot_does_not_stop_several_steps(pipelined):
+    """Nobody queued can start before a running session ends, so the decode rows run several steps a tick
+    (a session's last token by length ends its tick), with one step a tick's tokens, in fewer ticks."""
+    def make():
+        return [Session(i, [3 + i, 40 + i], 12 + 10 * i, ignore_eos=True) for i in range(5)]
+
+    want, _, _, one = run(0.0, make)
+    e = FakeEngine(cost_ms=lambda plan: 1.0)
+    _, s = build(e, max_active=2, max_queue=8, steps_ms=30.0, prefix_cache="off")
+    for x in make():
+        s.submit(x)
+    seen = []  # (a session waited in the queue when planned, the steps planned)
+    driver = Pipelined(s, e) if pipelined else None
+    plan = s.plan
+    s.plan = lambda: (lambda t: (seen.append((bool(s.waiting), t.plan.steps)) if t else None, t)[1])(plan())
+    events = driver.run_to_completion() if pipelined else run_to_completion(s, e)
+    got = {ev.session.key: (ev.reason, ev.tokens) for ev in events if ev.kind == "done"}
+    assert got == want
+    assert any(waited and steps > 1 for waited, steps in seen) and s.counters.ticks < one.counters.ticks
+    assert not s.live and not s.waiting
 
 
 def test_a_multi_step_tick_stops_at_the_nearest_last_token_and_the_pending_sample_is_never_fed():

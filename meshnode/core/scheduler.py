@@ -20,8 +20,8 @@ Policy (fixed but for the queue's order):
    a huge prompt still progresses). Prefill never stalls decode, but once under
    the priority policy: a better class's first token that one tick alone gives
    runs without the worse class's decode rows (core/priority.py).
-4. A tick of decode rows only, with nobody waiting, runs them for several steps, each row stopping on a
-   token that ends its session (core/steps.py): fewer ticks for the same tokens.
+4. A tick of decode rows only, where no prompt is being prefilled, runs them for several steps, each row
+   stopping on a token that ends its session (core/steps.py): fewer ticks for the same tokens.
 A chunk that reaches the end of a session's tokens samples the next one.
 
 `plan()` then `apply(tick, result)` is one tick. Whoever drives the ticks (front/ticks.py, tests' drivers) may
@@ -205,7 +205,7 @@ class Scheduler:
         tick = Tick(0, Plan([ch for _, ch in chunks], release, kv), [s for s, _ in chunks], reused, leaving,
                     planned=self._plans)
         self._arrived = None
-        tick.plan.steps, tick.plan.ends = plan_steps(chunks, len(self.running), bool(prompts or self.waiting),
+        tick.plan.steps, tick.plan.ends = plan_steps(chunks, len(self.running), bool(prompts),
                                                      self.cost.measured_decode_ms(len(chunks)), self.steps_ms, self.eog)
         tick.predicted_ms = self.sizing.predicted_ms(tick.plan.chunks, self._cells()) * tick.plan.steps
         return tick

@@ -3,13 +3,15 @@
 A tick costs the node more than its llama_decode: the front plans it and applies its answer, the link carries
 it both ways, each client hears of it. On a small CPU that work runs beside the next decode and slows it
 (a lone session on 2 cores: 6.0 ms a token in process, 7.5-8 through the node: evidence/README.md, "One
-user"). Where the next tick's plan could not differ (every running session decoding, nobody queued or
-prefilling), a tick runs its decode rows several times in a row instead (vLLM's multi-step scheduling):
+user"). Where the next tick's plan could not differ (every running session decoding, no prompt to prefill,
+nobody queued who could start: the plan starts whoever fits first), a tick runs its decode rows several
+times in a row instead (vLLM's multi-step scheduling):
 as many as fit `budget_ms` by what decode ticks of these rows took lately, never past a session's last token,
 and each row stops on a token that ends its session (Plan.ends: its end of generation, a stop token), so an
-answer that ends early is not held back by steps computed for nothing, nor is a waiting request behind it.
-What it costs: a request that arrives meanwhile waits at most `budget_ms` longer to start, a cancel as long
-to take effect, and tokens reach a client a few at a time (every `budget_ms` at most).
+answer that ends early is not held back by steps computed for nothing.
+What it costs: a request that arrives meanwhile, or waits for a slot that a session ending on its end token
+frees, waits at most `budget_ms` longer to start (a session's last token by length ends the tick: a queued
+request starts at once), a cancel as long to take effect, and tokens reach a client a few at a time.
 """
 from __future__ import annotations
 
@@ -24,13 +26,13 @@ def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
     return max(1, min(MAX_STEPS, left, int(budget_ms // decode_ms)))
 
 
-def plan_steps(chunks: list, running: int, waiting: bool, decode_ms: float | None, budget_ms: float,
+def plan_steps(chunks: list, running: int, prefilling: bool, decode_ms: float | None, budget_ms: float,
                eog: frozenset) -> tuple[int, dict]:
     """Steps for a tick of (session, chunk) pairs: more than one only where every one of the `running`
-    sessions decodes in it, nobody `waiting` (a queue, a prompt to prefill), and no session's text is
+    sessions decodes in it, none is `prefilling` (its prompt), and no session's text is
     watched for stop strings (the front finds those, a token at a time); with the tokens that end each row
     (Plan.ends; `eog`: the model's). The sessions' planned positions and draws in flight move with the steps."""
-    if (not chunks or waiting or len(chunks) < running or budget_ms <= 0
+    if (not chunks or prefilling or len(chunks) < running or budget_ms <= 0
             or any(c.draw < 0 or len(c.tokens) != 1 or s.stop_text or c.embed for s, c in chunks)):
         return 1, {}
     n = decode_steps(decode_ms, 1 + min(s.max_tokens - s.n_generated - s.draws_in_flight for s, _ in chunks),
