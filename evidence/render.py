@@ -136,6 +136,13 @@ def main() -> int:
                                what=f"SmolLM2-135M-Instruct q8_0, 16 jobs, concurrency {c}, both sides on the node's "
                                     "policy and calibration (Scheduler.calibrated), multi-step ticks",
                                args="--model smollm2-q8_0 --levels 1,8")
+    for c in (1, 8):  # stop 62: multi-step ticks also while the queue waits for a slot, rows stopping on their end
+        md += overhead_section(load(f"overhead-bench-smollm2-queued-steps-c{c}.json"),
+                               "overhead-bench-smollm2-queued-steps.json",
+                               what=f"SmolLM2-135M-Instruct q8_0, 16 jobs, concurrency {c}, multi-step ticks also "
+                                    "while the queue waits for a slot (the 16 jobs queue behind the concurrency), each "
+                                    "row stopping on its end token",
+                               args="--model smollm2-q8_0 --levels 1,8")
     if peers:
         md += ["## Peer: llama-cpp-python serving one request at a time (bench model, 16 jobs)", "",
                "`meshnode bench peers --preset bench --json evidence/peers-bench.json`", "",
