@@ -1,5 +1,6 @@
 """A tick asked to hurry (a better request's first token waits): its chunks are left undone, whether their
-llama_decode had begun or not (a multi-step tick: the steps after the one running), and planned again from
+llama_decode had begun or not (a multi-step tick: the step running, where it is one call, and the ones after
+it), and planned again from
 where they were; nothing else changes. Engine over the tiny model; the scheduler's side over the fake engine;
 the front's ask (Ticks.hurry) over a stub link."""
 import numpy as np
@@ -52,6 +53,43 @@ def test_a_hurried_tick_leaves_its_calls_undone_and_the_kv_as_before_them(tiny_m
                 assert res.deferred == []
             got[hurry] = dict(res.tokens)
     assert got[True] == got[False]
+
+
+def test_a_hurry_inside_a_later_step_of_a_multi_step_tick_undoes_that_step_whole(tiny_model):
+    """The hurry comes while the tick's second step is in its llama_decode (one call, no drafts): llama.cpp stops
+    it, its cells removed, and the tick is its first step (StepResult.steps 1, no earlier samples), its rows'
+    KV as after that step; the steps run again from there give the unhurried tokens."""
+    cfg = engine_config(tiny_model, n_seq_max=4, ctx=1024, threads=1, kv_layout="streams", spec="off",
+                        scheduling_policy="priority")
+    def rows(steps, pos=4, toks=(7, 8), draw=1):
+        return Plan([SeqChunk(s, pos, np.array([t], np.int32), draw=draw) for s, t in enumerate(toks)], steps=steps)
+
+    got = {}
+    for hurry in (False, True):
+        with LlamaEngine(cfg) as e:
+            e.step(Plan([SeqChunk(s, 0, np.array(prompt(4, salt=s), np.int32), draw=0, sampling=GREEDY)
+                         for s in (0, 1)]))
+            calls, inside, decode = [0], [False], e._b.decode
+
+            def counted():
+                calls[0] += 1
+                inside[0] = hurry and calls[0] == 2  # the second step's llama_decode
+                try:
+                    return decode()
+                finally:
+                    inside[0] = False
+            e._b.decode = counted
+            e.hurry_when(lambda: inside[0])
+            res = e.step(rows(4))
+            e.hurry_when(lambda: False)
+            samples = {s: [t for t, _ in res.samples(s)] for s in (0, 1)}
+            if hurry:
+                assert res.steps == 1 and res.earlier == {} and res.deferred == [] and calls[0] == 2
+                assert e.seq_pos_max(0) == 4 and e.seq_pos_max(1) == 4
+                more = e.step(rows(3, 5, (res.tokens[0], res.tokens[1]), 2))
+                samples = {s: samples[s] + [t for t, _ in more.samples(s)] for s in (0, 1)}
+            got[hurry] = samples
+    assert got[True] == got[False] and len(got[False][0]) == 4
 
 
 def test_an_engine_of_a_node_that_never_hurries_runs_every_call_with_no_abort_callback(tiny_model):
@@ -212,9 +250,9 @@ def test_through_the_node_a_better_request_hurries_the_worse_class_and_nobody_lo
 
 
 def test_a_hurried_multi_step_tick_stops_between_steps_and_the_rest_are_planned_again():
-    """A tick of several decode steps (nobody waiting when it was planned) is not stopped inside a call; a hurry
-    ends it after the step that is running (StepResult.steps), and the scheduler plans the steps it did not run
-    again: every token once, each a lone run's."""
+    """A hurry ends a tick of several decode steps after the step that is running (StepResult.steps; the fake
+    engine does not stop a step inside), and the scheduler plans the steps it did not run again: every token
+    once, each a lone run's."""
     engine, sched = scheduler(policy="priority", max_active=2, steps_ms=1000.0, prefix_cache="off")
     a = Session("a", prompt(4), 30, priority=2)
     sched.submit(a)

@@ -196,9 +196,10 @@ def test_a_conversation_that_ended_inside_a_multi_step_tick_is_reused_only_as_fa
 def test_the_engine_stops_a_row_on_an_end_token_and_the_tick_on_top_drops_its_follow_row_unreported():
     prompts = Plan([SeqChunk(0, 0, np.array([3, 4, 5], np.int32), draw=-1), SeqChunk(1, 0, np.array([6, 7], np.int32),
                                                                                       draw=-1)])
-    rows = lambda steps, ends=None: Plan([SeqChunk(0, 3, np.array([9], np.int32), draw=1, sampling=Sampling()),  # noqa: E731
-                                          SeqChunk(1, 2, np.array([8], np.int32), draw=1, sampling=Sampling())],
-                                         steps=steps, ends=ends or {})
+    def rows(steps, ends=None):
+        return Plan([SeqChunk(0, 3, np.array([9], np.int32), draw=1, sampling=Sampling()),
+                     SeqChunk(1, 2, np.array([8], np.int32), draw=1, sampling=Sampling())], steps=steps, ends=ends or {})
+
     free = FakeEngine()
     free.step(prompts)
     want = free.step(rows(5))

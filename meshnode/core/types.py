@@ -251,7 +251,7 @@ class StepResult:
     # chunks left undone: the front asked the tick to hurry (link.Hurry: a better first token waits) and their
     # llama_decode call was stopped or not begun; their sequences' KV is as before them, they are planned again
     deferred: list[int] = field(default_factory=list)
-    steps: int = 1  # the steps it ran: a multi-step tick hurried (link.Hurry) stops between steps, before Plan.steps
+    steps: int = 1  # the steps it ran: a hurried multi-step tick (link.Hurry) stops early, a running step undone whole
     # follow rows left out: the tick before sampled a token that ends their session (Plan.ends), which has ended
     ended: list[int] = field(default_factory=list)
 

@@ -144,7 +144,7 @@ class Engine:
     def step(self, plan: Plan) -> StepResult:
         """Run one tick: validate, release, compute every chunk, sample where asked; a multi-step plan's rows
         again with their samples, `plan.steps` times in all."""
-        self._steps = plan.steps  # a multi-step tick's calls are never stopped: a hurry stops it between steps
+        self._steps = plan.steps  # a hurry stops a multi-step tick between steps, or undoes a step whole
         res = self.step_once(plan)
         return self._more_steps(plan, res) if plan.steps > 1 else res
 
@@ -164,7 +164,8 @@ class Engine:
         """Steps 2..plan.steps of a multi-step tick: each row that sampled decodes its sample at the next
         position with the next draw. A sequence that lost its KV or failed drops out; what it drew before
         stays in `earlier`; one that sampled a token that ends its session (Plan.ends) stops with it, its
-        last sample kept as the tick's. A hurry stops it between steps: `steps` says how many ran."""
+        last sample kept as the tick's. A hurry stops it between steps, or inside a step the engine undoes
+        whole (StepResult.deferred: LlamaEngine._deferrable): `steps` says how many ran."""
         rows, earlier, ran, ended = plan.chunks, {}, 1, {}
         for _ in range(1, plan.steps):
             for c in rows:
@@ -178,6 +179,12 @@ class Engine:
             rows = [SeqChunk(c.seq_id, c.pos + 1, np.array([res.tokens[c.seq_id]], np.int32), draw=c.draw + 1)
                     for c in rows]
             nxt = self.step_once(Plan(rows))
+            if nxt.deferred:  # hurried inside this step, which left its rows as before it: the tick ran `ran`
+                for c in rows:
+                    earlier[c.seq_id].pop()
+                    if not earlier[c.seq_id]:
+                        del earlier[c.seq_id]
+                break
             nxt.cache_miss = res.cache_miss + nxt.cache_miss
             nxt.failed = {**res.failed, **nxt.failed}
             nxt.step_ms += res.step_ms

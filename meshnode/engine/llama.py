@@ -84,6 +84,7 @@ class LlamaEngine(Engine):
         self._abort_cb = lc.ggml_abort_callback(lambda _: bool(self._hurried()))
         self._no_abort = lc.ggml_abort_callback()  # NULL: none
         self._rows = 0  # rows the tick computed (padding included): what it cost is RowCost's to learn
+        self._stoppable = True  # the running step's calls may be left undone by a hurry (_deferrable)
         self._b = Batch(lc, self._ctx, self.n_batch, self.n_vocab)
         # which lone decode rows get a dummy neighbour (engine/invariant.py): as the start-up check finds
         self.lone_pads = invariant.LonePads(False, False)
@@ -170,7 +171,9 @@ class LlamaEngine(Engine):
         chunks = self.drafts.answered(plan.chunks, res) if self.drafts.ahead else plan.chunks
         drafts = self.drafts.plan(chunks)
         self._every_row = drafts
-        for call in self._groups([drafts.get(c.seq_id, c) for c in chunks] if drafts else chunks):
+        calls = self._groups([drafts.get(c.seq_id, c) for c in chunks] if drafts else chunks)
+        self._stoppable = self._steps == 1 or (len(calls) == 1 and not drafts)  # a later step: whole, or not at all
+        for call in calls:
             rows = HURRIED if self._deferrable(call) and self._hurried() else self._decode(call)
             if rows is HURRIED:  # left undone (StepResult.deferred): their cells are cut back to before them
                 for c in call:
@@ -195,8 +198,9 @@ class LlamaEngine(Engine):
     def _deferrable(self, call: list) -> bool:
         """A call a hurried tick may leave undone (stopped, or not begun), where ticks may be hurried at all
         (EngineConfig.hurry): on streams, where no other sequence's cells move with its own; not an embedding's
-        (its pooled rows would be lost) nor a multi-step tick's."""
-        return self.cfg.hurry and self._ids is not None and self._steps == 1 and not call[0].embed
+        (its pooled rows would be lost); in a multi-step tick, only a step of one call with no drafts, so that a
+        stopped step is undone whole and the tick is the steps before it (Engine._more_steps)."""
+        return self.cfg.hurry and self._ids is not None and self._stoppable and not call[0].embed
 
     def _embedded(self, call: list, rows: list[int], res: StepResult) -> None:
         """An embedding call's rows into their sessions' pools; the vector of each chunk that asks for it."""
