@@ -153,12 +153,17 @@ def test_a_client_that_trickles_its_headers_is_closed_at_the_deadline_and_others
                 closed = slow.recv(4096) == b""
             except BlockingIOError:
                 pass
+            except ConnectionResetError:  # closed with headers unread: the kernel answers with a reset
+                closed = True
             finally:
                 slow.setblocking(True)
             if closed:
                 break
         mute.settimeout(30)
-        mute_closed = mute.recv(4096) == b""
+        try:
+            mute_closed = mute.recv(4096) == b""
+        except ConnectionResetError:
+            mute_closed = True
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": [3, 4], "max_tokens": 2},
                        timeout=60)
     finally:
