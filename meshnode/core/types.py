@@ -220,6 +220,8 @@ class Plan:
     @property
     def restarted(self) -> set[int]:
         """Sequences whose KV this plan drops or rewrites before its chunks run."""
+        if not (self.release or self.kv):
+            return set()  # most ticks restart nothing
         return {*self.release, *(op.seq_id for op in self.kv if not isinstance(op, Share)),
                 *(op.dst for op in self.kv if isinstance(op, Share))}
 

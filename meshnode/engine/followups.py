@@ -53,7 +53,7 @@ class Followups:
             if gone:
                 kv = [op for op in plan.kv if not (isinstance(op, (Keep, Share)) and _target(op) in gone)]
                 plan, lost = replace(plan, kv=kv), lost | gone
-        restarted = plan.restarted if plan.release or plan.kv else ()  # most ticks restart nothing
+        restarted = plan.restarted
         dropped = [c.seq_id for c in plan.chunks if c.seq_id in lost and c.seq_id not in restarted] if lost else []
         dropped += sorted(gone - set(dropped))  # reported even without a chunk here: their session must end
         for c in plan.chunks:
@@ -89,7 +89,7 @@ class Followups:
 
     def _ended(self, plan: Plan) -> list[int]:
         """The follow rows whose session ended on the token the tick before sampled for them (its Plan.ends)."""
-        restarted = plan.restarted if plan.release or plan.kv else ()
+        restarted = plan.restarted
         return [c.seq_id for c in plan.chunks if c.follow and c.seq_id not in restarted
                 and self.sampled.get(c.seq_id, -1) in self.ends.get(c.seq_id, ())]
 
