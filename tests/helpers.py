@@ -9,7 +9,6 @@ import time
 import numpy as np
 import psutil
 
-from ipc import link
 from ipc.shm import leftover_segments
 from meshnode.core.budget import NodeBudget
 from meshnode.core.pipeline import TickPipeline
@@ -21,6 +20,7 @@ from meshnode.dev.clients import deaf_client  # noqa: F401  (re-exported for the
 from meshnode.dev.drive import run_tick, run_to_completion  # noqa: F401
 from meshnode.dev.fake import FakeEngine
 from meshnode.engine.followups import AWAITING_RESYNC, Followups
+from meshnode.front.ticks import check_answer
 from meshnode.ops.config import scheduler_config
 
 
@@ -155,11 +155,8 @@ class Pipelined:
             self.refused.append(tick.plan)
             return self.sched.refused(answered, "ENGINE_ERROR", self.pipeline.refused())
         answered = self.pipeline.answer(tick.t)
-        if answered is not None:  # what the front checks of every answer (front/ticks.py, Ticks.reply)
-            link.check_samples(res.tokens, answered.plan, self.engine.n_vocab,
-                               {*res.cache_miss, *res.failed, *res.deferred, *res.ended})
-            if answered.plan.steps > 1 or res.steps != 1:
-                link.check_earlier(res.earlier, answered.plan, res.tokens, self.engine.n_vocab, res.steps)
+        if answered is not None:  # what the front checks of every answer
+            check_answer(res, answered.plan, self.engine.n_vocab)
         return [] if answered is None else self.sched.apply(answered, res)
 
     def run_to_completion(self, max_ticks=10_000):

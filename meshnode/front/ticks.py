@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ipc import link
 from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.telemetry import Telemetry
-from meshnode.core.types import StepResult
+from meshnode.core.types import Plan, StepResult
 from meshnode.front.engine_link import EngineLink
 
 
@@ -38,6 +38,17 @@ class Refusal:
     detail: str
     behind: list
 
+
+
+def check_answer(res: StepResult, plan: Plan, n_vocab: int) -> None:
+    """What the front checks of every answer before it applies it (ipc/link.py's checks): a sample for each row
+    that asked one, but those the engine says drew none; a multi-step tick's earlier samples; embeddings.
+    ValueError: the engine is broken."""
+    link.check_samples(res.tokens, plan, n_vocab, {*res.cache_miss, *res.failed, *res.deferred, *res.ended})
+    if plan.steps > 1 or res.steps != 1:
+        link.check_earlier(res.earlier, plan, res.tokens, n_vocab, res.steps)
+    if res.embeddings:
+        link.check_embeddings(res.embeddings, plan)
 
 class Ticks:
     def __init__(self, engine: EngineLink, depth: int, telemetry: Telemetry):
@@ -91,12 +102,7 @@ class Ticks:
             return Refusal(tick, msg.detail, self.pipeline.refused())
         res = msg.result
         try:
-            absent = {*res.cache_miss, *res.failed, *res.deferred, *res.ended}
-            link.check_samples(res.tokens, tick.plan, self.engine.n_vocab, absent)
-            if tick.plan.steps > 1 or res.steps != 1:
-                link.check_earlier(res.earlier, tick.plan, res.tokens, self.engine.n_vocab, res.steps)
-            if res.embeddings:
-                link.check_embeddings(res.embeddings, tick.plan)
+            check_answer(res, tick.plan, self.engine.n_vocab)
         except ValueError as e:  # garbage from the engine: restart it, re-prefill
             self.engine.broke(f"engine sent a bad reply: {e}")
             return None
