@@ -10,8 +10,8 @@ from helpers import prompt, run_to_completion, scheduler, step
 from ipc import link
 from meshnode.core import reasons as R
 from meshnode.core.pipeline import Tick
-from meshnode.core.session import Session
-from meshnode.core.types import GREEDY, Plan, SeqChunk, StepResult
+from meshnode.core.session import QUEUED, Session
+from meshnode.core.types import GREEDY, InvalidPlan, Plan, SeqChunk, StepResult
 from meshnode.dev.fake import FakeEngine
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine.followups import Followups
@@ -295,3 +295,63 @@ def test_a_multi_step_tick_stopped_early_and_the_one_planned_on_it_deferred_leav
     for s in (a, b):
         assert s.reason == R.LENGTH and engine.expected(s.tokens, len(s.prompt))
         assert [t for e in events if e.kind == "tokens" and e.session is s for t in e.tokens] == s.generated
+
+
+@pytest.mark.parametrize("ends", ["cancel", "preempt"])
+def test_a_session_that_ends_while_its_chunk_is_hurried_leaves_the_cache_only_what_was_computed(ends):
+    """A session cancelled (or preempted) while a hurried tick holds its prompt chunk: the chunk comes back
+    deferred, so its sequence holds nothing of it; a later prompt that opens the same way must not be told
+    to keep KV that was never computed (the engine refused such a plan: "keep of 3 positions of sequence 0,
+    which holds 0")."""
+    engine, sched = scheduler(policy="priority", max_active=1, max_queue=2, steps_ms=0.0, prefix_cache="node")
+    run = Session("run", prompt(24), 50, priority=2)
+    sched.submit(run)
+    tick = sched.plan()
+    assert [c.seq_id for c in tick.plan.chunks] == [run.seq_id]  # in flight: the hurry comes before it runs
+    ticks = [tick]
+    if ends == "cancel":
+        sched.cancel("run")
+    else:  # a better request preempts it in a tick planned on top; a hurry then catches both in flight
+        sched.submit(Session("better", prompt(5, salt=9), 2, priority=-1))
+        ticks.append(sched.plan())
+        assert run.state == QUEUED
+    for tk in ticks:
+        engine.step(Plan([], tk.plan.release, tk.plan.kv))
+        sched.apply(tk, StepResult(deferred=[c.seq_id for c in tk.plan.chunks]))
+    later = Session("later", prompt(24) + prompt(3, salt=1), 2, priority=-2)
+    sched.submit(later)
+    events = run_to_completion(sched, engine)  # the fake engine refuses a keep or share beyond what a sequence holds
+    assert later.reason == R.LENGTH and engine.expected(later.tokens, len(later.prompt))
+    assert later.n_reused == 0
+    if ends == "preempt":
+        assert run.reason == R.LENGTH and engine.expected(run.tokens, len(run.prompt))
+    assert all(ev.reason != R.ENGINE_ERROR for ev in events)
+
+
+
+def test_no_hurry_while_a_tick_behind_the_first_copies_kv_the_ones_before_it_compute():
+    """Two sessions open with the same 40 tokens: the second waits for the first's prompt and copies it in
+    the tick planned on top of the one computing its last chunk. A hurry would leave that chunk undone and
+    the copy (a KV operation, which a hurried tick still runs) would read positions never computed: the
+    engine refuses such a plan, ending both sessions. So the ticks are not hurried; the better request
+    waits for them."""
+    engine, sched = scheduler(policy="priority", max_active=4, steps_ms=0.0, prefix_cache="node",
+                              max_prefill_tokens_per_tick=16)
+    shared = prompt(40)
+    a, b = Session("a", shared + [1], 3, priority=2), Session("b", shared + [2, 3], 3, priority=2)
+    sched.submit(a)
+    step(sched, engine, sched.plan())
+    sched.submit(b)  # b's leader is a, still prefilling
+    step(sched, engine, sched.plan())
+    ln = _Link()
+    ticks = Ticks(ln, depth=2, telemetry=None)
+    first, behind = sched.plan(), sched.plan()
+    assert any(len(c.tokens) > 1 and c.seq_id == a.seq_id for c in first.plan.chunks)  # a's last prompt chunk
+    assert behind.plan.reads_kv and not first.plan.reads_kv  # b copies what `first` computes
+    ticks.send(first)
+    ticks.send(behind)
+    ticks.hurry()
+    assert ln.hurried == [] and not any(tk.hurried for tk in ticks.pipeline.ticks)
+    engine.step(Plan([], first.plan.release, first.plan.kv))  # what a hurry would have done: refused
+    with pytest.raises(InvalidPlan, match="share of"):
+        engine.step(Plan([], behind.plan.release, behind.plan.kv))

@@ -231,8 +231,10 @@ class Scheduler:
         for seq_id in (missed := set(result.cache_miss)):  # a finished session's last tick may have lost its KV
             self.seqs.lost(seq_id)
         for s, c in tick.chunks:
-            if not self._current(s, c, tick):
-                continue  # cancelled, ended or preempted while the tick ran: its result is stale
+            if not self._current(s, c, tick):  # cancelled, ended or preempted while the tick ran: stale
+                if c.seq_id in deferred:  # left undone: its cached entry holds only what was before it
+                    self.seqs.undone(c.seq_id, c.pos)
+                continue
             if c.seq_id in deferred:  # left undone (Ticks.hurry): its planning undone (next_chunk, plan_steps)
                 s.n_planned -= len(c.tokens) + steps - 1
                 s.draws_in_flight -= steps * (c.draw >= 0)

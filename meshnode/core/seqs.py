@@ -128,6 +128,12 @@ class Sequences:
             self.to_release.append(s.seq_id)
             bisect.insort(self.free, s.seq_id)
 
+    def undone(self, seq_id: int, n: int) -> None:
+        """A hurried tick answered after its chunk's session ended left that chunk undone: the sequence holds
+        only the `n` positions before it, so its cached entry offers no more; one left with none is released."""
+        if self.cache.trim(seq_id, n) == 0:
+            self.release(seq_id)
+
     def release(self, seq_id: int) -> None:
         """Drop a cached entry's KV with the next plan; its id is free."""
         self.kv_ops.append(Release(seq_id))

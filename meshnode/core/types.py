@@ -218,6 +218,12 @@ class Plan:
         return sum(len(c.tokens) for c in self.chunks)
 
     @property
+    def reads_kv(self) -> bool:
+        """Its KV operations read positions of a sequence (a keep, a share, a save): what the ticks before
+        it were planned to compute."""
+        return any(not isinstance(op, (Release, Load)) for op in self.kv)
+
+    @property
     def restarted(self) -> set[int]:
         """Sequences whose KV this plan drops or rewrites before its chunks run."""
         if not (self.release or self.kv):

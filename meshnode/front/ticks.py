@@ -74,9 +74,11 @@ class Ticks:
         """A better first token waits (Scheduler.take_hurry) behind the ticks in flight: every one of them is
         asked to leave undone what it can (link.Hurry): one queued at the engine runs none of its chunks, the
         one running stops the llama_decode calls it has not finished; their chunks come back deferred and are
-        planned again, and nothing goes in flight on top of them until they are answered (`room`)."""
+        planned again, and nothing goes in flight on top of them until they are answered (`room`).
+        Not while one behind the first reads KV the ones before it were to compute (Plan.reads_kv: a prefix
+        copied from a session still prefilling, a cached entry kept): those ops run in a hurried tick too."""
         ticks = self.pipeline.ticks
-        if not ticks or ticks[-1].hurried:
+        if not ticks or ticks[-1].hurried or any(tk.plan.reads_kv for tk in list(ticks)[1:]):
             return
         for tk in ticks:
             tk.hurried = True
