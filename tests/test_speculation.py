@@ -1,5 +1,5 @@
 """The speculative-decoding policy (core/speculation.py): how many drafts a tick carries, with no engine."""
-from meshnode.core.speculation import Acceptance, RowCost, draft_len, expected_skips, in_effect
+from meshnode.core.speculation import Acceptance, RowCost, Yield, draft_len, expected_skips, in_effect
 
 CPU = RowCost([(1, 21.0), (2, 34.0), (4, 60.0), (8, 107.0), (16, 210.0)])  # a row costs about what a decode does
 GPU = RowCost([(1, 6.0), (2, 6.1), (4, 6.2), (8, 6.5), (16, 7.0), (64, 9.0), (128, 14.0)])  # rows nearly free
@@ -69,3 +69,23 @@ def test_drafting_needs_per_sequence_streams():
     mode, why = in_effect("lookup", "unified")
     assert mode == "off" and why.startswith("spec: off on the unified KV layout")
     assert in_effect("off", "unified") == ("off", "")
+
+
+def test_a_session_whose_drafts_fall_short_of_their_promise_stops_drafting_and_tries_again_later():
+    """Chains learned from first guesses promise runs that free text ends sooner: where a session's drafted
+    ticks keep giving a fraction of the skips their chains promised, its chain is scaled down until drafts
+    no longer pay; the evidence fades tick by tick, so drafting comes back (a copy may begin)."""
+    cost = RowCost([(1, 6.0), (2, 12.0), (4, 17.0), (8, 22.0), (16, 28.0)])
+    chain = [0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35]
+    assert draft_len([chain], 1, cost, 8) > 0  # as promised, drafts pay
+    y = Yield()
+    for _ in range(3):
+        y.tick()
+        y.record(sum(chain), 1)  # each drafted tick kept one token of the ~4.7 promised
+    assert draft_len([[p * y.factor for p in chain]], 1, cost, 8) == 0
+    for _ in range(80):  # undrafted ticks: the evidence halves every ~23
+        y.tick()
+    assert draft_len([[p * y.factor for p in chain]], 1, cost, 8) > 0
+    good = Yield()
+    good.record(sum(chain), 8)  # a copy: more than promised is never taken as more than the chain says
+    assert good.factor == 1.0

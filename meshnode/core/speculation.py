@@ -106,6 +106,34 @@ class Guesses:
         return out
 
 
+YIELD_PRIOR = 2.0  # pseudo-skips on each side of a session's yield: its first drafted tick moves it, not alone
+YIELD_DECAY = 0.97  # per computed tick: a yield's evidence halves in ~23 ticks, so drafting that stopped comes back
+
+
+class Yield:
+    """How many of the skips a session's drafted ticks were expected to give (their chains' sums) they gave.
+    `Guesses` learns from each tick's first guess; behind it, free text leaves a matched phrase within a few
+    tokens where a copy goes on, so in a chat the chain promises runs that end sooner (measured on SmolLM2:
+    4-8-token matches drafted 15 deep for ~2 kept, each such tick 5x a decode). The chain is scaled by it
+    (never above 1), so a session whose drafts keep falling short stops drafting; the evidence fades tick
+    by tick, so a copy that begins later is drafted again."""
+
+    def __init__(self):
+        self.expected = self.got = 0.0
+
+    def tick(self) -> None:
+        self.expected *= YIELD_DECAY
+        self.got *= YIELD_DECAY
+
+    def record(self, expected: float, got: int) -> None:
+        self.expected += expected
+        self.got += got
+
+    @property
+    def factor(self) -> float:
+        return min(1.0, (self.got + YIELD_PRIOR) / (self.expected + YIELD_PRIOR))
+
+
 class RowCost:
     """What a tick of n rows costs, in ms, as ticks in service take it. Seeded by the engine's start-up
     calibration (`points`), which times each shape warm, ticks of one shape in a row; in service a drafted

@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from meshnode.core.speculation import MAX_DRAFTS, Acceptance, Guesses, RowCost, could_pay, draft_len
+from meshnode.core.speculation import MAX_DRAFTS, Acceptance, Guesses, RowCost, Yield, could_pay, draft_len
 from meshnode.core.types import SeqChunk, StepResult
 
 KEY = 2  # tokens of the suffix an occurrence is found by
@@ -128,12 +128,14 @@ class Speculator:
         self._guesses: dict[int, Guesses] = {}  # sequence -> its lookup's guesses, right and wrong
         self._guessed: dict[int, tuple[int, int]] = {}  # this tick's undrafted rows: (the lookup's guess, match)
         self._looked: dict[int, tuple[int, int]] = {}  # this tick's drafted rows: (the lookup's own drafts, match)
+        self._yields: dict[int, Yield] = {}  # sequence -> what its drafted ticks gave of what they promised
+        self._expected: dict[int, float] = {}  # this tick's drafted rows: the skips their chains promised
         self.row_cost = RowCost()
 
     def plan(self, chunks: list) -> dict[int, SeqChunk]:
         """The decode chunks that carry drafts this tick, by sequence, all with the same K (on streams one
         llama_decode call takes chunks of one length)."""
-        self._guessed, self._looked = {}, {}
+        self._guessed, self._looked, self._expected = {}, {}, {}
         rows = [c for c in chunks if len(c.tokens) == 1 and c.draw >= 0 and not c.embed]
         if not rows or self.mode == "off" or len(rows) < len(chunks) or not self.streams:
             return {}
@@ -147,6 +149,8 @@ class Speculator:
                 and not could_pay(len(rows), len(rows) + pads, self.row_cost, k_max, self._k_min)):
             return {}  # nobody looks: even drafts that are always right would not pay
         found = {c.seq_id: self._propose(c, k_max) for c in rows}
+        for c in rows:  # a computed tick: what its drafts gave before fades a step
+            self._yield_of(c.seq_id).tick()
         model = self._model_drafts is not None and (self.mode == "draft" or not all(found.values()))
         source = "model" if model else "lookup"
         self._source = source
@@ -162,7 +166,10 @@ class Speculator:
             k, self._source = max(k, min(free, k_max)), "model" if model else "lookup"
         else:
             chains = [self._guesses_of(c.seq_id).chain(self._match(c.seq_id), k_max) for c in rows]
-            k = draft_len(chains, len(rows) + pads, self.row_cost, k_max, self._k_min, free)
+            yields = [self._yield_of(c.seq_id) for c in rows]
+            k = draft_len([[p * y.factor for p in ch] for ch, y in zip(chains, yields)], len(rows) + pads,
+                          self.row_cost, k_max, self._k_min, free)
+            self._expected = {c.seq_id: sum(ch[:k]) for c, ch in zip(rows, chains)}
         if k > 0 and model:
             seen = {c.seq_id: self.host.fed(c.seq_id)[:c.pos] + [int(c.tokens[0])] for c in rows}
             found = self._model_drafts.propose(seen, k) or {s: [] for s in seen}
@@ -197,6 +204,12 @@ class Speculator:
             g = self._guesses[seq] = Guesses(self._shared_guesses)
         return g
 
+    def _yield_of(self, seq: int) -> Yield:
+        y = self._yields.get(seq)
+        if y is None:
+            y = self._yields[seq] = Yield()
+        return y
+
     def _match(self, seq: int) -> int:
         return self.lookup.match.get(seq, KEY)
 
@@ -229,6 +242,8 @@ class Speculator:
             self._acceptance.setdefault(c.seq_id, Acceptance()).record(i, k)
         else:
             self._learn(c.seq_id, i, k)
+            if c.seq_id in self._expected:
+                self._yields[c.seq_id].record(self._expected[c.seq_id], i)
         self.host.trim_kv(c.seq_id, c.pos + 1 + i)
         if kept:
             self.ahead[c.seq_id] = kept
@@ -272,6 +287,7 @@ class Speculator:
         if keep <= 0:
             self._acceptance.pop(seq_id, None)
             self._guesses.pop(seq_id, None)
+            self._yields.pop(seq_id, None)
 
     def close(self) -> None:
         if self._model_drafts is not None:
