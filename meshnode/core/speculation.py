@@ -145,7 +145,9 @@ class RowCost:
     matter to `draft_len`)."""
 
     def __init__(self, points=()):
-        self._seed = {rows: ms for rows, ms in points}
+        self._seed: dict[int, float] = {}
+        for rows, ms in sorted(points):  # one timing a shape, noisy (the first of its graph): a count that
+            self._seed[rows] = max(ms, *self._seed.values(), 0.0)  # timed cheaper than fewer rows takes theirs
         self._ms: dict[int, float] = {}  # row count -> ms in service
         self._drift = 1.0  # how many times their seeds the ticks of several rows seen in service take
         self._known: dict[int, float] = {}
