@@ -13,7 +13,8 @@ still good (its row saw only right tokens), the cells after it go through the en
 Drafts come from prompt lookup (`Lookup`: the tokens that followed the earlier occurrence of the
 sequence's last tokens that matches the most of them, prompt and output alike). K comes from the cost
 model (core/speculation.py) in `auto`, from how often the lookup's guesses behind a match of this length
-were right (each tick's guess is checked against the sample, drafted or not: `observe`, `_learn`); it is
+were right (each tick's guess is checked against the sample, drafted or not: `observe`, `_learn`), scaled
+by what the session's drafted ticks gave of what they promised (`Yield`); it is
 the most allowed in `lookup`. A deterministic lone row that needs a padding row (invariant.pads) gets a
 draft instead (the lookup's, else the token itself).
 Not drafted: sessions with a response_format (their matcher would have to step back), prompt chunks,
