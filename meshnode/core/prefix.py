@@ -124,20 +124,19 @@ class PrefixCache:
         self.blocks.stored(seq_id, e.tokens, self._worth(e))
         return True
 
-    def trim(self, seq_id: int, n: int) -> int | None:
+    def trim(self, seq_id: int, n: int) -> bool:
         """The entry's sequence holds only `n` positions (a hurried tick left the rest undone): it offers
-        no more than those; how many it keeps (0: it is dropped, its id to release), None if there is none."""
+        no more than those. True when that leaves it nothing: it is dropped, its id to release."""
         e = self.entries.get(seq_id)
         if e is None or e.cells <= n and len(e.tokens) <= n:
-            return None if e is None else len(e.tokens)
+            return False
+        self.blocks.removed(seq_id)
         if n < 1:
             del self.entries[seq_id]
-            self.blocks.removed(seq_id)
-            return 0
+            return True
         e.tokens, e.cells = e.tokens[:n], min(e.cells, n)
-        self.blocks.removed(seq_id)
         self.blocks.stored(seq_id, e.tokens, self._worth(e))
-        return n
+        return False
 
     def block_hashes(self) -> set[int]:
         """The blocks the entries hold, keyed as their KV events key them (core/kvevents.py): what the

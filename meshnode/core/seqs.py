@@ -131,7 +131,7 @@ class Sequences:
     def undone(self, seq_id: int, n: int) -> None:
         """A hurried tick answered after its chunk's session ended left that chunk undone: the sequence holds
         only the `n` positions before it, so its cached entry offers no more; one left with none is released."""
-        if self.cache.trim(seq_id, n) == 0:
+        if self.cache.trim(seq_id, n):
             self.release(seq_id)
 
     def release(self, seq_id: int) -> None:
