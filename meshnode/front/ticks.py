@@ -39,7 +39,6 @@ class Refusal:
     behind: list
 
 
-
 def check_answer(res: StepResult, plan: Plan, n_vocab: int) -> None:
     """What the front checks of every answer before it applies it (ipc/link.py's checks): a sample for each row
     that asked one, but those the engine says drew none; a multi-step tick's earlier samples; embeddings.
@@ -49,6 +48,7 @@ def check_answer(res: StepResult, plan: Plan, n_vocab: int) -> None:
         link.check_earlier(res.earlier, plan, res.tokens, n_vocab, res.steps)
     if res.embeddings:
         link.check_embeddings(res.embeddings, plan)
+
 
 class Ticks:
     def __init__(self, engine: EngineLink, depth: int, telemetry: Telemetry):
