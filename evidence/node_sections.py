@@ -16,8 +16,8 @@ def burst() -> list[str]:
           f"4 sessions decoding, then 4 arrive with {d['burst_prompt']}-token prompts, on {d.get('build', 'an unrecorded build')}. "
           "`node`: default settings (streams layout, prefill sized by the tick target: "
           + (f"{d['tick_target_ratio']:g} decode ticks, all their steps" if d.get("tick_target_ms") is None and d.get("tick_target_ratio")
-             else f"{d.get('tick_target_ms', 450):g} ms") + "); `node_420ms`: `--tick-target-ms 420` (the default "
-          "before stop 26); `node_fixed_64`: `--tick-target-ms 0 --prefill-chunk 64`; llama-server with 8 slots "
+             else f"{d.get('tick_target_ms', 450):g} ms") + "); `node_whole_batch`: `--tick-target-ms 60000` "
+          "(no tick bound: each tick carries the prefill room, the other end of the trade); `node_fixed_64`: `--tick-target-ms 0 --prefill-chunk 64`; llama-server with 8 slots "
           "(`-np 8 -c 8192`). The node's "
           "`capacity` estimate for a 1,000-token prompt is checked against the measured first-token delay (idle: a "
           "lone prompt after a small warm-up job; busy: the first burst prompt).", "",
@@ -44,11 +44,11 @@ def burst() -> list[str]:
         row = float(np.median([m["ms_per_row"] for m in models]))
         p50 = float(np.median([r["node"]["steady_itl_ms_p50"] for r in d["rounds"]]))
         tick = d["tick_target_ratio"] * p50
-        share = [1 - (2 * call + 4 * row) / t for t in (tick, 420.0)]
+        share = 1 - (2 * call + 4 * row) / tick
         md.append(f"- the trade-off, from the fitted costs ({call:.1f} ms a llama_decode call, {row:.2f} ms a row): "
                   f"on streams a tick with prompt rows beside decode rows is two calls (llama.cpp's split_equal puts "
                   f"the 1-token rows and a prompt chunk in separate ubatches), so at {d['tick_target_ratio']:g} decode "
-                  f"ticks ({tick:.0f} ms) at most {share[0]:.0%} of a tick is prompt rows ({share[1]:.0%} at 420 ms), "
+                  f"ticks ({tick:.0f} ms) at most {share:.0%} of a tick is prompt rows, "
                   f"where llama-server's 512-row ubatches, the decode rows inside, spend "
                   f"{1 - call / (call + 512 * row):.0%}: the last burst prompt starts later, for a worst gap "
                   f"{np.median([r['llama_server']['burst_itl_ms_max'] / r['node']['burst_itl_ms_max'] for r in d['rounds']]):.0f}x "
