@@ -63,8 +63,11 @@ def in_process(path: str, threads: int, work, concurrency: int = CONCURRENCY) ->
     cfg = NodeConfig(model=path, ctx=4096, threads=threads, max_active=concurrency)
     resolved = cfg.resolve()
     engine = LlamaEngine(resolved.engine)
-    sched = Scheduler(NodeBudget.from_engine(engine, max_active=concurrency, max_queue=N_JOBS), engine.eog,
-                      resolved.scheduler, recipe=engine.recipe_fingerprint, deterministic=engine.deterministic)
+    # the node's own budget (resolved.budget): its prefill room is what a tick has beside the decode rows, not
+    # from_engine's bare 64 tokens, which cut the in-process side's prompts into several ticks the node runs in one
+    budget = NodeBudget.from_engine(engine, resolved.budget, max_active=concurrency, max_queue=N_JOBS)
+    sched = Scheduler(budget, engine.eog, resolved.scheduler, recipe=engine.recipe_fingerprint,
+                      deterministic=engine.deterministic)
     sched.calibrated(engine.calibrate())  # as the node's engine does before its first client
     timed = _Timed(engine)
     t0 = time.perf_counter()
