@@ -7,12 +7,12 @@ import numpy as np
 from sections import load
 
 
-def burst() -> list[str]:
-    d = load("burst-bench.json")
+def burst(name: str = "burst-bench.json", model: str = "bench model", args: str = "--preset bench") -> list[str]:
+    d = load(name)
     if not d or "rounds" not in d:
         return []
-    md = ["## Prefill burst: tick target vs fixed chunk vs llama-server (bench model)", "",
-          "`meshnode bench burst --preset bench --rounds 3 --llama-server PATH --json evidence/burst-bench.json`: "
+    md = [f"## Prefill burst: tick target vs whole-batch ticks vs fixed chunk vs llama-server ({model})", "",
+          f"`meshnode bench burst {args} --rounds {len(d['rounds'])} --llama-server PATH --json evidence/{name}`: "
           f"4 sessions decoding, then 4 arrive with {d['burst_prompt']}-token prompts, on {d.get('build', 'an unrecorded build')}. "
           "`node`: default settings (streams layout, prefill sized by the tick target: "
           + (f"{d['tick_target_ratio']:g} decode ticks, all their steps" if d.get("tick_target_ms") is None and d.get("tick_target_ratio")

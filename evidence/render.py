@@ -143,6 +143,13 @@ def main() -> int:
                                     "while the queue waits for a slot (the 16 jobs queue behind the concurrency), each "
                                     "row stopping on its end token",
                                args="--model smollm2-q8_0 --levels 1,8")
+    for c in (1, 8):  # stop 64: the in-process side on the node's budget (a tick's prefill room, not 64 tokens)
+        md += overhead_section(load(f"overhead-bench-smollm2-node-budget-c{c}.json"),
+                               "overhead-bench-smollm2-node-budget.json",
+                               what=f"SmolLM2-135M-Instruct q8_0, 16 jobs, concurrency {c}, the in-process side on the "
+                                    "node's own budget (the prefill room a tick has, where the runs above capped it at "
+                                    "64 tokens a tick and so flattered the node)",
+                               args="--model smollm2-q8_0 --levels 1,8")
     if peers:
         md += ["## Peer: llama-cpp-python serving one request at a time (bench model, 16 jobs)", "",
                "`meshnode bench peers --preset bench --json evidence/peers-bench.json`", "",
@@ -150,7 +157,9 @@ def main() -> int:
                f"{peers['node_tok_s']:.1f} tok/s: **{peers['ratio']:.2f}x** (target >= 2.0x). "
                f"Greedy tokens identical for {peers['identical_jobs']}/{peers['jobs']} jobs.", ""]
     md += front.overhead_before_after()
-    md += node_sections.burst() + sections.ticks() + sections.layout() + sections.spec() + sections.kvroute() + sections.chat()
+    md += node_sections.burst() + node_sections.burst("burst-bench-smollm2.json", "SmolLM2-135M-Instruct q8_0, a real model",
+                                                      "--model smollm2-q8_0")
+    md += sections.ticks() + sections.layout() + sections.spec() + sections.kvroute() + sections.chat()
     md += sections.sampling()
     md += node_sections.abuse()
     md += node_sections.rpc()

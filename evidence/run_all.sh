@@ -17,6 +17,9 @@ fi
 python -m meshnode bench peers --preset bench --json evidence/peers-bench.json > evidence/peers-bench.txt 2>&1
 PEER=${MESHNODE_LLAMA_SERVER:+--llama-server $MESHNODE_LLAMA_SERVER}
 python -m meshnode bench burst --preset bench --rounds 3 $PEER --json evidence/burst-bench.json > evidence/burst-bench.txt 2>&1
+if [ -n "$PEER" ]; then  # the same on the real model (its copy made at first use): the trade on its costs
+    python -m meshnode bench burst --model smollm2-q8_0 --rounds 3 $PEER --json evidence/burst-bench-smollm2.json > evidence/burst-bench-smollm2.txt 2>&1
+fi
 if [ -n "$PEER" ]; then  # the peer is the point of this one
     for preset in bench bench-32k; do
         python -m benchmarks structured --preset $preset --rounds 3 $PEER --json evidence/structured-$preset.json > evidence/structured-$preset.txt 2>&1
