@@ -372,3 +372,33 @@ def test_a_lone_decode_row_gets_a_dummy_neighbour_and_rows_beside_others_none():
     deep = LonePads(False, True)  # only past SPLIT_KV_CELLS (flash attention's split-KV path)
     assert pads(at([0], SPLIT_KV_CELLS - 1), 8, deep) == [] and pads(at([0], SPLIT_KV_CELLS), 8, deep) == [1]
     assert pads([(0, 5), (3, SPLIT_KV_CELLS + 9)], 8, deep) == [4] and pads(at([0, 3]), 8, LonePads(False, False)) == []
+
+
+def test_a_drafted_tick_counts_as_the_streams_gap_but_teaches_the_fit_nothing():
+    """The engine adds draft rows to a decode-only tick on its own (engine/drafts.py): the tick the scheduler
+    planned is not the one that ran. Its time is the streams' (the cadence a ratio target counts), but taken
+    as the plan's it put the fit's costs off and counted the tick as running far over its prediction."""
+    def run(drafts: str):
+        engine, sched = scheduler(FakeEngine(n_seq_max=8, n_ctx=8192, n_batch=1024, cost_ms=lambda plan:
+                                             true_ms(plan, 0)), prefix_cache="off", steps_ms=0.0)
+        for i in range(4):
+            sched.submit(Session(f"s{i}", [3 + i, 4, 5] * (20 + 9 * i), 200, ignore_eos=True))
+        decode_ms = []
+        for n in range(160):
+            tick = sched.plan()
+            res = engine.step(tick.plan)
+            if drafts != "none" and n % 3 == 0 and all(len(c.tokens) == 1 for c in tick.plan.chunks):
+                res.step_ms *= 4  # what 4 x 12 draft rows took beside the planned rows
+                res.drafted = 48 if drafts == "said" else 0
+            if all(len(c.tokens) == 1 for c in tick.plan.chunks):
+                decode_ms.append(res.step_ms)
+            sched.apply(tick, res)
+        return sched.cost, decode_ms
+
+    (plain, _), (said, streams_had), (unsaid, _) = run("none"), run("said"), run("unsaid")
+    prompt = shape([(0, 1)] * 4 + [(50, 300)], 0)
+    assert said.predict(prompt) == pytest.approx(plain.predict(prompt), rel=0.02)
+    assert said.outliers == plain.outliers == 0
+    assert unsaid.outliers > 0 and abs(unsaid.predict(prompt) / plain.predict(prompt) - 1) > 0.1  # the old way
+    four = shape([(0, 1)] * 4, 0)
+    assert said.decode_tick_ms(four) == pytest.approx(float(np.median(streams_had[-16:])))

@@ -134,9 +134,14 @@ class TickCost:
         if self._since_fit >= REFIT_MS and self.samples >= MIN_SAMPLES:
             self._fit()
 
-    def observe(self, tick: Shape, ms: float, sized: bool = False, decode_only: bool = False, steps: int = 1) -> None:
+    def observe(self, tick: Shape, ms: float, sized: bool = False, decode_only: bool = False, steps: int = 1,
+                drafted: bool = False) -> None:
         """A step that ran (`ms`, of a tick of `steps` such steps): `sized` when it carried prompt rows beside
-        decode rows, sized to the target; `decode_only` when every row was a sequence's next token."""
+        decode rows, sized to the target; `decode_only` when every row was a sequence's next token. `drafted`:
+        drafts changed its rows (engine/drafts.py: draft rows added, or rows answered from an earlier tick's
+        drafts), so it ran another shape than `tick`: it counts among the decode ticks the streams had, but
+        teaches the fit nothing; taken as `tick`'s time it raised the correction and the sizing quantile, and a
+        burst's prompts went in smaller chunks (docs/operating.md, "Prefill pacing and drafts")."""
         if tick.rows <= 0 or ms <= 0:
             return
         if decode_only:
@@ -145,6 +150,8 @@ class TickCost:
             self._decode_ms[size] = _median(self._decode[size])
             self._cadence.setdefault(size, deque(maxlen=DECODE_TICKS)).append(ms * steps)
             self._cadence_ms[size] = _median(self._cadence[size])
+        if drafted:
+            return
         if self.ready:  # judged by the fit as it stands (refitting per tick is what the laziness saves)
             if ms > 2 * self._expected(tick, sized) + 5:
                 self.outliers += 1

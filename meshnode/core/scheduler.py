@@ -227,7 +227,8 @@ class Scheduler:
         if tick.plan.chunks and result.step_ms > 0 and not deferred:  # a hurried tick's time is not its plan's
             spans = [(c.pos, len(c.tokens)) for c in tick.plan.chunks]
             self.cost.observe(shape(spans, result.kv_cells if self.pool_cells else 0), result.step_ms / result.steps,
-                              sized(spans), decode_only=all(n == 1 for _, n in spans), steps=result.steps)
+                              sized(spans), decode_only=all(n == 1 for _, n in spans), steps=result.steps,
+                              drafted=bool(result.drafted or result.served))
         for seq_id in (missed := set(result.cache_miss)):  # a finished session's last tick may have lost its KV
             self.seqs.lost(seq_id)
         for s, c in tick.chunks:
