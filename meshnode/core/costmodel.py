@@ -141,7 +141,7 @@ class TickCost:
         drafts changed its rows (engine/drafts.py: draft rows added, or rows answered from an earlier tick's
         drafts), so it ran another shape than `tick`: it counts among the decode ticks the streams had, but
         teaches the fit nothing; taken as `tick`'s time it raised the correction and the sizing quantile, and a
-        burst's prompts went in smaller chunks (docs/operating.md, "Prefill pacing and drafts")."""
+        burst's prompts went in smaller chunks (docs/operating.md, under n_batch)."""
         if tick.rows <= 0 or ms <= 0:
             return
         if decode_only:
