@@ -17,14 +17,11 @@ from meshnode.dev.fake import FakeEngine
 from meshnode.engine.followups import Followups
 
 
-def test_steps_come_nearest_the_budget_by_the_rows_measured_time_and_never_pass_a_sessions_last_token():
+def test_steps_fit_the_budget_by_the_rows_measured_time_and_never_pass_a_sessions_last_token():
     assert decode_steps(None, 100, 50.0) == 1  # nothing measured yet
     assert decode_steps(6.0, 100, 50.0) == 8 and decode_steps(6.0, 3, 50.0) == 3
     assert decode_steps(60.0, 100, 50.0) == 1 and decode_steps(6.0, 100, 0.0) == 1
     assert decode_steps(0.1, 1000, 50.0) == MAX_STEPS
-    # a step just over half the budget: two (56 ms) are nearer 50 than one (28 ms); a third of it and more: one
-    assert decode_steps(28.0, 100, 50.0) == 2 and decode_steps(34.0, 100, 50.0) == 1
-    assert decode_steps(11.5, 100, 50.0) == 4 and decode_steps(9.5, 100, 50.0) == 5
 
 
 def sessions(stops=None):

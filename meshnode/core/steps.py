@@ -6,13 +6,12 @@ it both ways, each client hears of it. On a small CPU that work runs beside the 
 user"). Where the next tick's plan could not differ (every running session decoding, no prompt to prefill,
 nobody queued who could start: the plan starts whoever fits first), a tick runs its decode rows several
 times in a row instead (vLLM's multi-step scheduling):
-about `budget_ms` of them by what decode ticks of these rows took lately, never past a session's last token,
+as many as fit `budget_ms` by what decode ticks of these rows took lately, never past a session's last token,
 and each row stops on a token that ends its session (Plan.ends: its end of generation, a stop token), so an
 answer that ends early is not held back by steps computed for nothing.
 What it costs: a request that arrives meanwhile, or waits for a slot that a session ending on its end token
-frees, waits about `budget_ms` longer to start (4/3 of it at most where a tick runs several steps; a
-session's last token by length ends the tick: a queued request starts at once), a cancel as long to take
-effect, and tokens reach a client a few at a time.
+frees, waits at most `budget_ms` longer to start (a session's last token by length ends the tick: a queued
+request starts at once), a cancel as long to take effect, and tokens reach a client a few at a time.
 """
 from __future__ import annotations
 
@@ -21,14 +20,10 @@ MAX_STEPS = 16  # the most steps one tick runs, however fast a step (engine/base
 
 def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
     """Steps for a decode-only tick whose rows' ticks took `decode_ms` lately (None: not known yet), where
-    the session nearest its end may sample `left` more tokens: the count whose time is nearest the budget.
-    Those that fit it, rounded down, put a step of just over half the budget on the edge between one step a
-    tick and two, and a step's time drifts a few percent: eight rows of SmolLM2 q8_0 at 25-31 ms ran one or
-    two steps a tick from one node to the next, and the node with one paid its tick's work twice as often
-    (docs/operating.md, decode_steps_ms)."""
+    the session nearest its end may sample `left` more tokens."""
     if not decode_ms or budget_ms <= 0 or left <= 1:
         return 1
-    return max(1, min(MAX_STEPS, left, int(budget_ms / decode_ms + 0.5)))
+    return max(1, min(MAX_STEPS, left, int(budget_ms // decode_ms)))
 
 
 def plan_steps(chunks: list, running: int, prefilling: bool, decode_ms: float | None, budget_ms: float,
