@@ -72,6 +72,19 @@ def plots(sweeps: dict) -> list[str]:
     return made
 
 
+# the real model's node-vs-in-process runs, oldest first: each file's name and what its runs changed
+REAL_OVERHEAD = [
+    ("overhead-bench-smollm2", ""),
+    ("overhead-bench-smollm2-calibrated", ", both sides on the node's policy and calibration (Scheduler.calibrated), "
+                                          "multi-step ticks"),
+    ("overhead-bench-smollm2-queued-steps", ", multi-step ticks also while the queue waits for a slot (the 16 jobs "
+                                            "queue behind the concurrency), each row stopping on its end token"),
+    ("overhead-bench-smollm2-node-budget", ", the in-process side on the node's own budget (the prefill room a tick "
+                                           "has, where the runs above capped it at 64 tokens a tick and so flattered "
+                                           "the node)"),
+]
+
+
 def overhead_section(o: dict | None, name: str, intro: str = "", what: str = "bench model, 16 jobs, concurrency 8",
                      args: str = "--preset bench") -> list[str]:
     if not o:
@@ -126,30 +139,10 @@ def main() -> int:
     md += overhead_section(overhead, "overhead-bench.json")
     md += overhead_section(load("overhead-bench-no-openmp.json"), "overhead-bench-no-openmp.json",
                            "The same, on a llama.cpp built without OpenMP (README, Set-up): ")
-    for c in (1, 8):  # the real model, the engine as a node configures it (deterministic, speculation)
-        md += overhead_section(load(f"overhead-bench-smollm2-c{c}.json"), "overhead-bench-smollm2.json",
-                               what=f"SmolLM2-135M-Instruct q8_0, a real model, 16 jobs, concurrency {c}",
-                               args="--model smollm2-q8_0 --levels 1,8")
-    for c in (1, 8):  # the same on 2026-12-06's code, the in-process side calibrated as the node's engine is
-        md += overhead_section(load(f"overhead-bench-smollm2-calibrated-c{c}.json"),
-                               "overhead-bench-smollm2-calibrated.json",
-                               what=f"SmolLM2-135M-Instruct q8_0, 16 jobs, concurrency {c}, both sides on the node's "
-                                    "policy and calibration (Scheduler.calibrated), multi-step ticks",
-                               args="--model smollm2-q8_0 --levels 1,8")
-    for c in (1, 8):  # stop 62: multi-step ticks also while the queue waits for a slot, rows stopping on their end
-        md += overhead_section(load(f"overhead-bench-smollm2-queued-steps-c{c}.json"),
-                               "overhead-bench-smollm2-queued-steps.json",
-                               what=f"SmolLM2-135M-Instruct q8_0, 16 jobs, concurrency {c}, multi-step ticks also "
-                                    "while the queue waits for a slot (the 16 jobs queue behind the concurrency), each "
-                                    "row stopping on its end token",
-                               args="--model smollm2-q8_0 --levels 1,8")
-    for c in (1, 8):  # stop 64: the in-process side on the node's budget (a tick's prefill room, not 64 tokens)
-        md += overhead_section(load(f"overhead-bench-smollm2-node-budget-c{c}.json"),
-                               "overhead-bench-smollm2-node-budget.json",
-                               what=f"SmolLM2-135M-Instruct q8_0, 16 jobs, concurrency {c}, the in-process side on the "
-                                    "node's own budget (the prefill room a tick has, where the runs above capped it at "
-                                    "64 tokens a tick and so flattered the node)",
-                               args="--model smollm2-q8_0 --levels 1,8")
+    for name, what in REAL_OVERHEAD:  # the real model at 1 and 8 sessions, one file per level
+        for c in (1, 8):
+            md += overhead_section(load(f"{name}-c{c}.json"), f"{name}.json", args="--model smollm2-q8_0 --levels 1,8",
+                                   what=f"SmolLM2-135M-Instruct q8_0, a real model, 16 jobs, concurrency {c}{what}")
     if peers:
         md += ["## Peer: llama-cpp-python serving one request at a time (bench model, 16 jobs)", "",
                "`meshnode bench peers --preset bench --json evidence/peers-bench.json`", "",
