@@ -2,12 +2,13 @@
 
 4 sessions decode steadily; then 4 new sessions arrive with 1,000-token prompts. Each
 round runs, side by side: the node with its default settings (prefill sized by a tick
-target of 8 decode ticks), the node allowed whole-batch ticks (prompt chunks as large as a tick
-carries, the streams waiting for each: the other end of the trade the target makes), the node
-with the old fixed 64-token chunk, and, given `--llama-server PATH`, llama.cpp's server with 8 slots. Measured: the in-flight sessions' inter-token gaps
-steady and during the burst, and each burst prompt's first-token delay. On the node, the
-`capacity` estimate of a 1,000-token prompt's first-token delay is also checked against the
-measured delay: on the idle node (a lone prompt) and on the busy one (the first burst prompt).
+target of 8 decode ticks), the node allowed whole-batch ticks (prompt chunks as large as a
+tick carries, the streams waiting for each: the other end of the trade the target makes),
+the node with the old fixed 64-token chunk, and, given `--llama-server PATH`, llama.cpp's
+server with 8 slots. Measured: the in-flight sessions' inter-token gaps steady and during
+the burst, and each burst prompt's first-token delay. On the node, the `capacity` estimate
+of a 1,000-token prompt's first-token delay is also checked against the measured delay: on
+the idle node (a lone prompt) and on the busy one (the first burst prompt).
 """
 from __future__ import annotations
 
