@@ -22,7 +22,7 @@ and the unified KV layout (draft cells could take cells another session was prom
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -129,7 +129,8 @@ class Speculator:
         self._guesses: dict[int, Guesses] = {}  # sequence -> its lookup's guesses, right and wrong
         self._guessed: dict[int, tuple[int, int]] = {}  # this tick's undrafted rows: (the lookup's guess, match)
         self._looked: dict[int, tuple[int, int]] = {}  # this tick's drafted rows: (the lookup's own drafts, match)
-        self._yields: dict[int, Yield] = {}  # sequence -> what its drafted ticks gave of what they promised
+        # sequence -> what its drafted ticks gave of what they promised
+        self._yields: defaultdict[int, Yield] = defaultdict(Yield)
         self._expected: dict[int, float] = {}  # this tick's drafted rows: the skips their chains promised
         self.row_cost = RowCost()
 
@@ -151,7 +152,7 @@ class Speculator:
             return {}  # nobody looks: even drafts that are always right would not pay
         found = {c.seq_id: self._propose(c, k_max) for c in rows}
         for c in rows:  # a computed tick: what its drafts gave before fades a step
-            self._yield_of(c.seq_id).tick()
+            self._yields[c.seq_id].tick()
         model = self._model_drafts is not None and (self.mode == "draft" or not all(found.values()))
         source = "model" if model else "lookup"
         self._source = source
@@ -167,7 +168,7 @@ class Speculator:
             k, self._source = max(k, min(free, k_max)), "model" if model else "lookup"
         else:
             chains = [self._guesses_of(c.seq_id).chain(self._match(c.seq_id), k_max) for c in rows]
-            yields = [self._yield_of(c.seq_id) for c in rows]
+            yields = [self._yields[c.seq_id] for c in rows]
             k = draft_len([[p * y.factor for p in ch] for ch, y in zip(chains, yields)], len(rows) + pads,
                           self.row_cost, k_max, self._k_min, free)
             self._expected = {c.seq_id: sum(ch[:k]) for c, ch in zip(rows, chains)}
@@ -204,12 +205,6 @@ class Speculator:
         if g is None:
             g = self._guesses[seq] = Guesses(self._shared_guesses)
         return g
-
-    def _yield_of(self, seq: int) -> Yield:
-        y = self._yields.get(seq)
-        if y is None:
-            y = self._yields[seq] = Yield()
-        return y
 
     def _match(self, seq: int) -> int:
         return self.lookup.match.get(seq, KEY)
