@@ -146,8 +146,9 @@ class RowCost:
 
     def __init__(self, points=()):
         self._seed: dict[int, float] = {}
-        for rows, ms in sorted(points):  # one timing a shape, noisy (the first of its graph): a count that
-            self._seed[rows] = max(ms, *self._seed.values(), 0.0)  # timed cheaper than fewer rows takes theirs
+        top = 0.0  # one timing a shape, noisy (the first of its graph): a count timed cheaper than fewer rows
+        for rows, ms in sorted(points):  # takes theirs
+            top = self._seed[rows] = max(top, ms)
         self._ms: dict[int, float] = {}  # row count -> ms in service
         self._drift = 1.0  # how many times their seeds the ticks of several rows seen in service take
         self._known: dict[int, float] = {}
