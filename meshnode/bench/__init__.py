@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
     p.add_argument("--kill-every", type=float, default=10.0, help="soak: seconds between engine kills")
     p.add_argument("--phase-s", type=float, default=2.0, help="abuse: seconds per steady or abuse phase")
     p.add_argument("--rounds", type=int, default=3, help="abuse, layout, chat, burst, sampling, ticks, rpc, structured, gateway, "
-                   "scale: rounds")
+                   "scale: rounds; overhead: passes over the six orders of its three sides (a round each)")
     p.add_argument("--kinds", help="abuse: only these abusers (comma-separated), to find which one hurts")
     p.add_argument("--modes", help="layout: modes to compare, the first the base (default streams,deterministic; "
                    "also unified)")
