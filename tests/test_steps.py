@@ -19,9 +19,16 @@ from meshnode.engine.followups import Followups
 
 def test_steps_fit_the_budget_by_the_rows_measured_time_and_never_pass_a_sessions_last_token():
     assert decode_steps(None, 100, 50.0) == 1  # nothing measured yet
-    assert decode_steps(6.0, 100, 50.0) == 8 and decode_steps(6.0, 3, 50.0) == 3
+    assert decode_steps(6.0, 100, 50.0) == 9 and decode_steps(6.0, 3, 50.0) == 3  # 54 ms: within a tenth over
     assert decode_steps(60.0, 100, 50.0) == 1 and decode_steps(6.0, 100, 0.0) == 1
     assert decode_steps(0.1, 1000, 50.0) == MAX_STEPS
+
+
+def test_a_step_count_that_misses_the_budget_by_less_than_a_tenth_still_runs():
+    """8 rows of SmolLM2 q8_0 on 2 cores take 23-27 ms a step: a node whose own timing put them just over 25 ms
+    ran one step a tick where the engine in process ran two, and its extra ticks slowed its steps further."""
+    assert decode_steps(25.5, 100, 50.0) == decode_steps(24.5, 100, 50.0) == 2
+    assert decode_steps(27.4, 100, 50.0) == 2 and decode_steps(27.6, 100, 50.0) == 1
 
 
 def sessions(stops=None):
@@ -165,7 +172,7 @@ def test_a_row_stops_on_the_token_that_ends_its_session_and_the_steps_after_it_n
     events = Pipelined(s, e).run_to_completion() if pipelined else run_to_completion(s, e)
     got = {ev.session.key: (ev.reason, ev.tokens) for ev in events if ev.kind == "done"}
     assert got == want and [got[i][0] for i in range(4)] == [R.STOP, R.STOP, R.STOP, R.LENGTH]
-    assert max(p.steps for p in e.plans) == 15 and any(p.ends for p in e.plans)
+    assert max(p.steps for p in e.plans) == decode_steps(1.0, 100, 15.0) > 1 and any(p.ends for p in e.plans)
     for x in sessions_[:3]:
         assert e.fed[x.seq_id] <= len(x.prompt) + x.n_generated - 2, x.key
     assert e.fed[sessions_[3].seq_id] >= len(sessions_[3].prompt) + 60 - 2

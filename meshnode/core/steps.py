@@ -6,16 +6,24 @@ it both ways, each client hears of it. On a small CPU that work runs beside the 
 user"). Where the next tick's plan could not differ (every running session decoding, no prompt to prefill,
 nobody queued who could start: the plan starts whoever fits first), a tick runs its decode rows several
 times in a row instead (vLLM's multi-step scheduling):
-as many as fit `budget_ms` by what decode ticks of these rows took lately, never past a session's last token,
+as many as fit `budget_ms` (or miss it by less than STEPS_SLACK) by what decode ticks of these rows took lately,
+never past a session's last token,
 and each row stops on a token that ends its session (Plan.ends: its end of generation, a stop token), so an
 answer that ends early is not held back by steps computed for nothing.
 What it costs: a request that arrives meanwhile, or waits for a slot that a session ending on its end token
-frees, waits at most `budget_ms` longer to start (a session's last token by length ends the tick: a queued
+frees, waits at most `budget_ms` (and the slack) longer to start (a session's last token by length ends the tick: a queued
 request starts at once), a cancel as long to take effect, and tokens reach a client a few at a time.
 """
 from __future__ import annotations
 
 MAX_STEPS = 16  # the most steps one tick runs, however fast a step (engine/base.py accepts up to 64)
+# how far past budget_ms the steps may go: a count whose steps miss the budget by less than this still runs. A
+# budget exactly a whole number of steps is common (8 rows of SmolLM2 q8_0 on 2 cores take 23-27 ms a step
+# against the default 50): there a node fell to one step a tick on its own timing noise, and the front's work
+# of each extra tick, beside the decode on cores llama.cpp holds, slowed its steps and kept it there (the
+# pipelined node ran 44-66 ticks where the engine in process ran 35-58 for the same tokens:
+# evidence/overhead-bench-smollm2-kept-c8.json)
+STEPS_SLACK = 0.1
 
 
 def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
@@ -23,7 +31,7 @@ def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
     the session nearest its end may sample `left` more tokens."""
     if not decode_ms or budget_ms <= 0 or left <= 1:
         return 1
-    return max(1, min(MAX_STEPS, left, int(budget_ms // decode_ms)))
+    return max(1, min(MAX_STEPS, left, int(budget_ms * (1 + STEPS_SLACK) // decode_ms)))
 
 
 def plan_steps(chunks: list, running: int, prefilling: bool, decode_ms: float | None, budget_ms: float,

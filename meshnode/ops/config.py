@@ -151,8 +151,8 @@ class NodeConfig:
     pipeline_depth: int = setting(2, "ticks in flight: 2 plans the next tick while the engine runs one; 1 = lockstep",
                                   range=(1, 2))
     decode_steps_ms: float = setting(50.0, "where every session decodes and no prompt is prefilled, a tick runs the decode "
-                                     "rows again for up to this long (fewer plans, answers and client messages a "
-                                     "token: core/steps.py); 0 = one step a tick", range=(0, 1000))
+                                     "rows again for up to this long, or a tenth longer (fewer plans, answers and "
+                                     "client messages a token: core/steps.py); 0 = one step a tick", range=(0, 1000))
     gather_ms: float = setting(1.0, "on an idle engine, the first tick waits until no request has come for this "
                                f"long (at most {GATHER_SPAN}x): requests sent together start together; 0 = at once",
                                range=(0, 100))
