@@ -84,6 +84,9 @@ REAL_OVERHEAD = [
                                            "the node)"),
     ("overhead-bench-smollm2-kept", ", each side started once and kept across 18 rounds, as a serving node is, "
                                     "each round's prompts new (the runs above started every side afresh, 6 rounds)"),
+    ("overhead-bench-smollm2-slack", ", a step count that misses decode_steps_ms by less than a tenth still runs "
+                                     "(core/steps.py, STEPS_SLACK; the runs above: one step where 8 rows' steps "
+                                     "took just over 25 ms)"),
 ]
 
 
@@ -202,7 +205,7 @@ def main() -> int:
            "- On these 2 cores pipelining hides the front's work from the engine's gap between steps, not",
            "  from its CPU: the front and the benchmark's client run during the decode and slow it down. Single",
            "  rounds of the overhead bench swing far more than that cost (see the tables), so its verdict uses",
-           "  all six rounds together.",
+           "  all its rounds together (18 a level, on sides kept across them, since 2026-12-06).",
            "- The demo models have random weights: throughput is real, text is not meaningful.",
            "- llama.cpp is not batch-invariant: with f16 weights, greedy tokens can differ when the same job",
            "  shares ticks with different neighbours (seen rarely on the bench model, never on the f32 tiny",

@@ -21,7 +21,7 @@ MAX_STEPS = 16  # the most steps one tick runs, however fast a step (engine/base
 # budget exactly a whole number of steps is common (8 rows of SmolLM2 q8_0 on 2 cores take 23-27 ms a step
 # against the default 50): there a node fell to one step a tick on its own timing noise, and the front's work
 # of each extra tick, beside the decode on cores llama.cpp holds, slowed its steps and kept it there (the
-# pipelined node ran 44-66 ticks where the engine in process ran 35-58 for the same tokens:
+# pipelined node ran 35-66 ticks where the engine in process ran 35-58 for the same tokens:
 # evidence/overhead-bench-smollm2-kept-c8.json)
 STEPS_SLACK = 0.1
 
