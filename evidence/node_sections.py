@@ -140,6 +140,15 @@ def gateway() -> list[str]:
                f"--rounds {n} --sides 'c1 zmq,c1 http,c8 zmq,c8 http' --tokens {pairs['tokens_per_session']} --json "
                f"evidence/{file}` (the same node, the ZeroMQ client and the gateway on alternating turns).{why}", ""]
         md += [f"- {line}" for line in pairs["verdict"]] + [""]
+    for file, what, args in (("gateway-mix-bench.json", "bench model", "--preset bench"),
+                             ("gateway-mix-smollm2.json", "SmolLM2-135M-Instruct q8_0, a real model", "--model smollm2-q8_0")):
+        if mix := load(file):
+            ours, peer = mix["runs"]["mix gateway"], mix["runs"]["mix llama-server"]
+            md += [f"The 16-job mix at concurrency 8 over HTTP beside llama-server ({what}): `meshnode bench gateway "
+                   f"{args} --sides 'mix gateway,mix llama-server' --rounds {len(ours)} --llama-server PATH --json "
+                   f"evidence/{file}`, on {mix['build']}. Gateway + node / llama-server by round: "
+                   + ", ".join(f"{a['tok_s'] / b['tok_s']:.3f}" for a, b in zip(ours, peer)) + ".", ""]
+            md += [f"- {line}" for line in mix["verdict"]] + [""]
     if stacks:
         m = stacks["median"]
         md += ["Why aiohttp (`tools/http_stacks.py --rounds 3 --json evidence/http-stacks.json`, "
