@@ -402,3 +402,18 @@ def test_a_drafted_tick_counts_as_the_streams_gap_but_teaches_the_fit_nothing():
     assert unsaid.outliers > 0 and abs(unsaid.predict(prompt) / plain.predict(prompt) - 1) > 0.1  # the old way
     four = shape([(0, 1)] * 4, 0)
     assert said.decode_tick_ms(four) == pytest.approx(float(np.median(streams_had[-16:])))
+
+
+def test_a_burst_target_counts_the_steps_the_budget_fits_not_the_one_its_slack_adds():
+    """8 rows at 27 ms a step run two steps a tick under decode_steps_ms 50 (its slack: 54 ms); a tick with prompt
+    rows beside them is bounded by 8 one-step ticks, as before the slack, where 4 rows at 20 ms keep their two."""
+    eight, four = shape([(100, 1)] * 8, 0), shape([(100, 1)] * 4, 0)
+    cost = TickCost()
+    for _ in range(5):
+        cost.observe(eight, 27.0, decode_only=True, steps=2)
+        cost.observe(four, 20.0, decode_only=True, steps=2)
+    assert cost.cadence_ms(eight) == 54.0 and cost.cadence_ms(four) == 40.0
+    assert TickTarget(0.0, 8.0, 50.0).bound_ms(cost, eight) == 8 * 27.0
+    assert TickTarget(0.0, 8.0, 50.0).bound_ms(cost, four) == 8 * 40.0
+    assert TickTarget(0.0, 8.0).bound_ms(cost, eight) == 8 * 54.0  # a target told of no budget counts every step
+    assert TickTarget(0.0, 8.0, 0.0).bound_ms(cost, eight) == 8 * 27.0  # one step a tick: the step

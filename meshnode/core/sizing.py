@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from meshnode.core.costmodel import (TILE_ROWS, Shape, TickCost, fill, fill_deterministic, rows_per_call, shape,
                                      sized)
+from meshnode.core.steps import budget_cadence
 
 COLD_PREFILL = 64  # prompt tokens per tick beside decoders until the model has learned the engine
 MIN_PREFILL = 8  # however tight the target, prompts advance
@@ -26,15 +27,25 @@ class TickTarget(NamedTuple):
     wait between two deliveries is the same number of the decoders' own on a slow CPU and a fast GPU, with
     one step a tick or several; neither: fixed chunks. Counted per step, a node whose streams get their
     tokens four steps a tick paced a burst at twice their steady gap, in small chunks each beside a decode
-    call of its own, and a burst's last prompt started far later than llama-server's (evidence/tick-pacing.md)."""
+    call of its own, and a burst's last prompt started far later than llama-server's (evidence/tick-pacing.md).
+    `steps_ms` (decode_steps_ms, where the node sets it): the steps counted are at most those the budget fits,
+    not the one more its slack lets run (core/steps.py): with it, 8 rows of SmolLM2 q8_0 at 27 ms a step ran
+    two a tick, 54 ms where 4 rows' ticks took 40, and a burst's tick beside them took 507 ms, 13x the streams'
+    steady gap (evidence/burst-bench-smollm2-slack-only.txt, its third round)."""
     ms: float = 0.0
     ratio: float = 0.0
+    steps_ms: float | None = None
 
     def __bool__(self) -> bool:
         return bool(self.ms or self.ratio)
 
     def bound_ms(self, cost: TickCost, decode_only: Shape) -> float:
-        return self.ms or max(MIN_TARGET_MS, self.ratio * cost.cadence_ms(decode_only))
+        if self.ms:
+            return self.ms
+        cadence = cost.cadence_ms(decode_only)
+        if self.steps_ms is not None:
+            cadence = min(cadence, budget_cadence(cost.decode_tick_ms(decode_only), self.steps_ms))
+        return max(MIN_TARGET_MS, self.ratio * cadence)
 
 
 def within_target(cost: TickCost, target: TickTarget, decode: list, unified_cells: int, chunks: list) -> int:

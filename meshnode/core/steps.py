@@ -34,6 +34,12 @@ def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
     return max(1, min(MAX_STEPS, left, int(budget_ms * (1 + STEPS_SLACK) // decode_ms)))
 
 
+def budget_cadence(decode_ms: float, budget_ms: float) -> float:
+    """How far apart a decode-only tick of steps of `decode_ms` delivers tokens with the steps the budget fits,
+    not the slack's: what a burst's tick target counts (core/sizing.py, TickTarget)."""
+    return decode_ms * max(1, min(MAX_STEPS, int(budget_ms // decode_ms))) if budget_ms > 0 else decode_ms
+
+
 def plan_steps(chunks: list, running: int, prefilling: bool, decode_ms: float | None, budget_ms: float,
                eog: frozenset) -> tuple[int, dict]:
     """Steps for a tick of (session, chunk) pairs: more than one only where every one of the `running`

@@ -299,7 +299,8 @@ class NodeConfig:
 
     def scheduler(self) -> SchedulerConfig:
         """The scheduler's part of resolve(), which needs no model."""
-        target = TickTarget(self.tick_target_ms or 0.0, self.tick_target_ratio if self.tick_target_ms is None else 0.0)
+        target = TickTarget(self.tick_target_ms or 0.0, self.tick_target_ratio if self.tick_target_ms is None else 0.0,
+                            self.decode_steps_ms)
         return SchedulerConfig(self.prefix_cache, target, self.gather_ms, bool(self.kv_events), self.scheduling_policy,
                                self.priority_reserved_slots, self.decode_steps_ms)
 
