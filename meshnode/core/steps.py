@@ -29,15 +29,20 @@ STEPS_SLACK = 0.1
 def decode_steps(decode_ms: float | None, left: int, budget_ms: float) -> int:
     """Steps for a decode-only tick whose rows' ticks took `decode_ms` lately (None: not known yet), where
     the session nearest its end may sample `left` more tokens."""
-    if not decode_ms or budget_ms <= 0 or left <= 1:
+    if not decode_ms or left <= 1:
         return 1
-    return max(1, min(MAX_STEPS, left, int(budget_ms * (1 + STEPS_SLACK) // decode_ms)))
+    return min(left, _fitting(decode_ms, budget_ms * (1 + STEPS_SLACK)))
 
 
 def budget_cadence(decode_ms: float, budget_ms: float) -> float:
     """How far apart a decode-only tick of steps of `decode_ms` delivers tokens with the steps the budget fits,
     not the slack's: what a burst's tick target counts (core/sizing.py, TickTarget)."""
-    return decode_ms * max(1, min(MAX_STEPS, int(budget_ms // decode_ms))) if budget_ms > 0 else decode_ms
+    return decode_ms * _fitting(decode_ms, budget_ms)
+
+
+def _fitting(decode_ms: float, budget_ms: float) -> int:
+    """Steps of `decode_ms` (> 0) that fit `budget_ms`: at least one, at most MAX_STEPS; one without a budget."""
+    return max(1, min(MAX_STEPS, int(budget_ms // decode_ms))) if budget_ms > 0 else 1
 
 
 def plan_steps(chunks: list, running: int, prefilling: bool, decode_ms: float | None, budget_ms: float,
