@@ -37,6 +37,7 @@ from meshnode.bench import llama_build, model_path
 from meshnode.core.budget import NodeBudget
 from meshnode.core.scheduler import Scheduler
 from meshnode.core.session import Session
+from meshnode.core.telemetry import WAIT_WINDOW
 from meshnode.dev.drive import run_to_completion
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine.llama import LlamaEngine
@@ -182,7 +183,9 @@ def level(a, concurrency: int, several: bool) -> None:
           f"concurrency {concurrency}, threads {threads}, {rounds} rounds on sides kept across them; {llama_build()}")
     print("tok/s: in-process, node (pipelined, the default), node in lockstep (--pipeline-depth 1).")
     print("engine wait = the engine's time between two steps, from one result being ready to the next step "
-          "starting, measured in the engine: the front + IPC cost per tick.")
+          "starting, measured in the engine: the front + IPC cost per tick. Its mean is the round's own; its p50 "
+          f"and p90 are the node's telemetry's, over its last {WAIT_WINDOW} ticks as the round ends (the kept node's "
+          "earlier rounds too).")
     print(f"{'run':>4}{'in-proc':>9}{'node':>8}{'lockstep':>10}{'ratio':>7}{'lockstep':>10}"
           f"{'wait p50 us':>13}{'p90':>6}{'mean':>6}{'lockstep p50':>14}{'non-engine us/tick ip/node/lock':>33}")
     figures = []
