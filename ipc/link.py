@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from ipc import seqpacket
+from ipc import seqpacket, seqstate
 from ipc.protocol import pack, unpack
 from meshnode.core.types import (POOLINGS, Constrained, Device, EngineInfo, Grammar, Keep, Load, Logprob, Plan,
                                  Release, Sampling, Save, SeqChunk, Share, StepResult)
@@ -299,7 +299,8 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
             return Hello(m["pid"], EngineInfo(**{k: info[k] for k in _INFO} | {
                 "eog": tuple(info["eog"]), "calibration": tuple((int(c), int(r), float(a), float(s), bool(z), float(ms))
                                        for c, r, a, s, z, ms in info["calibration"]),
-                "devices": tuple(Device(**{**d, "layers": tuple(d["layers"])}) for d in info["devices"])}))
+                "devices": tuple(Device(**{**d, "layers": tuple(d["layers"])}) for d in info["devices"]),
+                "kv_state": _kv_state(info["kv_state"])}))
         if kind == "grammar":
             if not isinstance(m["text"], str) or not isinstance(m["key"], str):
                 raise ValueError("grammar key and text must be strings")
@@ -315,6 +316,11 @@ def decode(data, arena=None, grammars: dict | None = None) -> Message:
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed engine link message {kind!r}: {e!r}") from None
     raise ValueError(f"unknown engine link message kind {kind!r}")
+
+
+def _kv_state(v) -> tuple:
+    layout = seqstate.Layout.of(v)
+    return layout.wire() if layout else ()
 
 
 def _logprobs(v) -> dict[int, Logprob]:

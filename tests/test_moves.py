@@ -123,11 +123,11 @@ def test_a_kv_changed_cut_or_of_other_tokens_is_refused_before_admission(nodes):
     r = refusal(cb, "other", other)
     assert r["reason"] == R.REJECTED_BAD_REQUEST and "other tokens" in r["detail"]
     r = refusal(cb, "huge", {**state, "kv": {**kv, "bytes": 1 << 40}}, [])
-    assert r["reason"] == R.REJECTED_BAD_REQUEST and "more than" in r["detail"]
+    assert r["reason"] == R.REJECTED_BAD_REQUEST and "positions take on this node" in r["detail"]
     junk = b"not a state" * 100
     r = refusal(cb, "junk", {**state, "kv": {**kv, "data": junk, "bytes": len(junk),
                                             "sha256": hashlib.sha256(junk).hexdigest()}})
-    assert r["reason"] == R.REJECTED_BAD_REQUEST and "not this node's kind" in r["detail"]
+    assert r["reason"] == R.REJECTED_BAD_REQUEST and "positions take on this node" in r["detail"]
     with pytest.raises(RuntimeError, match="UNKNOWN_SESSION"):  # a kv part of no import
         cb.sock.send_multipart(M.kv_requests("nobody", b"x")[0])
         ev = cb.wait_for(lambda e: e.get("id") == "nobody")

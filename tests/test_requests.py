@@ -64,7 +64,7 @@ class Front:
 def front(clock, **kw):
     _, sched = scheduler(clock=clock)
     replies, texts = [], Texts()
-    kw.setdefault("moves", Moves(1024, clock))
+    kw.setdefault("moves", Moves(None, 8, clock))
     reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), status=lambda n: E.pong(), **kw)
     return sched, Front(reqs, replies), texts, replies
 

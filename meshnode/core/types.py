@@ -301,6 +301,7 @@ class EngineInfo:
     deterministic_problem: str = ""  # why not, where it was left to the engine (one line, with the fix)
     calibration: tuple = ()  # ((calls, rows, attention, attention in small calls, sized, ms), ...): core/costmodel.py: ticks of known shapes the engine ran at start
     devices: tuple[Device, ...] = ()  # where the model is, when llama.cpp reports it (the llama engine)
+    kv_state: tuple = ()  # ipc/seqstate.Layout.wire(): what its KV state files hold; () where it cannot say (no KV imports)
 
     @property
     def host_weight_bytes(self) -> int:
@@ -325,4 +326,5 @@ class EngineInfo:
         return cls(engine.n_vocab, engine.eos, tuple(engine.eog), engine.n_seq_max, engine.n_ctx, engine.n_ctx_seq,
                    engine.n_batch, engine.kv_bytes_per_token, engine.weight_bytes, engine.recipe_fingerprint,
                    bool(getattr(engine, "deterministic", False)), getattr(engine, "deterministic_problem", ""),
-                   tuple(tuple(x) for x in calibration), tuple(getattr(engine, "devices", ())))
+                   tuple(tuple(x) for x in calibration), tuple(getattr(engine, "devices", ())),
+                   tuple(getattr(engine, "kv_state", ())))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-import msgpack
 import numpy as np
 
 from ipc import seqstate
@@ -104,22 +103,27 @@ class FakeEngine(Engine):
     def share_kv(self, src: int, dst: int, n: int) -> None:
         self._hashes[dst] = self._hashes[src][:n]
 
+    # its "KV" in llama.cpp's own state format, so the front's checks (ipc/seqstate.py) run on it as on
+    # llama.cpp's: one layer whose K row is a position's rolling hash in four 16-bit f32 values, V a zero
+    kv_state = seqstate.Layout(1, False, ((0, 16),), ((0, 4, 0),)).wire()
+
     def save_kv(self, seq_id: int, path: str, tokens: list[int]) -> int:
-        """llama.cpp's head (the tokens), then its "KV" (the rolling hashes) as msgpack: the front's moves run
-        on it as on llama.cpp."""
-        data = seqstate.head(tokens) + msgpack.packb(self._hashes[seq_id][:len(tokens)])
-        with open(path, "wb") as f:
-            f.write(data)
-        return len(data)
+        hashes = np.asarray(self._hashes[seq_id][:len(tokens)], np.uint64)
+        keys = np.stack([(hashes >> np.uint64(16 * i)) & np.uint64(0xFFFF) for i in range(4)], 1).astype("<f4")
+        parsed = seqstate.Parsed(list(tokens), [keys.tobytes()], [np.zeros(len(tokens), "<f4").tobytes()])
+        return seqstate.write(path, seqstate.Layout.of(self.kv_state), parsed)
 
     def load_kv(self, seq_id: int, path: str, n: int) -> list[int] | None:
+        """The files it is given are the front's (seqstate.canonical): read as such, any other refused."""
         try:
-            tokens = seqstate.tokens_in(path)
             with open(path, "rb") as f:
-                hashes = msgpack.unpackb(f.read()[12 + 4 * len(tokens):])
+                data = f.read()
+            tokens = seqstate.tokens_in(path)
+            parsed = seqstate.parse(data, seqstate.Layout.of(self.kv_state), tokens, self.n_seq_max)
         except (OSError, ValueError):
             return None
-        if not isinstance(hashes, list) or len(hashes) < n or len(tokens) < n:
+        if len(tokens) < n:
             return None
-        self._hashes[seq_id] = list(hashes[:n])
+        k = np.frombuffer(parsed.keys[0], "<f4").reshape(-1, 4).astype(np.uint64)
+        self._hashes[seq_id] = [int(sum(int(x) << (16 * i) for i, x in enumerate(row))) for row in k[:n]]
         return tokens[:n]

@@ -88,6 +88,7 @@ class LlamaEngine(Engine):
         self._b = Batch(lc, self._ctx, self.n_batch, self.n_vocab)
         # which lone decode rows get a dummy neighbour (engine/invariant.py): as the start-up check finds
         self.lone_pads = invariant.LonePads(False, False)
+        self.kv_state = self._describe_kv()
         if self.deterministic:
             self._check_deterministic()
         self.recipe_fingerprint = cfg.recipe(self.deterministic, devices.fingerprint(self.devices))
@@ -112,6 +113,30 @@ class LlamaEngine(Engine):
         cp.flash_attn_type = FLASH_ATTN[cfg.flash]
         llamacpp.new_context(self, cp)
         return threads
+
+    def _describe_kv(self) -> tuple:
+        """The layout of this context's state files (ipc/seqstate.Layout), learned from one it writes itself
+        for a one-token sequence: what the front checks every imported KV against. () where seqstate cannot
+        check this model's files (the front then refuses KV imports and they are prefilled)."""
+        import tempfile
+
+        from ipc import seqstate
+
+        p = 0  # llama.cpp's own sequence 0, before the front has any: cleared after
+        fd, path = tempfile.mkstemp(prefix="meshnode-kvlayout-")
+        os.close(fd)
+        try:
+            self._b.n = self._b.put(0, [self.eos], 0, p)
+            if self._b.decode() != 0 or self.kv.save(p, path, [self.eos]) <= 0:
+                raise ValueError("llama.cpp did not write it")
+            return seqstate.Layout.wire(seqstate.learn(path))
+        except ValueError as e:
+            llamacpp.log.warning("KV imports off: this model's state files are not of a kind the node checks (%s)", e)
+            return ()
+        finally:
+            self._b.n = 0
+            self.kv.clear()
+            os.unlink(path)
 
     def _check_deterministic(self) -> None:
         """The start-up self-check (engine/invariant.py): where a row's bits move with its neighbours, the
@@ -367,7 +392,7 @@ class LlamaEngine(Engine):
         """llama.cpp checks the file's format and that its cells fit; the positions it holds are checked here."""
         p = seq_id if self._ids is None else self._ids[seq_id]
         tokens = self.kv.load(p, path, self.n_ctx_seq)
-        if tokens is None or len(tokens) < n or self.kv.positions(p) < n:
+        if tokens is None or len(tokens) < n or self.kv.positions(p) < n or self.kv.first(p) != 0:
             return None
         self.kv.drop(p, n)
         return tokens[:n]

@@ -29,6 +29,10 @@ class SeqKV:
         """How many positions the sequence holds (its last one + 1)."""
         return int(self._lc.llama_memory_seq_pos_max(self._mem, seq)) + 1
 
+    def first(self, seq: int) -> int:
+        """The sequence's lowest position (-1 when empty)."""
+        return int(self._lc.llama_memory_seq_pos_min(self._mem, seq))
+
     def clear(self) -> None:
         self._lc.llama_memory_clear(self._mem, True)
 

@@ -34,7 +34,6 @@ from meshnode.core.types import Load
 log = logging.getLogger("meshnode.front")
 IMPORT_IDLE_S = 30.0  # an import whose next bytes take longer is refused
 MAX_INCOMING = 64  # imports receiving their KV at once
-HEAD_SLACK = 1 << 20  # a state file's bytes beyond its cells': head, tokens, per-layer headers
 
 
 @dataclass
@@ -48,10 +47,10 @@ class Incoming:
 
 
 class Moves:
-    def __init__(self, bytes_per_position: int, clock):
-        """`bytes_per_position`: the most KV one position can take on this node (an import's bound)."""
+    def __init__(self, layout: seqstate.Layout | None, n_seq_max: int, clock):
+        """`layout`: what this node's engine writes in a state file (None: it cannot say, and no KV is taken)."""
         self.dir = tempfile.mkdtemp(prefix="meshnode-kv-")
-        self.bytes_per_position, self.clock = bytes_per_position, clock
+        self.layout, self.n_seq_max, self.clock = layout, n_seq_max, clock
         self.incoming: dict[tuple, Incoming] = {}
         self._names = itertools.count()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="meshnode-export")
@@ -127,9 +126,13 @@ class Moves:
     def begin(self, ident: bytes, req: P.Submit) -> str:
         """Wait for an import's KV bytes; why it cannot ("" when it can)."""
         kv = req.kv
-        limit = kv.positions * self.bytes_per_position + HEAD_SLACK
-        if kv.bytes > limit:
-            return f"kv.bytes {kv.bytes} is more than {kv.positions} positions take on this node (at most {limit})"
+        if self.layout is None:
+            return "this node's engine cannot check KV state files; import without kv and it is prefilled"
+        exact = self.layout.size(kv.positions, kv.positions)
+        if kv.bytes != exact:
+            return f"kv.bytes {kv.bytes} is not the {exact} that {kv.positions} positions take on this node"
+        if kv.positions > len(req.tokens) + len(req.generated):
+            return f"kv.positions {kv.positions} is more than the import's {len(req.tokens) + len(req.generated)} tokens"
         if len(self.incoming) >= MAX_INCOMING:
             return f"{MAX_INCOMING} imports are receiving their KV already; retry later"
         path = self.path()
@@ -156,20 +159,28 @@ class Moves:
             return None, "", ""
         del self.incoming[(ident, c.id)]
         inc.file.close()
-        why = self._check(inc)
-        if why:
-            remove(inc.path)
-            return None, "", why
-        return inc.req, inc.path, ""
-
-    def _check(self, inc: Incoming) -> str:
         if inc.hasher.hexdigest() != inc.req.kv.sha256:
-            return "the KV's SHA-256 is not the one its import names: it was changed or cut on the way"
+            remove(inc.path)
+            return None, "", "the KV's SHA-256 is not the one its import names: it was changed or cut on the way"
+        path, why = self.checked(inc.path, (inc.req.tokens + inc.req.generated)[:inc.req.kv.positions])
+        return (None, "", why) if why else (inc.req, path, "")
+
+    def checked(self, src: str, tokens: list[int]) -> tuple[str, str]:
+        """A state file from outside (an import's, a persist folder's) parsed whole against this node's layout
+        and `tokens`, and written anew in this node's folder: (that file, "") or ("", why it was refused). Only
+        such files are given to the engine (ipc/seqstate.py says why). `src` is removed when it is ours."""
+        dst = self.path()
         try:
-            ours = seqstate.holds(inc.path, (inc.req.tokens + inc.req.generated)[:inc.req.kv.positions])
-        except ValueError as e:
-            return f"the KV is not this node's kind: {e}"
-        return "" if ours else "the KV was computed for other tokens than the import's prompt and generated tokens"
+            if self.layout is None:
+                raise ValueError("this node's engine cannot check KV state files")
+            seqstate.canonical(src, dst, self.layout, tokens, self.n_seq_max)
+            return dst, ""
+        except (OSError, ValueError) as e:
+            remove(dst)
+            return "", f"the KV is not this node's to load: {e}"
+        finally:
+            if os.path.dirname(src) == self.dir:
+                remove(src)
 
     def expired(self) -> list[tuple]:
         """Imports whose bytes stopped coming: dropped; their keys (each gets its refusal)."""
@@ -188,7 +199,7 @@ class Moves:
     def ran(self, plan) -> None:
         """A tick was answered or refused: the files it loaded (or would have) are no longer needed."""
         for op in plan.kv:
-            if isinstance(op, Load) and os.path.dirname(op.path) == self.dir:  # not kv_persist's (front/persist.py)
+            if isinstance(op, Load) and os.path.dirname(op.path) == self.dir:  # every file a Load names (checked)
                 remove(op.path)
 
     def close(self) -> None:

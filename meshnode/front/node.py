@@ -25,6 +25,7 @@ import zmq
 
 from ipc import link as wire
 from ipc import events as E
+from ipc import seqstate
 from ipc.shm import TokenArena, clean_stale
 from ipc.transport import Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
@@ -41,7 +42,7 @@ from meshnode.front.gate import SAFE_IPC_FDS, client_room
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.handoff import Handoff
 from meshnode.front.moves import Moves, remove
-from meshnode.front.persist import KvPersist
+from meshnode.front.persist import KvPersist, folder_problem
 from meshnode.front.prom import Exposition
 from meshnode.front.gateway_child import GatewayChild
 from meshnode.front.reaper import Reaper
@@ -110,11 +111,14 @@ class Front:
             "cache_dtype": cfg.type_k, "enable_prefix_caching": cfg.prefix_cache != "off", "kv_layout": cfg.layout})
         self.telemetry = Telemetry(self.sched)
         self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
-        self.moves = Moves(2 * self.budget.kv_bytes_per_token + 64, time.monotonic)
+        self.moves = Moves(seqstate.Layout.of(self.link.info.kv_state), self.budget.n_seq_max, time.monotonic)
         self.reaper.claim(self.moves.dir)
-        if cfg.kv_persist:  # the prefix cache as the last drain left it; the first tick loads it
+        problem = folder_problem(cfg.kv_persist) if cfg.kv_persist else ""
+        if problem:
+            log.error("kv_persist off: %s", problem)
+        elif cfg.kv_persist:  # the prefix cache as the last drain left it; the first tick loads it
             self.persist = KvPersist(cfg.kv_persist, int(cfg.kv_persist_mb * 2**20), self.recipe,
-                                     self.budget.kv_bytes_per_token)
+                                     self.budget.kv_bytes_per_token, self.moves.checked)
             self.persist.restore(self.sched, self.budget.n_seq_max)
         self.output = Output(self.tok, self.clients.send, self.telemetry, latency=self.exposition,
                              export=self._exported, relays=lambda key: bool(self.handoff and self.handoff.relays(key)))
