@@ -10,7 +10,7 @@ ValueError with the words the client gets.
 """
 from __future__ import annotations
 
-import json
+from ipc import jsonvalue
 
 MAX_MESSAGES = 1024
 MAX_TOOLS = 128
@@ -85,7 +85,4 @@ def _call(c: dict) -> dict:
 
 
 def _json(text: str, what: str):
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError, RecursionError):
-        raise ValueError(f"{what} is not JSON text") from None
+    return jsonvalue.loads(text, what)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 import msgpack
 import numpy as np
 
-from ipc import chat
+from ipc import chat, jsonvalue
 from meshnode.core import reasons as R
 from meshnode.core.types import FORMATS, POOLINGS, SAMPLING_OPTIONS, ResponseFormat, Sampling
 
@@ -188,6 +188,10 @@ def _response_format(v, id) -> ResponseFormat | None:
     spec = v.get(key)
     if kind == "json_schema":
         _check(isinstance(spec, (dict, bool)), "response_format.schema must be a JSON schema (a map)", id)
+        try:
+            jsonvalue.check(spec, "response_format.schema")
+        except ValueError as e:
+            raise ProtocolError(R.BAD_REQUEST, str(e), id) from None
         spec = json.dumps(spec, separators=(",", ":"))
     _check(isinstance(spec, str) and spec, f"response_format.{key} must be a non-empty string", id)
     _check(len(spec.encode()) <= MAX_FORMAT_BYTES, f"response_format.{key} over {MAX_FORMAT_BYTES} bytes", id)

@@ -20,13 +20,25 @@ leaf = st.one_of(st.none(), st.booleans(), ints,
                  st.floats(allow_nan=True), st.text(max_size=300), st.binary(max_size=64))
 tree = st.recursive(leaf, lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(max_size=12), kids,
                                                                                        max_size=6), max_leaves=30)
-ops = st.sampled_from(["submit", "cancel", "status", "ping", "launch", "", 7, None])
+ops = st.sampled_from(["submit", "cancel", "status", "ping", "import", "kv", "export", "launch", "", 7, None])
+deep = st.integers(1, 240).map(lambda n: _nested(n))  # as deep as msgpack's packer goes; json.dumps recursed
 request = st.fixed_dictionaries({"op": ops}, optional={
     "id": st.one_of(st.text(max_size=140), ints), "tokens": st.one_of(st.lists(st.integers(-5, 600)), tree),
     "text": st.one_of(st.text(max_size=50), tree), "max_tokens": st.one_of(st.integers(-3, 2**40), tree),
     "sampling": st.one_of(st.fixed_dictionaries({}, optional={"temperature": leaf, "top_k": leaf, "top_p": leaf,
                                                                "seed": leaf}), tree),
-    "stop_tokens": tree, "ignore_eos": tree, "recipe": tree})
+    "stop_tokens": tree, "ignore_eos": tree, "recipe": tree,
+    "response_format": st.one_of(tree, st.fixed_dictionaries({"type": st.just("json_schema"),
+                                                              "schema": st.one_of(tree, deep)})),
+    "messages": st.one_of(tree, st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": tree}))),
+    "tools": tree, "embed": tree, "kv": tree, "generated": tree, "priority": tree})
+
+
+def _nested(n: int) -> dict:
+    v: dict = {"type": "object"}
+    for _ in range(n):
+        v = {"properties": {"a": v}}
+    return v
 
 
 def decode_only_structured(frames):
@@ -34,6 +46,29 @@ def decode_only_structured(frames):
         P.decode_request(frames, 512)
     except P.ProtocolError as e:
         assert e.code in (R.BAD_REQUEST, R.UNSUPPORTED_VERSION, R.TOO_LARGE, R.UNKNOWN_SESSION) and e.detail
+
+
+def _deep_bytes(n: int) -> bytes:
+    """A schema of maps nested 2n deep as msgpack bytes (msgpack's own packer stops at 512; a client need not)."""
+    level = b"\x81" + msgpack.packb("properties") + b"\x81" + msgpack.packb("a")
+    return level * n + msgpack.packb({"type": "object"})
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "default": b"\x00bin"}, {b"type": "string"},
+                                    "1000 deep", {"type": "number", "maximum": float("inf")}],
+                         ids=["bin value", "bin key", "1000 deep", "infinite number"])
+def test_a_schema_that_is_no_json_is_that_requests_bad_request(schema):
+    """Each of these ended the whole node (json.dumps in the front's loop: TypeError, RecursionError)."""
+    head = {"op": "submit", "id": "s", "text": "hi", "max_tokens": 4}
+    if schema == "1000 deep":  # the map's last value spliced in as raw bytes
+        payload = (b"\x85" + msgpack.packb(head)[1:] + msgpack.packb("response_format") + b"\x82"
+                   + msgpack.packb("type") + msgpack.packb("json_schema") + msgpack.packb("schema") + _deep_bytes(500))
+    else:
+        payload = msgpack.packb({**head, "response_format": {"type": "json_schema", "schema": schema}},
+                                use_bin_type=True)
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_request([P.VERSION, payload], 512)
+    assert e.value.code == R.BAD_REQUEST and e.value.id == "s" and "schema" in e.value.detail
 
 
 @settings(max_examples=400, deadline=None)

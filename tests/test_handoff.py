@@ -70,3 +70,74 @@ def test_a_peer_that_never_answers_leaves_every_session_one_done_at_the_deadline
     for r in got.values():
         assert r.done["reason"] == R.DRAINED and r.tokens == r.done["tokens"] and len(r.tokens) < 150
         assert "".join(e["text"] for e in r.events) == r.done["text"]
+
+
+# -- a hostile peer: each session's import is answered by one misbehaviour ------------------------------------
+HOSTILE = {  # name -> the events the peer sends for that import (after which it says nothing more)
+    "done without reason": [{"event": "admitted"}, {"event": "done", "tokens": [], "text": "", "usage": {}}],
+    "rejected without detail": [{"event": "rejected", "reason": "REJECTED_QUEUE_FULL"}],
+    "a token past the vocabulary": [{"event": "admitted"}, {"event": "tokens", "tokens": [10**6], "text": "x"}],
+    "a string token": [{"event": "admitted"}, {"event": "tokens", "tokens": ["7"], "text": "x"}],
+    "a float token": [{"event": "admitted"}, {"event": "tokens", "tokens": [7.5], "text": "x"}],
+    "a negative token in done": [{"event": "admitted"},
+                                 {"event": "done", "reason": "LENGTH", "tokens": [-3], "text": "", "usage": {}}],
+    "an unknown reason": [{"event": "admitted"},
+                          {"event": "done", "reason": "PWNED", "tokens": [], "text": "", "usage": {}}],
+    "bad logprobs": [{"event": "admitted"}, {"event": "tokens", "tokens": [7], "text": "x", "logprobs": [{"a": 1}]}],
+}
+
+
+def _hostile_peer(endpoint: str, stop):
+    """A ROUTER that answers the n-th import with HOSTILE's n-th behaviour (and another client's id beside it)."""
+    import zmq
+
+    from ipc import protocol as P
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    behaviours, n = list(HOSTILE.values()), 0
+    try:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            ident, *frames = sock.recv_multipart()
+            req = P.unpack(frames[1])
+            if req.get("op") != "import" or n >= len(behaviours):
+                continue
+            sock.send_multipart([ident, P.VERSION, P.pack({"event": "tokens", "id": "someone-else", "tokens": [1],
+                                                           "text": "?"})])
+            for ev in behaviours[n]:
+                sock.send_multipart([ident, P.VERSION, P.pack({**ev, "id": req["id"]})])
+            n += 1
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_hostile_peer_leaves_every_client_one_done_and_the_node_exits_0(tiny_model, tmp_path):
+    import threading
+
+    endpoint, stop = f"ipc://{tmp_path}/peer.sock", threading.Event()
+    peer = threading.Thread(target=_hostile_peer, args=(endpoint, stop), daemon=True)
+    peer.start()
+    asks = {f"s{i}": dict(tokens=PROMPT[:10 + i], max_tokens=300, ignore_eos=True) for i in range(len(HOSTILE))}
+    try:
+        with NodeProcess(tiny_model, *ARGS, "--handoff", endpoint, "--drain-timeout-s", "2", internal=SLOW) as node, \
+                node.client() as c:
+            for sid, ask in asks.items():
+                c.submit(sid, **ask)
+            for sid in asks:
+                c.wait_for(lambda e: e["event"] == "tokens" and e["id"] == sid, keep=True)
+            node.proc.send_signal(signal.SIGTERM)
+            got = c.collect(list(asks))
+            assert node.proc.wait(60) == 0
+            log = node.log()
+    finally:
+        stop.set()
+        peer.join(10)
+    for sid, r in got.items():
+        assert r.done["reason"] == R.DRAINED, (sid, r.done)
+        assert all(0 <= t < 512 and type(t) is int for t in r.done["tokens"])
+        assert r.tokens == r.done["tokens"][:len(r.tokens)]
+    assert log.count("malformed") >= len(HOSTILE) - 1, log

@@ -48,3 +48,7 @@ KV_UNTRUSTED = (CACHE_MISS, ENGINE_ERROR, BAD_REQUEST)  # a session ended so lea
 # extension (documented in docs/protocol.md): the engine is in a crash loop and the node is unhealthy
 REJECTED_ENGINE_UNAVAILABLE = "REJECTED_ENGINE_UNAVAILABLE"
 REJECTIONS = REJECTIONS + (REJECTED_ENGINE_UNAVAILABLE,)
+
+# every reason a `done` may carry (a queued session displaced or refused later ends with its rejection's)
+DONE_REASONS = frozenset({LENGTH, EOS, STOP, CANCELLED, CACHE_MISS, ENGINE_ERROR, DRAINED, EMBEDDED, EXPORTED,
+                          BAD_REQUEST, *REJECTIONS})

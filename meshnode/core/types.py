@@ -326,5 +326,4 @@ class EngineInfo:
         return cls(engine.n_vocab, engine.eos, tuple(engine.eog), engine.n_seq_max, engine.n_ctx, engine.n_ctx_seq,
                    engine.n_batch, engine.kv_bytes_per_token, engine.weight_bytes, engine.recipe_fingerprint,
                    bool(getattr(engine, "deterministic", False)), getattr(engine, "deterministic_problem", ""),
-                   tuple(tuple(x) for x in calibration), tuple(getattr(engine, "devices", ())),
-                   tuple(getattr(engine, "kv_state", ())))
+                   tuple(tuple(x) for x in calibration), tuple(getattr(engine, "devices", ())))

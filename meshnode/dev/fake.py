@@ -105,13 +105,20 @@ class FakeEngine(Engine):
 
     # its "KV" in llama.cpp's own state format, so the front's checks (ipc/seqstate.py) run on it as on
     # llama.cpp's: one layer whose K row is a position's rolling hash in four 16-bit f32 values, V a zero
-    kv_state = seqstate.Layout(1, False, ((0, 16),), ((0, 4, 0),)).wire()
+    layout = seqstate.Layout(1, False, ((0, 16),), ((0, 4, 0),))
+
+    def kv_sample(self, path: str) -> bool:
+        self._hashes[0] = [extend(0, self.eos)]
+        try:
+            return self.save_kv(0, path, [self.eos]) > 0
+        finally:
+            self._hashes[0] = []
 
     def save_kv(self, seq_id: int, path: str, tokens: list[int]) -> int:
         hashes = np.asarray(self._hashes[seq_id][:len(tokens)], np.uint64)
         keys = np.stack([(hashes >> np.uint64(16 * i)) & np.uint64(0xFFFF) for i in range(4)], 1).astype("<f4")
         parsed = seqstate.Parsed(list(tokens), [keys.tobytes()], [np.zeros(len(tokens), "<f4").tobytes()])
-        return seqstate.write(path, seqstate.Layout.of(self.kv_state), parsed)
+        return seqstate.write(path, self.layout, parsed)
 
     def load_kv(self, seq_id: int, path: str, n: int) -> list[int] | None:
         """The files it is given are the front's (seqstate.canonical): read as such, any other refused."""
@@ -119,7 +126,7 @@ class FakeEngine(Engine):
             with open(path, "rb") as f:
                 data = f.read()
             tokens = seqstate.tokens_in(path)
-            parsed = seqstate.parse(data, seqstate.Layout.of(self.kv_state), tokens, self.n_seq_max)
+            parsed = seqstate.parse(data, self.layout, tokens, self.n_seq_max)
         except (OSError, ValueError):
             return None
         if len(tokens) < n:

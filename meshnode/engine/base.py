@@ -328,6 +328,12 @@ class Engine:
         when the file cannot be loaded or holds fewer."""
         return None
 
+    def kv_sample(self, path: str) -> bool:
+        """Before any session: write to `path` the state file of a one-token sequence, as save_kv writes them,
+        and forget it; the worker learns from it what the front checks every imported KV against
+        (ipc/seqstate.py `learn`). False where the engine writes none (no KV is imported then)."""
+        return False
+
     def _run(self, plan: Plan) -> StepResult:
         raise NotImplementedError
 

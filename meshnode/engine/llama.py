@@ -88,7 +88,6 @@ class LlamaEngine(Engine):
         self._b = Batch(lc, self._ctx, self.n_batch, self.n_vocab)
         # which lone decode rows get a dummy neighbour (engine/invariant.py): as the start-up check finds
         self.lone_pads = invariant.LonePads(False, False)
-        self.kv_state = self._describe_kv()
         if self.deterministic:
             self._check_deterministic()
         self.recipe_fingerprint = cfg.recipe(self.deterministic, devices.fingerprint(self.devices))
@@ -114,29 +113,14 @@ class LlamaEngine(Engine):
         llamacpp.new_context(self, cp)
         return threads
 
-    def _describe_kv(self) -> tuple:
-        """The layout of this context's state files (ipc/seqstate.Layout), learned from one it writes itself
-        for a one-token sequence: what the front checks every imported KV against. () where seqstate cannot
-        check this model's files (the front then refuses KV imports and they are prefilled)."""
-        import tempfile
-
-        from ipc import seqstate
-
+    def kv_sample(self, path: str) -> bool:
         p = 0  # llama.cpp's own sequence 0, before the front has any: cleared after
-        fd, path = tempfile.mkstemp(prefix="meshnode-kvlayout-")
-        os.close(fd)
         try:
             self._b.n = self._b.put(0, [self.eos], 0, p)
-            if self._b.decode() != 0 or self.kv.save(p, path, [self.eos]) <= 0:
-                raise ValueError("llama.cpp did not write it")
-            return seqstate.Layout.wire(seqstate.learn(path))
-        except ValueError as e:
-            llamacpp.log.warning("KV imports off: this model's state files are not of a kind the node checks (%s)", e)
-            return ()
+            return self._b.decode() == 0 and self.kv.save(p, path, [self.eos]) > 0
         finally:
             self._b.n = 0
             self.kv.clear()
-            os.unlink(path)
 
     def _check_deterministic(self) -> None:
         """The start-up self-check (engine/invariant.py): where a row's bits move with its neighbours, the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -42,11 +43,11 @@ class Route:
 
 
 class Handoff:
-    def __init__(self, zctx: zmq.Context, peer: str, send, end_here, ended):
+    def __init__(self, zctx: zmq.Context, peer: str, send, end_here, ended, n_vocab: int):
         """`send(ident, frames, final)`: to a client (Clients.send); `end_here(key, reason, detail, relayed)`: the
         output stage ends a session the peer would not take or did not finish, as a drain without a peer would
         (Output.end_moved); `ended(key)`: the peer's `done` went to its client (Output.forget_moved)."""
-        self.peer, self.send, self.end_here, self.ended = peer, send, end_here, ended
+        self.peer, self.send, self.end_here, self.ended, self.n_vocab = peer, send, end_here, ended, n_vocab
         self.sock = client_dealer(zctx, peer)
         self.leaving: set = set()  # keys exported for the peer, their state not sent yet
         self.routes: dict[str, Route] = {}  # the peer's id -> the session here
@@ -94,16 +95,30 @@ class Handoff:
             except zmq.Again:
                 return
             try:
-                self._relay(E.decode_event(frames))
-            except (ValueError, KeyError, TypeError, P.ProtocolError) as e:  # a peer's garbage ends nothing here
+                ev = E.decode_event(frames)
+            except (ValueError, P.ProtocolError) as e:  # a peer's garbage ends nothing here
                 self.malformed += 1
                 log.warning("handoff: a malformed event from the peer %s skipped: %r", self.peer, e)
+                continue
+            pid = ev.get("id")
+            if not isinstance(pid, str) or pid not in self.routes:
+                continue
+            try:
+                ev = peer_event(ev, self.n_vocab)
+            except ValueError as e:  # its session ends here, with what its client was sent, and the peer drops it
+                self.malformed += 1
+                r = self.routes.pop(pid)
+                self.sock.send_multipart(P.encode_request(P.Cancel(pid)))
+                why = f"the drain's peer {self.peer} sent a malformed {ev.get('event')!r} event: {e}"
+                log.warning("handoff: %s %s", r.key[1], why)
+                self.end_here(r.key, R.DRAINED, why, r.relayed)
+                continue
+            if ev is not None:
+                self._relay(pid, ev)
 
-    def _relay(self, ev: dict) -> None:
-        """One peer event for a session it carries on: relayed under the client's id."""
-        r = self.routes.get(ev.get("id"))
-        if r is None:
-            return
+    def _relay(self, pid: str, ev: dict) -> None:
+        """One checked peer event for a session it carries on: relayed under the client's id."""
+        r = self.routes[pid]
         kind, (ident, id) = ev["event"], r.key
         if kind == "admitted":
             self.moved += 1  # its client was admitted here: no second one
@@ -111,13 +126,13 @@ class Handoff:
             r.relayed += ev["tokens"]
             self.send(ident, _as(ev, id), False)
         elif kind == "done":
-            del self.routes[ev["id"]]
+            del self.routes[pid]
             if ev["reason"] == R.CANCELLED and r.cut:
                 ev["reason"] = R.DRAINED
             self.send(ident, _as(ev, id), True)
             self.ended(r.key)
         elif kind in ("rejected", "error"):
-            del self.routes[ev["id"]]
+            del self.routes[pid]
             self.refused += 1
             why = f"the drain's peer {self.peer} refused it: {ev.get('reason') or ev.get('code')}: {ev['detail']}"
             log.warning("handoff: %s %s", id, why)
@@ -157,6 +172,58 @@ class Handoff:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def peer_event(ev: dict, n_vocab: int) -> dict | None:
+    """A peer's event for a relayed session, checked as a client's request is and rebuilt from its known fields
+    only (None for a kind the relay does not carry); ValueError names what is wrong. A peer's `done` without a
+    reason, a token id outside this vocabulary (llama.cpp aborts decoding it) or a string in `tokens` once
+    ended the drain, or left every client of it without its `done`."""
+    kind = ev.get("event")
+    if kind == "admitted":
+        return {"event": kind}
+    if kind in ("rejected", "error"):
+        why, detail = ev.get("reason", ev.get("code")), ev.get("detail")
+        _want(isinstance(why, str) and isinstance(detail, str), f"{kind} needs a reason and a detail (strings)")
+        return {"event": kind, "reason": why[:64], "detail": detail[:P.MAX_TEXT_BYTES]}
+    if kind not in ("tokens", "done"):
+        return None
+    toks, text = ev.get("tokens"), ev.get("text")
+    _want(isinstance(toks, list) and len(toks) <= P.MAX_NEW_TOKENS
+          and all(type(t) is int and 0 <= t < n_vocab for t in toks),
+          f"its tokens must be a list of token ids in [0, {n_vocab})")
+    _want(isinstance(text, str), "its text must be a string")
+    out = {"event": kind, "tokens": toks, "text": text}
+    if kind == "tokens":
+        lps = ev.get("logprobs")
+        if lps is not None:
+            _want(isinstance(lps, list) and len(lps) == len(toks) and all(_logprob(x, n_vocab) for x in lps),
+                  "its logprobs must be one {token, logprob, top} per token")
+            out["logprobs"] = lps
+        return out
+    reason, usage = ev.get("reason"), ev.get("usage")
+    _want(reason in R.DONE_REASONS, f"done needs a reason, one of {', '.join(sorted(R.DONE_REASONS))}")
+    _want(isinstance(usage, dict) and len(usage) <= 32 and all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+        for k, v in usage.items()), "done needs usage, a map of counts and times")
+    out |= {"reason": reason, "usage": usage}
+    if ev.get("detail") is not None:
+        _want(isinstance(ev["detail"], str), "its detail must be a string")
+        out["detail"] = ev["detail"][:P.MAX_TEXT_BYTES]
+    if ev.get("incomplete"):
+        out["incomplete"] = True
+    return out
+
+
+def _logprob(x, n_vocab: int) -> bool:
+    ok = lambda d: (isinstance(d, dict) and type(d.get("token")) is int and 0 <= d["token"] < n_vocab  # noqa: E731
+                    and isinstance(d.get("logprob"), (int, float)) and not isinstance(d["logprob"], bool))
+    return ok(x) and isinstance(x.get("top"), list) and len(x["top"]) <= P.MAX_LOGPROBS and all(map(ok, x["top"]))
+
+
+def _want(ok: bool, why: str) -> None:
+    if not ok:
+        raise ValueError(why)
 
 
 def _as(ev: dict, id: str) -> list[bytes]:

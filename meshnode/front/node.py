@@ -134,7 +134,7 @@ class Front:
         self.clients.register(self.poller)
         if cfg.handoff:
             self.handoff = Handoff(self.zctx, cfg.handoff, self.clients.send, self.output.end_moved,
-                                   self.output.forget_moved)
+                                   self.output.forget_moved, self.link.info.n_vocab)
             self.poller.register(self.handoff.sock, zmq.POLLIN)
         self.poller.register(self.texts.fileno(), zmq.POLLIN)
         self.poller.register(self.moves.fileno(), zmq.POLLIN)

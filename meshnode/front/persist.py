@@ -28,11 +28,10 @@ import hashlib
 import json
 import logging
 import os
-import re
 import stat
 from dataclasses import dataclass
 
-import numpy as np
+from ipc import jsonvalue
 
 log = logging.getLogger("meshnode.front")
 MANIFEST = ".json"
@@ -141,7 +140,7 @@ class KvPersist:
         try:
             with _open(manifest_path, MAX_MANIFEST_BYTES) as f:
                 raw = f.read()
-            if _depth(raw) > MAX_DEPTH:
+            if jsonvalue.depth(raw) > MAX_DEPTH:
                 return None, f"its manifest nests deeper than {MAX_DEPTH}"
             m = json.loads(raw)
             if not isinstance(m, dict):
@@ -184,12 +183,6 @@ def _open(path: str, limit: int | None = None):
         os.close(fd)
         raise
 
-
-def _depth(raw: bytes) -> int:
-    """How deep a JSON text's brackets nest (strings skipped), counted before json.loads could recurse."""
-    bare = np.frombuffer(re.sub(rb'"(?:[^"\\]|\\.)*"', b"", raw), np.uint8)
-    steps = np.isin(bare, (0x5B, 0x7B)).astype(np.int64) - np.isin(bare, (0x5D, 0x7D))
-    return int(np.cumsum(steps).max(initial=0))
 
 
 def _entry_number(name: str) -> int:

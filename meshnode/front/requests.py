@@ -11,6 +11,7 @@ scheduler's `Event`s) and the front's loop applies it: nothing here sends.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from meshnode.core.types import Grammar
 from meshnode.front.moves import Moves
 from meshnode.text.jobs import TextJob, TextJobs
 from meshnode.text.tokenizer import Tokenizer
+
+log = logging.getLogger("meshnode.front")
 
 MAX_HELD = 256  # a client's requests waiting behind its text being tokenized
 
@@ -85,6 +88,12 @@ class Requests:
         except P.ProtocolError as e:
             self.telemetry.count_bad_frame()
             return [Answer(ident, E.error(e.code, e.detail, e.id))]
+        except (TypeError, ValueError, KeyError, AttributeError, RecursionError, OverflowError) as e:
+            # a shape the checks above the decoder missed: that request's BAD_REQUEST, never the node's end
+            self.telemetry.count_bad_frame()
+            log.warning("a request the protocol checks let through failed to decode: %r", e)
+            return [Answer(ident, E.error(R.BAD_REQUEST, f"malformed request ({type(e).__name__})",
+                                          P.request_id(frames)))]
         if isinstance(req, P.Ping):
             return [Answer(ident, E.pong())]
         if isinstance(req, P.Status):

@@ -48,13 +48,38 @@ def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=F
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
 
+MAX_POWER = 64  # the largest exponent a template's ** computes: 9 ** 9 ** 9 took the front's loop seconds
+MAX_REPEAT = 1 << 20  # the longest string or list a template's * makes ("x" * 10 ** 9 is a GB)
+
+
+def _bounded(base):
+    """The sandbox, with its two arithmetic operators that cost what their operands say bounded: ** by its
+    exponent, * of a string or list by the length it makes (jinja2 already bounds range())."""
+    from jinja2.exceptions import SecurityError
+
+    class Bounded(base):
+        intercepted_binops = frozenset(["**", "*"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_POWER:
+                raise SecurityError(f"the template raises to the power {right} (at most {MAX_POWER})")
+            if operator == "*":
+                seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
+                    raise SecurityError(f"the template repeats a sequence to {len(seq) * n} items "
+                                        f"(at most {MAX_REPEAT})")
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded
+
+
 class ChatTemplate:
     def __init__(self, source: str, bos: str, eos: str, add_bos: bool, add_eos: bool):
         from jinja2 import TemplateSyntaxError
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = _bounded(ImmutableSandboxedEnvironment)(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: now().strftime(fmt)
@@ -77,7 +102,8 @@ class ChatTemplate:
             text = self.template.render(**context)
         except TemplateError:
             raise
-        except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError,
+                RecursionError, MemoryError) as e:  # a template is the model file's code: none of it ends the node
             raise TemplateError(f"the model's chat template failed on these messages: {type(e).__name__}: {e}") \
                 from None
         if self.add_bos and self.bos and text.startswith(self.bos):

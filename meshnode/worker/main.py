@@ -18,8 +18,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 
-from ipc import link, seqpacket
+from ipc import link, seqpacket, seqstate
 from ipc.link import EngineProcessConfig
 from ipc.shm import TokenArena
 from meshnode.core.types import EngineError, EngineInfo, InvalidPlan, StepResult
@@ -83,7 +84,8 @@ class EngineProcess:
         # a restart keeps the front's cost model: only the first incarnation pays for the timing
         calibration = self.engine.calibrate() if self.cfg.calibrate and hasattr(self.engine, "calibrate") else ()
         gc.freeze()  # the model and the process's start-up stay for good: no collection walks them
-        self.sock.send(link.encode(link.Hello(os.getpid(), EngineInfo.of(self.engine, calibration))))
+        info = replace(EngineInfo.of(self.engine, calibration), kv_state=kv_layout(self.engine, self.cfg.link_path))
+        self.sock.send(link.encode(link.Hello(os.getpid(), info)))
         self.io = LinkIO(self.sock, self.arena)
         if self.cfg.engine.hurry:  # a node whose ticks may be hurried (the priority policy: EngineConfig.hurry)
             self.engine.hurry_when(self._hurried)
@@ -167,3 +169,22 @@ def engine_main(cfg: EngineProcessConfig) -> None:
     finally:
         proc.shutdown()
     sys.exit(code)
+
+
+def kv_layout(engine, near: str) -> tuple:
+    """What the engine's state files hold (ipc/seqstate.Layout.wire), learned from one it writes itself next to
+    `near` (the run dir); () where it writes none or seqstate cannot check its kind (its KV imports are refused
+    and prefilled instead)."""
+    path = f"{near}.kvsample"
+    try:
+        if not engine.kv_sample(path):
+            return ()
+        return seqstate.learn(path).wire()
+    except (OSError, ValueError) as e:
+        log.warning("KV imports off: this model's state files are not of a kind the node checks (%s)", e)
+        return ()
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
