@@ -65,7 +65,7 @@ def front(clock, **kw):
     _, sched = scheduler(clock=clock)
     replies, texts = [], Texts()
     kw.setdefault("moves", Moves(None, 8, clock))
-    reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), status=lambda n: E.pong(), **kw)
+    reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), status=lambda *_: E.pong(), **kw)
     return sched, Front(reqs, replies), texts, replies
 
 

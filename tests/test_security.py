@@ -108,3 +108,16 @@ def test_the_http_api_listens_on_several_addresses_and_is_open_if_any_of_them_is
     for bad in ("127.0.0.1,:80", ":80", "127.0.0.1:0", "127.0.0.1"):
         with pytest.raises(ValueError, match="HOST"):
             hosts_port(bad)
+
+
+def test_under_client_scope_another_clients_status_cannot_confirm_a_guess_of_a_prompt(tiny_model):
+    """`status` lists the cached blocks a client could reuse: with prefix_cache = client, its own, never
+    another's (whose hashes, documented, would confirm a guessed prompt offline)."""
+    from helpers import prompt
+
+    secret = prompt(64, salt=9)
+    with NodeProcess(tiny_model, internal={"engine_kind": "fake"}) as n, n.client() as owner, n.client() as other:
+        assert owner.generate("s", tokens=secret, max_tokens=2).done["reason"] == R.LENGTH
+        mine = owner.status()["capacity"]["cached_blocks"]["hashes"]
+        theirs = other.status()["capacity"]["cached_blocks"]["hashes"]
+    assert mine and theirs == []

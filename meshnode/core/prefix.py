@@ -138,10 +138,12 @@ class PrefixCache:
         self.blocks.stored(seq_id, e.tokens, self._worth(e))
         return False
 
-    def block_hashes(self) -> set[int]:
+    def block_hashes(self, seen_by: Hashable = None) -> set[int]:
         """The blocks the entries hold, keyed as their KV events key them (core/kvevents.py): what the
-        events, replayed, add up to."""
-        return {h for e in self.entries.values() for h in block_hashes(e.tokens, self._worth(e))}
+        events, replayed, add up to. With `seen_by`, only those that client could reuse: under `client`
+        scope another's blocks would let it confirm a guess of someone else's prompt offline."""
+        return {h for e in self.entries.values() if seen_by is None or self._mine(seen_by, e.owner)
+                for h in block_hashes(e.tokens, self._worth(e))}
 
     def find(self, prompt: list[int], owner: Hashable, live) -> Hit | None:
         """The best reuse for a new session's prompt, or None. `live`: (seq_id, computed tokens, owner,

@@ -310,9 +310,10 @@ class Scheduler:
         """The prefix cache's block events since the last call (core/kvevents.py), for the publisher."""
         return self.seqs.cache.blocks.take_events()
 
-    def cached_blocks(self) -> set[int]:
-        """The prefix cache's blocks as its KV events key them, for the status answer."""
-        return self.seqs.cache.block_hashes()
+    def cached_blocks(self, seen_by=None) -> set[int]:
+        """The prefix cache's blocks as its KV events key them, for the status answer (`seen_by`: the
+        client asking, who sees only what it could reuse)."""
+        return self.seqs.cache.block_hashes(seen_by)
 
     def save_cache(self, choose) -> list:
         """The next plan saves the cached entries `choose(entries)` picks ((entry, path) pairs, returned):

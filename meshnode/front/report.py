@@ -63,7 +63,7 @@ class Report:
         snap["deterministic"], snap["kv_layout"] = n.deterministic, n.cfg.layout
         return snap
 
-    def status(self, prompt_tokens: int | None = None) -> list[bytes]:
+    def status(self, prompt_tokens: int | None = None, ident: bytes | None = None) -> list[bytes]:
         """The `status` event: node info, the snapshot, and the capacity for a prompt of that size."""
         n, h = self.src, self.src.health
         info = {"version": __version__, "recipe": n.recipe, "model": n.cfg.model, "budgets": n.budget.as_dict(),
@@ -81,8 +81,8 @@ class Report:
         snap = self.snapshot()  # its capacity block is the estimate for the default prompt size
         cap = snap["capacity"] if prompt_tokens is None else n.telemetry.capacity(prompt_tokens)
         # the prefix cache's blocks, keyed as its KV events key them (core/kvevents.py): what a router that
-        # did not follow the events (or lost some) starts from
-        held = sorted(n.telemetry.sched.cached_blocks())
+        # did not follow the events (or lost some) starts from; a client sees only the blocks it could reuse
+        held = sorted(n.telemetry.sched.cached_blocks(ident))
         return E.status(info, snap, {**cap, "cached_blocks": {"block_size": BLOCK_TOKENS, "hashes": held}})
 
     def status_line(self) -> str:

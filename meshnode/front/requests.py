@@ -97,7 +97,7 @@ class Requests:
         if isinstance(req, P.Ping):
             return [Answer(ident, E.pong())]
         if isinstance(req, P.Status):
-            return [Answer(ident, self.status(req.prompt_tokens))]
+            return [Answer(ident, self.status(req.prompt_tokens, ident))]
         if isinstance(req, P.Metrics):
             return [Answer(ident, self.metrics())]
         if isinstance(req, P.Export):
