@@ -256,3 +256,22 @@ def test_a_node_killed_during_an_export_loses_nothing_its_client_was_sent(nodes,
     cb.resume("after-kill", state)
     went = cb.collect(["after-kill"])["after-kill"]
     assert got + went.tokens == reference.done["tokens"]
+
+
+def test_one_client_holding_import_slots_open_starves_no_other():
+    """64 imports of one client, each sending a byte now and then, refused every other client's import."""
+    from ipc import seqstate
+    from meshnode.front.moves import MAX_INCOMING_PER_CLIENT, Moves
+
+    layout = seqstate.Layout(1, False, ((0, 16),), ((0, 4, 0),))
+    moves = Moves(layout, 8, lambda: 0.0, max_bytes=10 * layout.size(8, 8))
+    ask = lambda id: P.Submit(id, 4, tokens=prompt(8), kv=P.KvHeader(layout.size(8, 8), "0" * 64, 8))  # noqa: E731
+    try:
+        assert all(moves.begin(b"a", ask(f"a{i}")) == "" for i in range(MAX_INCOMING_PER_CLIENT))
+        assert "of this client" in moves.begin(b"a", ask("a-more"))
+        assert moves.begin(b"b", ask("b0")) == ""
+        for i in range(5):
+            moves.begin(bytes([i]), ask("x"))
+        assert "bytes of KV" in moves.begin(b"c", ask("c0"))  # the bytes receiving at once are bounded too
+    finally:
+        moves.close()

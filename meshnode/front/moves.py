@@ -34,6 +34,7 @@ from meshnode.core.types import Load
 log = logging.getLogger("meshnode.front")
 IMPORT_IDLE_S = 30.0  # an import whose next bytes take longer is refused
 MAX_INCOMING = 64  # imports receiving their KV at once
+MAX_INCOMING_PER_CLIENT = 4  # of them, one client's: one that holds its slots open starves nobody else
 
 
 @dataclass
@@ -47,10 +48,11 @@ class Incoming:
 
 
 class Moves:
-    def __init__(self, layout: seqstate.Layout | None, n_seq_max: int, clock):
-        """`layout`: what this node's engine writes in a state file (None: it cannot say, and no KV is taken)."""
+    def __init__(self, layout: seqstate.Layout | None, n_seq_max: int, clock, max_bytes: int = 1 << 62):
+        """`layout`: what this node's engine writes in a state file (None: it cannot say, and no KV is taken);
+        `max_bytes`: what the imports receiving at once may hold on disk (the KV budget: they are headed there)."""
         self.dir = tempfile.mkdtemp(prefix="meshnode-kv-")
-        self.layout, self.n_seq_max, self.clock = layout, n_seq_max, clock
+        self.layout, self.n_seq_max, self.clock, self.max_bytes = layout, n_seq_max, clock, max_bytes
         self.incoming: dict[tuple, Incoming] = {}
         self._names = itertools.count()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="meshnode-export")
@@ -131,10 +133,17 @@ class Moves:
         exact = self.layout.size(kv.positions, kv.positions)
         if kv.bytes != exact:
             return f"kv.bytes {kv.bytes} is not the {exact} that {kv.positions} positions take on this node"
-        if kv.positions > len(req.tokens) + len(req.generated):
-            return f"kv.positions {kv.positions} is more than the import's {len(req.tokens) + len(req.generated)} tokens"
+        n = len(req.tokens or []) + len(req.generated or [])
+        if kv.positions > n:
+            return f"kv.positions {kv.positions} is more than the import's {n} tokens"
         if len(self.incoming) >= MAX_INCOMING:
             return f"{MAX_INCOMING} imports are receiving their KV already; retry later"
+        if sum(1 for who, _ in self.incoming if who == ident) >= MAX_INCOMING_PER_CLIENT:
+            return f"{MAX_INCOMING_PER_CLIENT} imports of this client are receiving their KV already; finish one first"
+        held = sum(inc.req.kv.bytes for inc in self.incoming.values())
+        if held + kv.bytes > self.max_bytes:
+            return (f"the imports receiving now hold {held} of the {self.max_bytes} bytes of KV this node takes in "
+                    f"at once; retry later")
         path = self.path()
         self.incoming[(ident, req.id)] = Incoming(req, path, open(path, "wb"), last=self.clock())
         return ""

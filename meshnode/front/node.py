@@ -111,7 +111,8 @@ class Front:
             "cache_dtype": cfg.type_k, "enable_prefix_caching": cfg.prefix_cache != "off", "kv_layout": cfg.layout})
         self.telemetry = Telemetry(self.sched)
         self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
-        self.moves = Moves(seqstate.Layout.of(self.link.info.kv_state), self.budget.n_seq_max, time.monotonic)
+        self.moves = Moves(seqstate.Layout.of(self.link.info.kv_state), self.budget.n_seq_max, time.monotonic,
+                           self.budget.kv_budget_bytes)
         self.reaper.claim(self.moves.dir)
         problem = folder_problem(cfg.kv_persist) if cfg.kv_persist else ""
         if problem:
