@@ -14,7 +14,7 @@ import time
 
 from meshnode.core.types import ConfigError
 
-MAX_CONNECTIONS = 16  # beyond, a new connection is closed at once
+MAX_CONNECTIONS = 16  # beyond, the oldest is closed for the new one
 TIMEOUT_S = 2.0  # a connection that has not sent its request by then is closed
 MAX_REQUEST_BYTES = 8192
 
@@ -67,9 +67,8 @@ class MetricsServer:
                 conn, _ = self.sock.accept()
             except BlockingIOError:
                 return
-            if len(self._conns) >= MAX_CONNECTIONS:
-                conn.close()
-                continue
+            if len(self._conns) >= MAX_CONNECTIONS:  # the oldest gives way: 16 idle ones locked every scraper out
+                self._close(min(self._conns, key=lambda fd: self._conns[fd][2]))
             conn.setblocking(False)
             self._conns[conn.fileno()] = (conn, bytearray(), time.monotonic() + TIMEOUT_S)
 
