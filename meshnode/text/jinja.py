@@ -14,6 +14,7 @@ it adds that): no token twice.
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 
 now = datetime.now  # the clock the template's dates come from (tests set the day a reference was recorded)
@@ -48,17 +49,84 @@ def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=F
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
 
+MAX_RENDER_CPU_S = 0.05  # a render's CPU time: real templates take well under a millisecond; a loop of 1e10 froze the front
 MAX_POWER = 64  # the largest exponent a template's ** computes: 9 ** 9 ** 9 took the front's loop seconds
 MAX_REPEAT = 1 << 20  # the longest string or list a template's * makes ("x" * 10 ** 9 is a GB)
 
 
+MAX_RENDER_WALL_S = 0.1  # the backstop for a loop that takes no call, attribute or item (a plain `for` over a list)
+
+
+class _Overtime(Exception):
+    """Raised inside a render that outlived MAX_RENDER_WALL_S (_Watchdog)."""
+
+    def __str__(self):
+        return f"the template ran past {MAX_RENDER_WALL_S * 1e3:.0f} ms"
+
+
+class _Watchdog:
+    """Ends the block it guards with _Overtime after `limit_s`, wherever its thread is in Python code (the
+    interpreter's asynchronous exception): a template is the model file's code and may loop forever."""
+
+    def __init__(self, limit_s: float):
+        import threading
+
+        self._tid, self._lock, self._on = threading.get_ident(), threading.Lock(), True
+        self._fired = False
+        self._timer = threading.Timer(limit_s, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self):
+        with self._lock:
+            if self._on:
+                self._fired = True
+                _async_raise(self._tid, _Overtime)
+
+    def __enter__(self):
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
+        with self._lock:
+            self._on = False
+            if self._fired:  # raised, or still pending: never let it land outside the render
+                _async_raise(self._tid, None)
+        return False
+
+
+def _async_raise(tid: int, exc) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(exc) if exc else None)
+
+
 def _bounded(base):
     """The sandbox, with its two arithmetic operators that cost what their operands say bounded: ** by its
-    exponent, * of a string or list by the length it makes (jinja2 already bounds range())."""
+    exponent, * of a string or list by the length it makes (jinja2 already bounds range()), and a render's
+    CPU time: every call, attribute and item a template takes checks it, so nested loops stop within one
+    inner loop of MAX_RENDER_CPU_S."""
     from jinja2.exceptions import SecurityError
 
     class Bounded(base):
         intercepted_binops = frozenset(["**", "*"])
+        deadline = float("inf")  # the running render's, in this thread's CPU time (ChatTemplate.render)
+
+        def _in_time(self):
+            if time.thread_time() > self.deadline:
+                raise SecurityError(f"the template ran past {MAX_RENDER_CPU_S * 1e3:.0f} ms of CPU")
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 -- jinja2's own signature
+            __self._in_time()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            self._in_time()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            self._in_time()
+            return super().getitem(obj, argument)
 
         def call_binop(self, context, operator, left, right):
             if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_POWER:
@@ -98,14 +166,19 @@ class ChatTemplate:
                    "datetime": today.strftime("%b %d %Y")}
         if tools:
             context["tools"] = tools
+        env = self.template.environment
+        env.deadline = time.thread_time() + MAX_RENDER_CPU_S
         try:
-            text = self.template.render(**context)
+            with _Watchdog(MAX_RENDER_WALL_S):
+                text = self.template.render(**context)
         except TemplateError:
             raise
         except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError,
-                RecursionError, MemoryError) as e:  # a template is the model file's code: none of it ends the node
+                RecursionError, MemoryError, _Overtime) as e:  # a template is the model file's code: none of it ends the node
             raise TemplateError(f"the model's chat template failed on these messages: {type(e).__name__}: {e}") \
                 from None
+        finally:
+            env.deadline = float("inf")
         if self.add_bos and self.bos and text.startswith(self.bos):
             text = text[len(self.bos):]
         if self.add_eos and self.eos and text.endswith(self.eos):
