@@ -234,3 +234,23 @@ def test_the_native_forms_parse_what_their_grammars_allow():
     wire = tools.history({"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}, "hermes")
     assert wire == {"content": "", "tool_calls": [{"id": "c1", "name": "get_time", "arguments": '{"zone": "UTC"}'}]}
+
+
+@pytest.mark.parametrize("body", [
+    {"tool_choice": {"function": "f"}},  # the name where a map belongs: a 500 before
+    {"tool_choice": {"type": "function", "function": "f"}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"default": b"\x00"}}}]},
+], ids=["no type", "function a string", "bin in parameters"])
+def test_a_malformed_tool_request_is_a_tool_error_not_a_crash(body):
+    from meshnode.gateway.tools import ToolError, parse
+
+    with pytest.raises(ToolError):
+        parse({"tools": [{"type": "function", "function": {"name": "f"}}], **body})
+
+
+def test_an_earlier_calls_arguments_nested_970_deep_are_a_tool_error():
+    from meshnode.gateway.tools import ToolError, history
+
+    deep = "[" * 970 + "]" * 970
+    with pytest.raises(ToolError, match="nests deeper"):
+        history({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": deep}}]})

@@ -21,6 +21,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from ipc import jsonvalue
 from meshnode.core.types import ResponseFormat
 
 NATIVE = {"hermes": "arguments", "llama3": "parameters"}  # the key a format's call holds its arguments under
@@ -139,6 +140,10 @@ def parse(body: dict, form: str = "generic") -> ToolUse | None:
         params = f.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ToolError(f"tool {f['name']}: parameters must be a JSON schema object", "tools")
+        try:
+            jsonvalue.check(params, f"tool {f['name']}: parameters")
+        except ValueError as e:
+            raise ToolError(str(e), "tools") from None
         desc = f.get("description")
         if desc is not None and not isinstance(desc, str):
             raise ToolError(f"tool {f['name']}: description must be a string", "tools")
@@ -151,8 +156,8 @@ def parse(body: dict, form: str = "generic") -> ToolUse | None:
         raise ToolError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if choice in (None, "auto", "required", "none"):
         return None if choice == "none" else ToolUse(tuple(functions), choice or "auto", parallel, form)
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        else None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    named = function.get("name") if isinstance(function, dict) else None
     if named not in names:
         raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                         '{"name": <one of the tools>}}', "tool_choice")
@@ -170,9 +175,9 @@ def history(message: dict, form: str = "generic") -> dict | None:
             if not isinstance(f, dict) or not isinstance(f.get("name"), str):
                 raise ToolError("an assistant message's tool_calls must each have function.name", "messages")
             try:
-                args = json.loads(f.get("arguments") or "{}")
-            except (TypeError, ValueError):
-                raise ToolError(f"tool call {f['name']}: arguments must be a JSON string", "messages") from None
+                args = jsonvalue.loads(f.get("arguments") or "{}", f"tool call {f['name']}: arguments")
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ToolError(f"tool call {f['name']}: arguments must be a JSON string ({e})", "messages") from None
             calls.append({"id": str(c.get("id") or ""), "name": f["name"], "arguments": args})
         if form in NATIVE:
             return {"content": message.get("content") or "", "tool_calls": [
