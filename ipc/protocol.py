@@ -90,6 +90,7 @@ class KvHeader:
     bytes: int
     sha256: str
     positions: int
+    mac: str = ""  # HMAC-SHA256 by the exporting node's mesh key (ipc/moving.py `sign`), hex; "" unsigned
 
 
 @dataclass
@@ -303,15 +304,18 @@ def _import(msg: dict, id: str, n_vocab: int) -> Submit:
 def _kv_header(v, n_tokens: int, id: str) -> KvHeader | None:
     if v is None:
         return None
-    _check(isinstance(v, dict) and set(v) == {"bytes", "sha256", "positions"}, "kv must be a map of bytes, sha256 "
-           "and positions (the exported state's, unchanged)", id)
+    _check(isinstance(v, dict) and {"bytes", "sha256", "positions"} <= set(v) <= {"bytes", "sha256", "positions", "mac"},
+           "kv must be a map of bytes, sha256, positions and, where signed, mac (the exported state's, unchanged)", id)
+    mac = v.get("mac", "")
+    _check(isinstance(mac, str) and len(mac) in (0, 64) and all(c in "0123456789abcdef" for c in mac),
+           "kv.mac must be 64 lowercase hex digits", id)
     n, digest, positions = v["bytes"], v["sha256"], v["positions"]
     _check(_is_int(n) and n > 0, "kv.bytes must be an int above 0", id)
     _check(isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest),
            "kv.sha256 must be 64 lowercase hex digits", id)
     _check(_is_int(positions) and 1 <= positions <= n_tokens,
            f"kv.positions must be an int in [1, {n_tokens}] (the state's tokens)", id)
-    return KvHeader(n, digest, positions)
+    return KvHeader(n, digest, positions, mac)
 
 
 

@@ -275,3 +275,37 @@ def test_one_client_holding_import_slots_open_starves_no_other():
         assert "bytes of KV" in moves.begin(b"c", ask("c0"))  # the bytes receiving at once are bounded too
     finally:
         moves.close()
+
+
+def test_with_a_mesh_key_only_kv_a_mesh_node_signed_is_loaded_and_the_rest_is_prefilled(tiny_model, tmp_path):
+    """--mesh-key-file: exports carry an HMAC of their KV, recipe and tokens; an import's KV without a valid one
+    (a client's own, another mesh's, a signature moved onto other bytes) is not loaded, and the session goes on
+    prefilled, with the same tokens."""
+    import os
+
+    from helpers import serve
+
+    key = tmp_path / "mesh.key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    key.chmod(0o600)
+    args = (*ARGS, "--mesh-key-file", str(key))
+    # B's prefix cache off: a hit on the cells of the session imported before would count as cached too
+    with NodeProcess(tiny_model, *args, internal=SLOW) as a, \
+            NodeProcess(tiny_model, *args, "--prefix-cache", "off", internal=SLOW) as b, \
+            NodeProcess(tiny_model, *ARGS, internal=SLOW) as outsider, a.client() as ca, b.client() as cb, \
+            outsider.client() as co:
+        signed, _ = leave(ca, "s", {**ASK, "max_tokens": 60})
+        unsigned, _ = leave(co, "u", {**ASK, "max_tokens": 60, "tokens": [t + 1 for t in PROMPT]})
+        assert len(signed["kv"]["mac"]) == 64 and "mac" not in unsigned["kv"]
+        forged = {**unsigned, "kv": {**unsigned["kv"], "mac": signed["kv"]["mac"]}}  # a signature of other bytes
+        got = {}
+        for name, state in (("signed", signed), ("unsigned", unsigned), ("forged", forged)):
+            cb.resume(name, state)
+            got[name] = cb.collect([name])[name].done
+    assert got["signed"]["usage"]["cached_tokens"] == signed["kv"]["positions"]
+    for name in ("unsigned", "forged"):
+        assert got[name]["reason"] == R.LENGTH and got[name]["usage"]["cached_tokens"] == 0
+    assert got["unsigned"]["tokens"] == got["forged"]["tokens"]
+    key.chmod(0o644)
+    out = serve(tiny_model, "--mesh-key-file", str(key))
+    assert out.returncode != 0 and "chmod 600" in out.stderr

@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -48,11 +49,15 @@ class Incoming:
 
 
 class Moves:
-    def __init__(self, layout: seqstate.Layout | None, n_seq_max: int, clock, max_bytes: int = 1 << 62):
+    def __init__(self, layout: seqstate.Layout | None, n_seq_max: int, clock, max_bytes: int = 1 << 62,
+                 key: bytes | None = None):
         """`layout`: what this node's engine writes in a state file (None: it cannot say, and no KV is taken);
-        `max_bytes`: what the imports receiving at once may hold on disk (the KV budget: they are headed there)."""
+        `max_bytes`: what the imports receiving at once may hold on disk (the KV budget: they are headed there);
+        `key`: the mesh key (mesh_key_file): exports are signed with it, and only signed KV is loaded."""
         self.dir = tempfile.mkdtemp(prefix="meshnode-kv-")
         self.layout, self.n_seq_max, self.clock, self.max_bytes = layout, n_seq_max, clock, max_bytes
+        self.key = key
+        self.unsigned = 0  # imports whose KV no mesh node signed: prefilled instead
         self.incoming: dict[tuple, Incoming] = {}
         self._names = itertools.count()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="meshnode-export")
@@ -84,7 +89,7 @@ class Moves:
     def state(self, ev: Event, stops: list[str], recipe: str) -> tuple[dict, bytes]:
         """A leaving session's state (its KV's description in it) and its KV's bytes, read now; the file goes."""
         state = self._state(ev, stops, recipe)
-        data = _with_kv(state, ev.session.export_to, ev.kv[1]) if ev.kv else b""
+        data = self._with_kv(state, ev.session.export_to, ev.kv[1]) if ev.kv else b""
         remove(ev.session.export_to)
         return state, data
 
@@ -97,7 +102,7 @@ class Moves:
     def _read(self, key: tuple, path: str, positions: int, state: dict) -> None:
         """The reader thread: the file's bytes and checksum into the state, its frames to the loop."""
         try:
-            data = _with_kv(state, path, positions)
+            data = self._with_kv(state, path, positions)
         except Exception as e:  # noqa: BLE001 -- it leaves without its KV (prefilled where it goes), never unanswered
             log.warning("export of %s: its KV file could not be read (%r); it leaves without it", key[1], e)
             state.pop("kv", None)
@@ -106,6 +111,17 @@ class Moves:
             remove(path)
         self._ready.put((key, [E.exported(key[1], state), *E.kv_parts(key[1], data)]))
         os.write(self._wake_w, b"x")
+
+    def _with_kv(self, state: dict, path: str, positions: int) -> bytes:
+        """The KV file's bytes; its description (size, SHA-256, positions, and with a mesh key its signature)
+        into `state`."""
+        with open(path, "rb") as f:
+            data = f.read()
+        kv = P.KvHeader(len(data), hashlib.sha256(data).hexdigest(), positions)
+        if self.key is not None:
+            kv = M.sign(self.key, state["recipe"], kv, state["tokens"] + state["generated"])
+        state["kv"] = {k: v for k, v in asdict(kv).items() if k != "mac" or v}  # unsigned: as before keys existed
+        return data
 
     def fileno(self) -> int:
         """Readable when an export's frames are ready (the front's poller)."""
@@ -171,7 +187,13 @@ class Moves:
         if inc.hasher.hexdigest() != inc.req.kv.sha256:
             remove(inc.path)
             return None, "", "the KV's SHA-256 is not the one its import names: it was changed or cut on the way"
-        path, why = self.checked(inc.path, (inc.req.tokens + inc.req.generated)[:inc.req.kv.positions])
+        tokens = inc.req.tokens + (inc.req.generated or [])
+        if self.key is not None and not M.signed(self.key, inc.req.recipe or "", inc.req.kv, tokens):
+            remove(inc.path)  # KV from outside the mesh: the session goes on, its KV computed here
+            self.unsigned += 1
+            log.info("import %s: its KV is not signed by this mesh's key; it is prefilled", c.id)
+            return inc.req, "", ""
+        path, why = self.checked(inc.path, tokens[:inc.req.kv.positions])
         return (None, "", why) if why else (inc.req, path, "")
 
     def checked(self, src: str, tokens: list[int]) -> tuple[str, str]:
@@ -220,12 +242,6 @@ class Moves:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _with_kv(state: dict, path: str, positions: int) -> bytes:
-    """The KV file's bytes; its description (size, SHA-256, positions) into `state`."""
-    with open(path, "rb") as f:
-        data = f.read()
-    state["kv"] = asdict(P.KvHeader(len(data), hashlib.sha256(data).hexdigest(), positions))
-    return data
 
 
 def remove(path: str) -> None:
@@ -234,3 +250,21 @@ def remove(path: str) -> None:
         os.unlink(path)
     except (FileNotFoundError, TypeError):
         pass
+
+
+def read_key(path: str) -> bytes:
+    """A mesh key file, held to what ssh holds a private key to: a regular file of the node's user that no one
+    else may read, of at least 32 bytes. ValueError, naming the fix, otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ValueError(f"mesh_key_file {path} must be a regular file of this user that no one else can read "
+                             f"(mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 {path}")
+        key = os.read(fd, 4096).strip()
+    finally:
+        os.close(fd)
+    if len(key) < 32:
+        raise ValueError(f"mesh_key_file {path} holds {len(key)} bytes; a mesh key is 32 or more "
+                         "(e.g. head -c 32 /dev/urandom | base64 > FILE)")
+    return key

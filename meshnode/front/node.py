@@ -41,7 +41,7 @@ from meshnode.front.engine_link import EngineLink
 from meshnode.front.gate import SAFE_IPC_FDS, client_room
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.handoff import Handoff
-from meshnode.front.moves import Moves, remove
+from meshnode.front.moves import Moves, read_key, remove
 from meshnode.front.persist import KvPersist, folder_problem
 from meshnode.front.prom import Exposition
 from meshnode.front.gateway_child import GatewayChild
@@ -85,6 +85,10 @@ class Front:
             from meshnode.ops.models import cached_model
             cfg.model = str(cached_model("tiny"))
         self.settings = cfg.resolve()  # every derived value, every rule between settings: before anything starts
+        try:
+            self.mesh_key = read_key(cfg.mesh_key_file) if cfg.mesh_key_file else None
+        except (OSError, ValueError) as e:
+            raise ConfigError(str(e)) from None
         self._claim_endpoints()
         self.tok = Tokenizer(cfg.model)
         why = self.tok.vocab_difference(cfg.draft_model) if cfg.draft_model else ""
@@ -112,7 +116,7 @@ class Front:
         self.telemetry = Telemetry(self.sched)
         self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
         self.moves = Moves(seqstate.Layout.of(self.link.info.kv_state), self.budget.n_seq_max, time.monotonic,
-                           self.budget.kv_budget_bytes)
+                           self.budget.kv_budget_bytes, self.mesh_key)
         self.reaper.claim(self.moves.dir)
         problem = folder_problem(cfg.kv_persist) if cfg.kv_persist else ""
         if problem:

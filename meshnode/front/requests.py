@@ -202,7 +202,9 @@ class Requests:
         req, path, why = self.moves.chunk(ident, c)
         if why:
             return [self.refuse(ident, c.id, R.REJECTED_BAD_REQUEST, why)]
-        return self._admit(ident, req, req.tokens, arrived, kv_import=(path, req.kv.positions)) if req else []
+        if req is None:
+            return []
+        return self._admit(ident, req, req.tokens, arrived, kv_import=(path, req.kv.positions) if path else None)
 
     def refuse(self, ident: bytes, id: str, reason: str, detail: str) -> Answer:
         self.telemetry.count_reject(reason)

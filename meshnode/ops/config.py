@@ -137,6 +137,11 @@ class NodeConfig:
     kv_persist: str | None = setting(None, "a folder the prefix cache's entries are written to at drain and read back "
                                      "at start, so conversations outlive a restart (each file checked by SHA-256, "
                                      "recipe and tokens); unset = off", example="/var/lib/meshnode/kv")
+    mesh_key_file: str | None = setting(None, "a secret (32 bytes or more, mode 0600) shared by the nodes of one mesh: "
+                                        "exports sign their KV with it, and an import's KV is loaded only with a "
+                                        "valid signature (otherwise it is prefilled from its tokens); unset = any "
+                                        "KV that passes the node's full check is loaded",
+                                        example="/etc/meshnode/mesh.key")
     kv_persist_mb: float = setting(1024.0, "the most KV kv_persist writes at drain, the most recently used entries "
                                    "first", range=(1e-3, 1e9))
     rpc_timeout_s: float = setting(2.0, "each rpc worker must answer ggml's hello within this long, at start and "
