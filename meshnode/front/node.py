@@ -145,6 +145,7 @@ class Front:
         self.poller.register(self.moves.fileno(), zmq.POLLIN)
         self._link_fd = None
         self._planned_out = False  # the last dispatch found nothing to plan
+        self._probe_template()
         log.info("%s", ready_line(self.report.src, max_clients))
         if cfg.http:
             self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
@@ -152,6 +153,16 @@ class Front:
                                         cfg.http_sampling_defaults)
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
+
+    def _probe_template(self) -> None:
+        """The model's chat template compiled and run once on one user message before the ready line, so the
+        first chat request pays neither, and a template that fails says so now (chat requests get its refusal)."""
+        try:
+            self.tok.chat_prompt([{"role": "user", "content": "hello"}])
+        except ValueError as e:
+            if "no chat template" not in str(e):
+                log.warning("the model's chat template fails a probe render (chat requests will be refused with "
+                            "its words; send text or tokens): %s", e)
 
     def _persist_kv(self) -> None:
         """At the drain's end, the prefix cache's entries to kv_persist in one last tick (front/persist.py)."""
