@@ -10,7 +10,6 @@ exits, 0 victims changed or ended, every hostile request answered with a reason.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -19,12 +18,11 @@ from collections import Counter
 
 import msgpack
 
-from ipc import moving as M
 from ipc import protocol as P
 from meshnode.bench import llama_build, model_path
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
-from meshnode.dev.hostile import random_edits, state_variants
+from meshnode.dev.hostile import random_edits, send_state, state_variants
 from meshnode.dev.nodeproc import NodeProcess
 
 PROMPT = [3 + (k * 29) % 500 for k in range(37)]
@@ -74,15 +72,6 @@ def hostile_frames(n: int, seed: int) -> list[list[bytes]]:
     return out
 
 
-def _send_state(c, id: str, state: dict, data: bytes) -> dict:
-    kv = {**state["kv"], "data": data, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    c.open[id] = c.open.get(id, 0) + 1
-    c.sock.send_multipart(M.import_request(id, {**state, "kv": kv}))
-    for f in M.kv_requests(id, data):
-        c.sock.send_multipart(f)
-    return c.collect([id], timeout_s=120)[id].admission
-
-
 def _send_frame(c, frames: list[bytes]) -> str:
     """One hostile frame: the kind of answer it got ('error', 'rejected', 'admitted', 'status', ...)."""
     c.sock.send_multipart(frames)
@@ -115,7 +104,7 @@ def run_layout(path: str, layout: str, threads: int, n: int) -> dict:
         t0 = time.perf_counter()
         states = Counter()
         for i, bad in enumerate(files):
-            ans = _send_state(attacker, f"h{i}", state, bad)
+            ans = send_state(attacker, f"h{i}", state, bad, timeout_s=120)
             if ans["event"] == "admitted":
                 attacker.collect([f"h{i}"], timeout_s=120)
             states[ans["event"] + (" with a reason" if ans.get("detail") else "")] += 1

@@ -68,7 +68,7 @@ class Layout:
 
     def size(self, n_tokens: int, cells: int) -> int:
         """The exact length of a file of `n_tokens` tokens and `cells` cells in one stream."""
-        heads = 8 + 12 * len(self.keys) + (12 if self.v_trans else 12) * len(self.values)
+        heads = 8 + 12 * (len(self.keys) + len(self.values))  # v_trans and n_layer; each layer's type and size
         return _HEAD.size + 4 * n_tokens + 4 + 4 * self.n_stream + (cells and heads + cells * self.cell_bytes())
 
 

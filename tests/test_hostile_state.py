@@ -2,7 +2,6 @@
 llama.cpp's loader aborted the engine on a file one byte short and took cells at any position, which outlived
 every release and changed other clients' tokens. Each edit below was taken or died on before; the attacker
 computes the SHA-256 of what he sends, so only the parse stands between it and the engine."""
-import hashlib
 import os
 import tempfile
 
@@ -10,11 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ipc import moving as M
 from ipc import seqstate
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
-from meshnode.dev.hostile import random_edits, state_variants
+from meshnode.dev.hostile import random_edits, send_state, state_variants
 from meshnode.dev.nodeproc import NodeProcess
 
 # the engine's own layouts (learned from llama.cpp's files: tiny model, streams and unified without flash
@@ -130,16 +128,6 @@ def pair(tiny_model, request):
         yield ca, attacker, victim, request.param == "streams"
 
 
-def send_import(c, id: str, state: dict, data: bytes) -> dict:
-    """An import of `state` with `data` as its KV, its SHA-256 computed by the sender: the admission answer."""
-    kv = {**state["kv"], "data": data, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    c.open[id] = c.open.get(id, 0) + 1
-    c.sock.send_multipart(M.import_request(id, {**state, "kv": kv}))
-    for f in M.kv_requests(id, data):
-        c.sock.send_multipart(f)
-    return c.collect([id])[id].admission
-
-
 def test_hostile_imports_are_refused_and_another_clients_session_is_bitwise_its_lone_run(pair):
     ca, attacker, victim, bitwise = pair
     lone = victim.generate("lone", **VICTIM)
@@ -150,7 +138,7 @@ def test_hostile_imports_are_refused_and_another_clients_session_is_bitwise_its_
     data = state["kv"]["data"]
     victim.submit("v", **VICTIM)
     hostile = list(state_variants(data).values()) + random_edits(data, RANDOM_EDITS, seed=1)
-    answers = [send_import(attacker, f"h{i}", state, bad) for i, bad in enumerate(hostile)]
+    answers = [send_state(attacker, f"h{i}", state, bad) for i, bad in enumerate(hostile)]
     refused = [a for a in answers if a["event"] == "rejected"]
     # a random edit may leave the structure whole (a changed token the parse then finds is the import's, or
     # a changed but finite value): such an import runs as the attacker's own session, and only its own

@@ -8,11 +8,13 @@ structural change rather than a different (finite) value in the session's own KV
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import struct
 import tempfile
 
+from ipc import moving as M
 from ipc import seqstate
 
 def _layout_of(data: bytes) -> seqstate.Layout:
@@ -99,3 +101,13 @@ def random_edits(data: bytes, n: int, seed: int = 0) -> list[bytes]:
         out.append(bytes(b))
     return out
 
+
+def send_state(c, id: str, state: dict, data: bytes, timeout_s: float | None = None) -> dict:
+    """An import of `state` with `data` as its KV, the SHA-256 computed by its sender, from client `c`: the
+    admission answer."""
+    kv = {**state["kv"], "data": data, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    c.open[id] = c.open.get(id, 0) + 1
+    c.sock.send_multipart(M.import_request(id, {**state, "kv": kv}))
+    for f in M.kv_requests(id, data):
+        c.sock.send_multipart(f)
+    return c.collect([id], timeout_s=timeout_s)[id].admission
