@@ -174,3 +174,21 @@ def test_a_tick_is_stamped_sent_once_it_is_sent_so_a_paused_front_is_not_a_hung_
     ticks.send(tick)
     assert tick.sent_at == clock[0]
     assert link.health.hung(clock[0], [tick], lambda: (0, 0, 99.0)) == ""  # the engine has had it 0 s
+
+
+def test_deaths_while_loading_an_import_restart_the_engine_but_never_make_a_crash_loop():
+    """Six hostile imports sent as each restarted engine came up stopped the node for good (5 deaths)."""
+    from meshnode.core.health import CRASH_LOOP_DEATHS, EngineHealth
+
+    h = EngineHealth(30.0, 300.0, 10.0)
+    h.ready(0.0)
+    for k in range(3 * CRASH_LOOP_DEATHS):
+        h.died(float(k), "GGML_ASSERT", counted=False)
+        assert h.healthy and h.restart_due(float(k) + 60)
+        h.starting(float(k) + 60)
+        h.ready(float(k) + 61)
+    for k in range(CRASH_LOOP_DEATHS):  # the deaths nobody's input explains still count
+        h.died(1000.0 + k, "segfault")
+        if h.healthy:
+            h.restart_due(2000.0 + k)
+    assert not h.healthy

@@ -106,14 +106,20 @@ class EngineHealth:
         where = "in its step" if started == late.t else "without taking it"
         return f"tick {late.t} ran past its {self.tick_deadline_s:.1f} s deadline ({now - since:.1f} s {where})"
 
-    def died(self, now: float, why: str, unrecoverable: str = "", missing: str = "") -> None:
+    def died(self, now: float, why: str, unrecoverable: str = "", missing: str = "", counted: bool = True) -> None:
         """Count a death: schedule a restart with backoff, or give up (crash loop, or a model no
-        restart can fix); or, where a worker it needs is `missing`, wait for that."""
+        restart can fix); or, where a worker it needs is `missing`, wait for that. `counted` False: a
+        death a client's input may have caused (a tick loading an imported KV, which is never loaded
+        again): it restarts the engine but does not bring the crash loop nearer, or clients could stop the
+        node for good by importing."""
         self.last_error = why
         self.unrecoverable = self.unrecoverable or unrecoverable
         if missing and not self.unrecoverable:
             return self.wait_for(now, missing)
-        self.deaths_in_row += 1
+        self.deaths_in_row += 1 if counted else 0
+        if not counted and not self.unrecoverable:
+            self.state, self.next_start_at = DOWN, now + BACKOFF_FIRST_S
+            return
         if self.unrecoverable or self.deaths_in_row >= CRASH_LOOP_DEATHS:
             self.state = FAILED
             return

@@ -199,13 +199,14 @@ class EngineLink:
         Asked only while no engine is connected to them: a worker serves one client at a time."""
         return next(filter(None, (rpc_hello(ep, self.rpc_timeout_s) for ep in getattr(self.engine, "rpc", ()))), "")
 
-    def died(self, why: str) -> None:
+    def died(self, why: str, counted: bool = True) -> None:
         """Kill what is left and let the health policy decide: restart with backoff, wait for a missing
-        worker, or give up."""
-        log.error("engine died: %s", why)
+        worker, or give up (`counted`: EngineHealth.died's)."""
+        log.error("engine died: %s%s", why, "" if counted else " (while loading an imported KV: not counted "
+                  "toward the crash loop)")
         self.kill()
         missing = self.missing_worker()
-        self.health.died(time.monotonic(), why, missing=missing)
+        self.health.died(time.monotonic(), why, missing=missing, counted=counted)
         if missing:
             log.error("%s: waiting for it, new sessions refused", missing)
         elif not self.health.healthy:

@@ -30,7 +30,7 @@ from ipc.shm import TokenArena, clean_stale
 from ipc.transport import Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
-from meshnode.core.types import ConfigError
+from meshnode.core.types import ConfigError, Load
 from meshnode.core.health import READY, EngineHealth
 from meshnode.core.kvevents import BLOCK_TOKENS
 from meshnode.core.scheduler import Event, Scheduler
@@ -378,7 +378,8 @@ class Front:
     def _engine_died(self, why: str) -> list[Event]:
         """Restart with backoff and re-prefill; when the engine cannot come back, or waits for a missing
         rpc worker, end every session."""
-        self.link.died(why)
+        loading = any(isinstance(op, Load) for tick in self.ticks.in_flight() for op in tick.plan.kv)
+        self.link.died(why, counted=not loading)
         self.ticks.lost()
         self.sched.engine_restarted()
         if self.health.serving:

@@ -115,6 +115,10 @@ class Ticks:
         self.pipeline.engine_waited(msg.gap_ms)
         return Reply(tick, res, msg.mem_available)
 
+    def in_flight(self) -> list:
+        """The ticks sent and not answered, oldest first."""
+        return list(self.pipeline.ticks)
+
     def why_dead(self, now: float) -> str:
         return self.engine.why_dead(now, self.pipeline.ticks)
 
