@@ -34,8 +34,9 @@ KV_TOPIC = b"kv-events"
 
 def kv_events(seq: int, ts: float, events: list[list]) -> list[bytes]:
     """A batch of prefix-cache events as vLLM publishes them (docs/operating.md, "Routers"): topic, sequence
-    number (8 bytes big-endian, +1 a batch: a gap is a lost batch), msgpack [ts, [events]]."""
-    return [KV_TOPIC, seq.to_bytes(8, "big"), pack([ts, events])]
+    number (8 bytes big-endian, +1 a batch: a gap is a lost batch), msgpack [ts, [events], data_parallel_rank]
+    (vLLM's KVEventBatch; Dynamo refuses a batch without the rank). One engine a node: rank 0."""
+    return [KV_TOPIC, seq.to_bytes(8, "big"), pack([ts, events, 0])]
 
 
 def tokens(id: str, toks: list[int], text: str, logprobs: list | None = None) -> list[bytes]:

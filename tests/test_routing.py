@@ -92,10 +92,12 @@ def test_the_hash_is_the_documented_chain():
 
     ids = list(range(3, 3 + 2 * BLOCK_TOKENS + 5))
     h0 = int.from_bytes(hashlib.sha256(bytes(8) + b"".join(t.to_bytes(4, "little") for t in ids[:16])).digest()[:8],
-                        "little")
-    h1 = int.from_bytes(hashlib.sha256(h0.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little")
-                                                                           for t in ids[16:32])).digest()[:8], "little")
+                        "little", signed=True)
+    h1 = int.from_bytes(hashlib.sha256(h0.to_bytes(8, "little", signed=True) + b"".join(
+        t.to_bytes(4, "little") for t in ids[16:32])).digest()[:8], "little", signed=True)
     assert block_hashes(ids) == [h0, h1]  # the partial third block is not a block
+    many = block_hashes(list(range(16 * 64)))
+    assert any(h < 0 for h in many) and all(-2**63 <= h < 2**63 for h in many)  # i64, as Dynamo keys them
 
 
 def queued(sched):
@@ -238,7 +240,7 @@ def test_priority_on_the_wire(value, ok):
 
 @pytest.mark.slow
 def test_a_router_following_the_nodes_kv_events_predicts_its_hits_and_the_status_agrees(tiny_model, tmp_path):
-    """The PUB stream as a router reads it (vLLM's frames: topic, 8-byte sequence, msgpack [ts, events]),
+    """The PUB stream as a router reads it (vLLM's frames: topic, 8-byte sequence, msgpack [ts, events, data_parallel_rank]),
     replayed before each request: the prediction matches each done's cached_tokens, and the status
     answer lists the hashes the replay holds. Like a router that joins late, it starts from the status
     answer's hashes once its subscription delivers (ZeroMQ drops what a PUB sends before a SUB has joined)."""
@@ -255,8 +257,10 @@ def test_a_router_following_the_nodes_kv_events_predicts_its_hits_and_the_status
     def drain():
         while sub.poll(0):
             topic, seq, payload = sub.recv_multipart()
-            ts, events = msgpack.unpackb(payload)
-            assert topic == E.KV_TOPIC and ts > 0
+            ts, events, rank = msgpack.unpackb(payload)
+            assert topic == E.KV_TOPIC and ts > 0 and rank == 0
+            for ev in events:  # signed 64-bit hashes, no tier named: what Dynamo's router keys and credits
+                assert ev[0] == "AllBlocksCleared" or (ev[-1] is None and all(-2**63 <= h < 2**63 for h in ev[1]))
             seqs.append(int.from_bytes(seq, "big"))
             replay(events, held)
 

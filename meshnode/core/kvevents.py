@@ -13,9 +13,9 @@ is exactly the set held).
 The key a router computes from a prompt, so that it needs no tokenizer call of
 ours (docs/operating.md, "Routers"): the prompt's token ids cut into blocks of
 BLOCK_TOKENS (a partial last block is never announced), and for block i
-    h_i = first 8 bytes, little-endian unsigned, of
+    h_i = first 8 bytes, read as a little-endian signed 64-bit integer, of
           sha256(h_{i-1} as 8 bytes little-endian || block i's ids as int32 little-endian)
-with h_{-1} = 0. A prompt whose first block's hash is held gets a cache hit
+with h_{-1} = 0 (signed: Dynamo's router keys blocks by i64, and an unsigned hash past 2^63 overflowed it). A prompt whose first block's hash is held gets a cache hit
 (MIN_SHARE = BLOCK_TOKENS tokens is the least the cache reuses), as long as it
 comes from a client the cache's scope lets reuse it.
 """
@@ -27,7 +27,9 @@ from collections import Counter
 import numpy as np
 
 BLOCK_TOKENS = 16
-MEDIUM = "cpu"  # vLLM's field: where the blocks live (this node's KV is in host memory, or a device's: one tier)
+# vLLM's field: which cache tier holds the blocks. This node has one tier, its primary cache, which routers
+# credit when no tier is named (Dynamo gave blocks announced as "cpu" no overlap credit: notes/dynamo.md)
+MEDIUM = None
 
 
 def block_hashes(tokens, n_tokens: int | None = None) -> list[int]:
@@ -36,7 +38,8 @@ def block_hashes(tokens, n_tokens: int | None = None) -> list[int]:
     out, parent = [], 0
     for i in range(len(ids) // BLOCK_TOKENS):
         block = ids[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].tobytes()
-        parent = int.from_bytes(hashlib.sha256(parent.to_bytes(8, "little") + block).digest()[:8], "little")
+        digest = hashlib.sha256(parent.to_bytes(8, "little", signed=True) + block).digest()
+        parent = int.from_bytes(digest[:8], "little", signed=True)
         out.append(parent)
     return out
 
