@@ -48,10 +48,11 @@ def tokens(id: str, toks: list[int], text: str, logprobs: list | None = None) ->
 
 
 def done(id: str, reason: str, toks: list[int], text: str, usage: dict, detail: str = "",
-         incomplete: bool = False) -> list[bytes]:
-    """`incomplete`: a constrained (response_format) session ended before its output matched in full."""
+         incomplete: bool = False, stop: str = "") -> list[bytes]:
+    """`incomplete`: a constrained (response_format) session ended before its output matched in full; `stop`:
+    the stop string that ended it (vLLM's `stop_reason`, Anthropic's `stop_sequence`)."""
     return event("done", id=id, reason=reason, tokens=toks, text=text, usage=usage, **({"detail": detail} if detail else {}),
-                 **({"incomplete": True} if incomplete else {}))
+                 **({"incomplete": True} if incomplete else {}), **({"stop": stop} if stop else {}))
 
 
 def telemetry(snapshot: dict) -> list[bytes]:

@@ -212,6 +212,8 @@ def peer_event(ev: dict, n_vocab: int) -> dict | None:
         out["detail"] = ev["detail"][:P.MAX_TEXT_BYTES]
     if ev.get("incomplete"):
         out["incomplete"] = True
+    if isinstance(ev.get("stop"), str) and ev["stop"]:
+        out["stop"] = ev["stop"][:P.MAX_TEXT_BYTES]
     return out
 
 

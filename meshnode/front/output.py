@@ -167,7 +167,8 @@ class Output:
         if self.latency is not None:
             self.latency.observe_done(usage)
         incomplete = s.grammar is not None and reason != R.EOS  # cut before its output matched in full
-        return frames + [E.done(s.key[1], reason, s.generated, text, usage, detail, incomplete)]
+        stop = out.stop.which if out.stop and reason == R.STOP else ""
+        return frames + [E.done(s.key[1], reason, s.generated, text, usage, detail, incomplete, stop)]
 
     def _deliver(self, ident: bytes, frames: list[bytes], final: bool, finishes: list[Finish]) -> None:
         """Send to one client. One that stopped reading or vanished loses its sessions, nobody else does;

@@ -21,7 +21,7 @@ from ipc import protocol as P
 from ipc.transport import api_keys
 from meshnode.core.endpoints import hosts_port
 from meshnode.core.types import sampling_defaults
-from meshnode.gateway import api, deadline, embeddings, responses
+from meshnode.gateway import api, deadline, embeddings, messages, responses
 from meshnode.gateway.cors import Cors
 from meshnode.gateway.options import refusal
 from meshnode.gateway.upstream import Upstream
@@ -42,7 +42,7 @@ class Gateway:
                               client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
         routes = [web.post("/chat/completions", self.chat), web.post("/completions", self.completions),
                   web.post("/responses", self.responses), web.post("/embeddings", self.embeddings),
-                  web.get("/models", self.models)]
+                  web.post("/messages", self.messages), web.get("/models", self.models)]
         # OpenAI's paths under /v1, and without it as llama-server and vLLM's clients also call them
         app.add_routes([*routes, *(web.route(r.method, "/v1" + r.path, r.handler) for r in routes),
                         web.get("/health", self.health), web.get("/v1/health", self.health),
@@ -52,16 +52,21 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
+        anthropic = request.path.rstrip("/").endswith("/messages")
         if self.keys and request.path not in ("/health", "/v1/health"):
             # as bytes: compare_digest refuses a str that is not ASCII, and a header may hold anything
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not (given.startswith(b"Bearer ") and any(secrets.compare_digest(given[7:], k) for k in self.keys)):
-                return _error(api.ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)",
-                                           code="invalid_api_key"))
+            key = given[7:] if given.startswith(b"Bearer ") else None
+            if key is None and "x-api-key" in request.headers:  # Anthropic's clients send their key so
+                key = request.headers["x-api-key"].encode("utf-8", "surrogateescape")
+            if key is None or not any(secrets.compare_digest(key, k) for k in self.keys):
+                err = api.ApiError(401, "a valid API key is needed (Authorization: Bearer KEY, or x-api-key: KEY)",
+                                   code="invalid_api_key")
+                return web.json_response(messages.error_body(err), status=401) if anthropic else _error(err)
         try:
             return await handler(request)
         except api.ApiError as e:
-            return _error(e)
+            return web.json_response(messages.error_body(e), status=e.status) if anthropic else _error(e)
 
     async def chat(self, request: web.Request):
         return await self._generate(request, self._parse(await _body(request), chat=True))
@@ -74,6 +79,12 @@ class Gateway:
         body = await _body(request)
         req = self._parse(responses.to_chat(body), chat=True)
         return await self._generate(request, req, lambda i: responses.ResponseAnswer(req, body, self.recipe))
+
+    async def messages(self, request: web.Request):
+        """Anthropic's Messages API: a chat in other clothes (gateway/messages.py); its errors in its shape."""
+        chat = messages.to_chat(await _body(request))
+        req = self._parse(chat, chat=True)
+        return await self._generate(request, req, lambda i: messages.MessagesAnswer(req))
 
     def _parse(self, body, chat: bool) -> api.Request:
         return api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format, self.defaults)

@@ -14,14 +14,16 @@ class StopText:
         self.text = ""  # everything decoded so far (cut at the match once one is found)
         self.sent = 0  # characters of it already streamed
         self.matched = False
+        self.which = ""  # the stop string that matched (the first in the text; the longest where two begin there)
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """New text -> (what may be streamed now, whether a stop string matched)."""
         self.text += piece
         start = max(0, self.sent - self.longest + 1)  # a match may begin in text held back, never earlier
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, -len(s), s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
         if hits:
-            self.text, self.matched = self.text[:min(hits)], True
+            at, _, self.which = min(hits)
+            self.text, self.matched = self.text[:at], True
             return self._release(len(self.text)), True
         return self._release(len(self.text) - self._held()), False
 
