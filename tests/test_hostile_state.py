@@ -112,12 +112,12 @@ ARGS = ("--decode-steps-ms", "0", "--threads", "1")
 # deterministic mode (streams only) makes the victim comparable bitwise with its lone run; on unified the
 # victim is judged by its end and the node's health, the parse by the pure tests above
 MODE = {"streams": ("--deterministic",), "unified": ("--no-deterministic",)}
-SLOW = {"faults": [{"step_sleep_s": 0.02}]}
+SLOW = {"faults": [{"step_sleep_s": 0.01}]}
 PROMPT = [3 + (k * 29) % 500 for k in range(37)]
 LEAVER = dict(tokens=PROMPT, max_tokens=300, ignore_eos=True, sampling=Sampling(0.9, 40, 0.95, 11))
-VICTIM = dict(tokens=[5 + (k * 13) % 400 for k in range(21)], max_tokens=120, ignore_eos=True,
+VICTIM = dict(tokens=[5 + (k * 13) % 400 for k in range(21)], max_tokens=80, ignore_eos=True,
               sampling=Sampling(0.8, 40, 0.95, 3))
-RANDOM_EDITS = 150  # per layout in the suite; `python -m benchmarks hostile` runs more
+RANDOM_EDITS = 60  # per layout in the suite; `python -m benchmarks hostile` runs more
 
 
 @pytest.fixture(scope="module", params=["streams", "unified"])

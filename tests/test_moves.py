@@ -294,8 +294,8 @@ def test_with_a_mesh_key_only_kv_a_mesh_node_signed_is_loaded_and_the_rest_is_pr
             NodeProcess(tiny_model, *args, "--prefix-cache", "off", internal=SLOW) as b, \
             NodeProcess(tiny_model, *ARGS, internal=SLOW) as outsider, a.client() as ca, b.client() as cb, \
             outsider.client() as co:
-        signed, _ = leave(ca, "s", {**ASK, "max_tokens": 60})
-        unsigned, _ = leave(co, "u", {**ASK, "max_tokens": 60, "tokens": [t + 1 for t in PROMPT]})
+        signed, _ = leave(ca, "s", {**ASK, "max_tokens": 30})
+        unsigned, _ = leave(co, "u", {**ASK, "max_tokens": 30, "tokens": [t + 1 for t in PROMPT]})
         assert len(signed["kv"]["mac"]) == 64 and "mac" not in unsigned["kv"]
         forged = {**unsigned, "kv": {**unsigned["kv"], "mac": signed["kv"]["mac"]}}  # a signature of other bytes
         got = {}
