@@ -41,7 +41,7 @@ from meshnode.front.engine_link import EngineLink
 from meshnode.front.gate import SAFE_IPC_FDS, client_room
 from meshnode.front.metrics import MAX_CONNECTIONS as METRICS_CONNECTIONS
 from meshnode.front.handoff import Handoff
-from meshnode.front.moves import Moves, read_key, remove
+from meshnode.front.moves import Checked, Moves, read_key, remove
 from meshnode.front.persist import KvPersist, folder_problem
 from meshnode.front.prom import Exposition
 from meshnode.front.gateway_child import GatewayChild
@@ -286,8 +286,11 @@ class Front:
         if self.handoff is not None and ready.pop(self.handoff.sock, None):
             self.handoff.on_ready()
         if ready.pop(self.moves.fileno(), None):
-            for key, frames in self.moves.ready():
-                self._finish(self.output.export_ready(key, frames))
+            for key, done in self.moves.ready():
+                if isinstance(done, Checked):
+                    self._apply(self.requests.checked(key, done))
+                else:
+                    self._finish(self.output.export_ready(key, done))
         if ready.pop(self.texts.fileno(), None):
             for job in self.texts.finished():
                 self._apply(self.requests.on_text(job))

@@ -206,6 +206,15 @@ class Requests:
             return []
         return self._admit(ident, req, req.tokens, arrived, kv_import=(path, req.kv.positions) if path else None)
 
+    def checked(self, key: tuple, c) -> list[Action]:
+        """An import's KV came whole and was checked off the loop (front/moves.py Checked): admit it, or say why
+        not."""
+        ident, id = key
+        self.moves.checked_out(key)
+        if c.why:
+            return [self.refuse(ident, id, R.REJECTED_BAD_REQUEST, c.why)]
+        return self._admit(ident, c.req, c.req.tokens, self.sched.clock(), kv_import=(c.path, c.req.kv.positions))
+
     def refuse(self, ident: bytes, id: str, reason: str, detail: str) -> Answer:
         self.telemetry.count_reject(reason)
         return Answer(ident, E.rejected(id, reason, detail))
