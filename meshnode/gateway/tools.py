@@ -234,6 +234,16 @@ def cut_calls(text: str, form: str = "generic") -> list[dict] | None:
     return _openai(calls) if calls else None
 
 
+def settle(text: str, use: ToolUse | None, finish: str) -> tuple[str, list[dict] | None]:
+    """A whole answer's text and calls: for a tools request, the calls it holds, or where the budget cut it
+    (`finish` "length") the text without a call half made; otherwise the text as it is."""
+    if use is None:
+        return text, None
+    if finish == "length":
+        return cut_text(text, use.form), None
+    return answer(text, use.form)
+
+
 def cut_text(text: str, form: str = "generic") -> str | None:
     """An answer max_tokens cut short, as text a client may be shown: None where it was a call (half a call
     is no text), the text of a generic `{"response": ...}` answer as far as it went, a native form's text."""
