@@ -304,7 +304,8 @@ def _import(msg: dict, id: str, n_vocab: int) -> Submit:
 def _kv_header(v, n_tokens: int, id: str) -> KvHeader | None:
     if v is None:
         return None
-    _check(isinstance(v, dict) and {"bytes", "sha256", "positions"} <= set(v) <= {"bytes", "sha256", "positions", "mac"},
+    fields = {"bytes", "sha256", "positions"}
+    _check(isinstance(v, dict) and fields <= set(v) <= fields | {"mac"},
            "kv must be a map of bytes, sha256, positions and, where signed, mac (the exported state's, unchanged)", id)
     mac = v.get("mac", "")
     _check(isinstance(mac, str) and len(mac) in (0, 64) and all(c in "0123456789abcdef" for c in mac),

@@ -140,10 +140,8 @@ def parse(buf, layout: Layout, tokens: list[int], n_seq_max: int) -> Parsed:
     if got != list(tokens):
         raise ValueError(f"it was computed for other tokens than the {len(tokens)} its import names "
                          f"({len(got)} in the file)")
+    _exact(len(buf), layout, len(tokens))
     n = len(tokens)
-    expected = layout.size(n, n)
-    if len(buf) != expected:
-        raise ValueError(f"it is {len(buf)} bytes where {n} positions take exactly {expected} on this node")
     n_stream = r.u32("stream count")
     if n_stream != layout.n_stream:
         raise ValueError(f"it has {n_stream} streams where this node has {layout.n_stream}")
@@ -163,6 +161,11 @@ def parse(buf, layout: Layout, tokens: list[int], n_seq_max: int) -> Parsed:
         raise ValueError(f"it has {len(buf) - r.at} bytes after its cells")
     keys, values = out or ([], [])
     return Parsed(list(tokens), keys, values)
+
+
+def _exact(size: int, layout: Layout, n: int) -> None:
+    if size != layout.size(n, n):
+        raise ValueError(f"it is {size} bytes where {n} positions take exactly {layout.size(n, n)} on this node")
 
 
 def _cells(r: Reader, layout: Layout, n: int, n_seq_max: int) -> tuple[list, list]:
@@ -226,10 +229,7 @@ def write(path: str, layout: Layout, parsed: Parsed) -> int:
 def canonical(src: str, dst: str, layout: Layout, tokens: list[int], n_seq_max: int) -> int:
     """`src` (anyone's) checked whole and written anew to `dst` (the node's): its bytes; ValueError why not."""
     with open(src, "rb", opener=_nofollow) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != layout.size(len(tokens), len(tokens)):
-            raise ValueError(f"it is {size} bytes where {len(tokens)} positions take exactly "
-                             f"{layout.size(len(tokens), len(tokens))} on this node")
+        _exact(os.fstat(f.fileno()).st_size, layout, len(tokens))  # before a byte of it is read
         buf = f.read()
     return write(dst, layout, parse(buf, layout, tokens, n_seq_max))
 
@@ -271,18 +271,15 @@ def learn(path: str) -> Layout:
         values.append((t, size, n_embd))
         r.take(count * size * (n_embd or 1), "V")
     layout = Layout(n_stream, bool(v_trans), tuple(keys), tuple(values))
-    if r.at != after or any(r.u32("cell count") for _ in range(n_stream - s - 1)) or layout.size(n_tok, count) != len(r.buf):
+    empty_after = r.at == after and not any(r.u32("cell count") for _ in range(n_stream - s - 1))
+    if not empty_after or layout.size(n_tok, count) != len(r.buf):
         raise ValueError("its length is not the one its fields add up to")
     return layout
 
 
-def tokens_in(path: str) -> list[int]:
-    """The tokens a state file holds the KV of (its head alone); ValueError when it is not such a file."""
-    with open(path, "rb", opener=_nofollow) as f:
-        r = Reader(memoryview(f.read(_HEAD.size)))
-        magic, version, n = r.u32("head"), r.u32("head"), r.u32("head")
-        r = Reader(memoryview(_HEAD.pack(magic, version, n) + f.read(4 * min(n, 1 << 28))))
-    return _head(r)
+def tokens_of(buf) -> list[int]:
+    """The tokens a state file's bytes hold the KV of (its head alone); ValueError when they are not such a file."""
+    return _head(Reader(memoryview(buf)))
 
 
 def _nofollow(path, flags):

@@ -122,8 +122,9 @@ def test_messages_requests_become_the_chats_they_mean():
     chat = messages.to_chat({
         "max_tokens": 9, "system": [{"type": "text", "text": "S"}], "stop_sequences": ["x"], "top_k": 5,
         "messages": [{"role": "user", "content": "hi"},
-                     {"role": "assistant", "content": [{"type": "text", "text": "t"},
-                                                       {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}}]},
+                     {"role": "assistant", "content": [
+                         {"type": "text", "text": "t"},
+                         {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}}]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "ok"},
                                                   {"type": "text", "text": "and?"}]}],
         "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}})

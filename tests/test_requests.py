@@ -64,7 +64,7 @@ class Front:
 def front(clock, **kw):
     _, sched = scheduler(clock=clock)
     replies, texts = [], Texts()
-    kw.setdefault("moves", Moves(None, 8, clock))
+    kw.setdefault("moves", Moves(None, 8, clock, 1 << 30))
     reqs = Requests(sched, Tok(), texts, Telemetry(sched, clock), status=lambda *_: E.pong(), **kw)
     return sched, Front(reqs, replies), texts, replies
 

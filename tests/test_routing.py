@@ -240,10 +240,11 @@ def test_priority_on_the_wire(value, ok):
 
 @pytest.mark.slow
 def test_a_router_following_the_nodes_kv_events_predicts_its_hits_and_the_status_agrees(tiny_model, tmp_path):
-    """The PUB stream as a router reads it (vLLM's frames: topic, 8-byte sequence, msgpack [ts, events, data_parallel_rank]),
-    replayed before each request: the prediction matches each done's cached_tokens, and the status
-    answer lists the hashes the replay holds. Like a router that joins late, it starts from the status
-    answer's hashes once its subscription delivers (ZeroMQ drops what a PUB sends before a SUB has joined)."""
+    """The PUB stream as a router reads it (vLLM's frames: topic, 8-byte sequence, msgpack
+    [ts, events, data_parallel_rank]), replayed before each request: the prediction matches each done's
+    cached_tokens, and the status answer lists the hashes the replay holds. Like a router that joins late, it
+    starts from the status answer's hashes once its subscription delivers (ZeroMQ drops what a PUB sends before
+    a SUB has joined)."""
     import msgpack
     import zmq
 

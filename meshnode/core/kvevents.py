@@ -15,7 +15,8 @@ ours (docs/operating.md, "Routers"): the prompt's token ids cut into blocks of
 BLOCK_TOKENS (a partial last block is never announced), and for block i
     h_i = first 8 bytes, read as a little-endian signed 64-bit integer, of
           sha256(h_{i-1} as 8 bytes little-endian || block i's ids as int32 little-endian)
-with h_{-1} = 0 (signed: Dynamo's router keys blocks by i64, and an unsigned hash past 2^63 overflowed it). A prompt whose first block's hash is held gets a cache hit
+with h_{-1} = 0 (signed: Dynamo's router keys blocks by i64, and an unsigned hash
+past 2^63 overflowed it). A prompt whose first block's hash is held gets a cache hit
 (MIN_SHARE = BLOCK_TOKENS tokens is the least the cache reuses), as long as it
 comes from a client the cache's scope lets reuse it.
 """

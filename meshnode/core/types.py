@@ -301,7 +301,8 @@ class EngineInfo:
     deterministic_problem: str = ""  # why not, where it was left to the engine (one line, with the fix)
     calibration: tuple = ()  # ((calls, rows, attention, attention in small calls, sized, ms), ...): core/costmodel.py: ticks of known shapes the engine ran at start
     devices: tuple[Device, ...] = ()  # where the model is, when llama.cpp reports it (the llama engine)
-    kv_state: tuple = ()  # ipc/seqstate.Layout.wire(): what its KV state files hold; () where it cannot say (no KV imports)
+    # ipc/seqstate.Layout.wire(): what its KV state files hold; () where it cannot say (no KV imports)
+    kv_state: tuple = ()
 
     @property
     def host_weight_bytes(self) -> int:

@@ -125,7 +125,7 @@ class FakeEngine(Engine):
         try:
             with open(path, "rb") as f:
                 data = f.read()
-            tokens = seqstate.tokens_in(path)
+            tokens = seqstate.tokens_of(data)
             parsed = seqstate.parse(data, self.layout, tokens, self.n_seq_max)
         except (OSError, ValueError):
             return None

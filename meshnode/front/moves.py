@@ -58,7 +58,7 @@ class Incoming:
 
 
 class Moves:
-    def __init__(self, layout: seqstate.Layout | None, n_seq_max: int, clock, max_bytes: int = 1 << 62,
+    def __init__(self, layout: seqstate.Layout | None, n_seq_max: int, clock, max_bytes: int,
                  key: bytes | None = None):
         """`layout`: what this node's engine writes in a state file (None: it cannot say, and no KV is taken);
         `max_bytes`: what the imports receiving at once may hold on disk (the KV budget: they are headed there);
@@ -66,7 +66,6 @@ class Moves:
         self.dir = tempfile.mkdtemp(prefix="meshnode-kv-")
         self.layout, self.n_seq_max, self.clock, self.max_bytes = layout, n_seq_max, clock, max_bytes
         self.key = key
-        self.unsigned = 0  # imports whose KV no mesh node signed: prefilled instead
         self.checking: set = set()  # imports whose whole KV is being parsed off the loop (ready() gives each)
         self.incoming: dict[tuple, Incoming] = {}
         self._names = itertools.count()
@@ -208,7 +207,6 @@ class Moves:
         tokens = inc.req.tokens + (inc.req.generated or [])
         if self.key is not None and not M.signed(self.key, inc.req.recipe or "", inc.req.kv, tokens):
             remove(inc.path)  # KV from outside the mesh: the session goes on, its KV computed here
-            self.unsigned += 1
             log.info("import %s: its KV is not signed by this mesh's key; it is prefilled", c.id)
             return inc.req, "", ""
         self.checking.add((ident, c.id))

@@ -60,7 +60,8 @@ def folder_problem(folder: str) -> str:
     if not stat.S_ISDIR(st.st_mode):
         return f"kv_persist {folder} is not a directory (a link is not followed)"
     if st.st_uid != os.geteuid():
-        return f"kv_persist {folder} belongs to uid {st.st_uid}, not this node's {os.geteuid()}: chown it or choose another"
+        return (f"kv_persist {folder} belongs to uid {st.st_uid}, not this node's {os.geteuid()}: chown it or "
+                "choose another")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return (f"kv_persist {folder} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
                 f"chmod go-w {folder}, or choose another")

@@ -93,7 +93,8 @@ def _turn(m) -> list[dict]:
         if kind == "text" and isinstance(b.get("text"), str):
             text.append(b["text"])
         elif kind == "tool_use" and role == "assistant":
-            if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str) and isinstance(b.get("input"), dict)):
+            if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
+                    and isinstance(b.get("input"), dict)):
                 raise api.ApiError(400, "a tool_use block needs id, name and input (an object)", param="messages")
             calls.append({"id": b["id"], "type": "function",
                           "function": {"name": b["name"], "arguments": json.dumps(b["input"], ensure_ascii=False)}})

@@ -176,7 +176,7 @@ class ChatTemplate:
         except TemplateError:
             raise
         except (JinjaError, TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError,
-                RecursionError, MemoryError, _Overtime) as e:  # a template is the model file's code: none of it ends the node
+                RecursionError, MemoryError, _Overtime) as e:  # the model file's code: none of it ends the node
             raise TemplateError(f"the model's chat template failed on these messages: {type(e).__name__}: {e}") \
                 from None
         finally:
