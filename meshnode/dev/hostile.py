@@ -111,3 +111,32 @@ def send_state(c, id: str, state: dict, data: bytes, timeout_s: float | None = N
     for f in M.kv_requests(id, data):
         c.sock.send_multipart(f)
     return c.collect([id], timeout_s=timeout_s)[id].admission
+
+
+# -- chat templates: the model file's code --------------------------------------------------------------------
+TEMPLATES = {  # what a model file's template may do, each of which ended, froze or stalled the front once
+    "zero division": "{{ 1 / 0 }}",
+    "recursion": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "overflow": "{{ 1e308 * 10 ** 5 }}{{ (2 ** 60) | float ** 40 }}",
+    "a large power": "{{ 7 ** 12345678 }}",
+    "a huge repetition": "{{ 'x' * 10 ** 9 }}",
+    "a list repeated": "{% set l = [0] * 100000000 %}{{ l | length }}",
+    "nested calls": "{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}",
+    "a bare loop": "{% set r = range(100000) | list %}{% for a in r %}{% for b in r %}{% endfor %}{% endfor %}",
+    "a range past the sandbox": "{% for i in range(10 ** 10) %}{% endfor %}",
+    "unsafe attributes": "{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
+    "raise_exception": "{{ raise_exception('no') }}",
+    "a filter that allocates": "{{ 'x' | center(2000000000) }}",
+    "a string doubled": "{% set s = namespace(v='x') %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}{% endfor %}"
+                        "{{ s.v | length }}",
+}
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def branching_template() -> str:
+    """One template that is ChatML for everyone but does TEMPLATES[name] where the first message's content is
+    that name: a node serving it takes hostile renders beside honest chats."""
+    arms = "".join(f"{{% elif messages[0].content == {name!r} %}}{body}" for name, body in TEMPLATES.items())
+    return f"{{% if messages[0].content == '' %}}{arms}{{% else %}}{CHATML}{{% endif %}}"

@@ -1,4 +1,4 @@
-"""What each client request does: ping, status, cancel, submit (text tokenized off the loop).
+"""What each client request does: ping, status, cancel, submit (text tokenized, and chat rendered, off the loop).
 
 Requests of one client are answered in order: while its text is being
 tokenized on the worker thread (meshnode/text/jobs.py), the requests it sends
@@ -25,6 +25,7 @@ from meshnode.core.session import Ask, Session
 from meshnode.core.telemetry import Telemetry
 from meshnode.core.types import Grammar
 from meshnode.front.moves import Moves
+from meshnode.text.chat import Chat
 from meshnode.text.jobs import TextJob, TextJobs
 from meshnode.text.tokenizer import Tokenizer
 
@@ -137,12 +138,9 @@ class Requests:
         if req.tokens is not None:
             return self._admit(ident, req, req.tokens, arrived, grammar)
         prompt = self.tok.special_prompt(req.text) if req.special else req.text
-        if req.messages is not None:
-            try:
-                prompt = self.tok.chat_prompt(req.messages, self.special_in_content, req.tools,
-                                              req.add_generation_prompt, req.continue_final_message)
-            except ValueError as e:
-                return [self.refuse(ident, req.id, R.REJECTED_BAD_REQUEST, str(e))]
+        if req.messages is not None:  # the template runs on the tokenizer's worker, in its own process
+            prompt = Chat(req.messages, self.special_in_content, req.tools, req.add_generation_prompt,
+                          req.continue_final_message)
         ask = Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe, req.priority)
         d = self.sched.precheck(ask)
         if not d.accepted:

@@ -31,6 +31,24 @@ class ChatPrompt:
         return sum(len(p) for p in self.parts if isinstance(p, str))
 
 
+@dataclass(frozen=True)
+class Chat:
+    """A submit's messages before the template ran: what the front hands the tokenizer's worker, which renders
+    them (Tokenizer.prompt_slices) off the front's loop. Fields as Tokenizer.chat_prompt takes them."""
+    messages: list
+    special_in_content: bool = False
+    tools: list | None = None
+    add_generation_prompt: bool | None = None
+    continue_final: bool | None = None
+
+    def contents(self) -> list[str]:
+        return [m["content"] for m in self.messages if isinstance(m.get("content"), str)]
+
+    def __len__(self) -> int:
+        """Characters of content (what the tokenizer's backlog counts; the template's own text is small)."""
+        return sum(len(c) for c in self.contents())
+
+
 class Specials:
     """The vocab's special tokens by their text, found longest first, as llama.cpp's partition does."""
 

@@ -119,7 +119,9 @@ class TextJobs:
                 continue
             except StopIteration:
                 pass
-            except Exception as e:  # a text llama.cpp refuses is the client's problem, not the node's
+            except ValueError as e:  # a chat its template refuses, a text llama.cpp refuses: the client's problem
+                job.error = str(e)
+            except Exception as e:  # noqa: BLE001 -- whatever else a prompt did, never the node's end
                 job.error = f"text did not tokenize: {e}"
             owners[owner].popleft()
             if not owners[owner]:

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from meshnode.core.types import FatalEngineError
 from meshnode.engine import llamacpp
 from meshnode.text import chat, jinja
-from meshnode.text.chat import ChatPrompt
-from meshnode.text.jinja import ChatTemplate
+from meshnode.text.chat import Chat, ChatPrompt
+from meshnode.text.templatehost import TemplateHost
 
 SPM = 1  # llama_vocab_type
 SLICE_BYTES = 1024  # cut a text at most this often (at a character that never merges) to stay linear
@@ -76,10 +76,13 @@ class Tokenizer:
         chars = {ch for t in texts for ch in t.decode("utf-8", "replace")} | {" "}  # a space is U+2581 to SPM
         return re.compile("[^" + "".join(re.escape(ch) for ch in sorted(chars)) + "]")
 
-    def min_tokens(self, prompt: str | ChatPrompt) -> int:
-        """A lower bound on the prompt's token count that costs nothing: no token covers more bytes."""
+    def min_tokens(self, prompt: str | ChatPrompt | Chat) -> int:
+        """A lower bound on the prompt's token count that costs nothing: no token covers more bytes (a chat's
+        contents alone, before its template runs)."""
         if isinstance(prompt, str):
             return math.ceil(len(prompt.encode("utf-8")) / self.max_token_bytes)
+        if isinstance(prompt, Chat):
+            return sum(self.min_tokens(c) for c in prompt.contents())
         return sum(1 if isinstance(p, int) else self.min_tokens(p) for p in prompt.parts)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
@@ -107,8 +110,12 @@ class Tokenizer:
             yield got[len(head):]
             start = end
 
-    def prompt_slices(self, prompt: str | ChatPrompt) -> Iterator[list[int]]:
-        """A submit's prompt, text or chat, a slice at a time (see `slices`)."""
+    def prompt_slices(self, prompt: str | ChatPrompt | Chat) -> Iterator[list[int]]:
+        """A submit's prompt, text or chat, a slice at a time (see `slices`); a Chat's template runs first
+        (ValueError, in a sentence, where it refuses the messages)."""
+        if isinstance(prompt, Chat):
+            prompt = self.chat_prompt(prompt.messages, prompt.special_in_content, prompt.tools,
+                                      prompt.add_generation_prompt, prompt.continue_final)
         if isinstance(prompt, str):
             yield from self.slices(prompt)
             return
@@ -179,12 +186,13 @@ class Tokenizer:
 
     def _apply_template(self, messages: list[dict], tools: list | None = None, opened: bool = True) -> str:
         """The GGUF's own `tokenizer.chat_template` run over the messages, the assistant's turn opened
-        (meshnode/text/jinja.py). ValueError, in a sentence, when there is none or it fails."""
+        (meshnode/text/jinja.py), in a child process of its own (meshnode/text/templatehost.py). ValueError, in
+        a sentence, when there is none or it fails."""
         if self._template is None:
             src = self._lc.llama_model_chat_template(self._model, None)
             if not src:
                 raise ValueError("the model has no chat template (tokenizer.chat_template); send text or tokens")
-            self._template = ChatTemplate(src.decode("utf-8", "replace"), self._special_text(self.bos),
+            self._template = TemplateHost(src.decode("utf-8", "replace"), self._special_text(self.bos),
                                           self._special_text(self._lc.llama_vocab_eos(self._vocab)), self.add_bos,
                                           self._lc.llama_vocab_get_add_eos(self._vocab))
         return self._template.render(messages, tools, opened)
@@ -207,6 +215,8 @@ class Tokenizer:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def close(self) -> None:
+        if self._template is not None:
+            self._template.close()
         llamacpp.free(self)
 
 
