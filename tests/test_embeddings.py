@@ -150,3 +150,45 @@ def test_llama_servers_input_objects_are_their_text_and_anything_else_a_400():
             parse({"input": [bad]}, lambda: "x")
     with pytest.raises(ApiError, match="input must be"):  # alone, not in a list: as llama-server, refused
         parse({"input": {"content": "hi"}}, lambda: "x")
+
+
+def test_one_embeddings_request_holds_at_most_a_window_of_the_nodes_queue():
+    """The gateway is one client of the node for all its users, so the node's turn-taking cannot keep one
+    request's 256 inputs from holding the queue (63 s of it, issue 66): the gateway sends a window at a time,
+    and the vectors still come back in the inputs' order."""
+    import asyncio
+
+    import json
+
+    from meshnode.gateway.server import EMBED_WINDOW, Gateway
+
+    class Up:
+        def __init__(self):
+            self.open_now = self.most = 0
+            self.sessions = {}
+
+        def open(self, submit):
+            self.open_now += 1
+            self.most = max(self.most, self.open_now)
+            q = asyncio.Queue()
+            n = int(submit.text.split()[-1])
+            for ev in ({"event": "admitted"}, {"event": "embedding", "embedding": [float(n)], "prompt_tokens": 1},
+                       {"event": "done", "reason": R.EMBEDDED}):
+                q.put_nowait(ev)
+            return q
+
+        def finished(self, sid):
+            self.open_now -= 1
+
+        def abandon(self, sid):
+            self.open_now -= 1
+
+    class Request:
+        async def json(self):
+            return {"input": [f"input {i}" for i in range(3 * EMBED_WINDOW + 1)]}
+
+    up = Up()
+    resp = asyncio.run(Gateway(up, "m").embeddings(Request()))
+    body = json.loads(resp.body)
+    assert [d["embedding"][0] for d in body["data"]] == [float(i) for i in range(3 * EMBED_WINDOW + 1)]
+    assert up.most == EMBED_WINDOW and up.open_now == 0

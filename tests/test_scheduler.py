@@ -33,6 +33,22 @@ def test_fill_slots_then_queue_then_reject_then_recover():
     assert s.admission.kv_reserved_bytes == 0 and s.admission.scratch_reserved_bytes == 0
 
 
+def test_clients_take_turns_in_the_queue_and_a_full_queue_gives_way_from_the_busiest():
+    """One client's burst (a /v1/embeddings of 256 inputs is 256 submits) holds one place ahead of another
+    client's request, not all of them: the newcomer is queued second and starts right after the burst's
+    first; alone, a client's requests keep their order."""
+    e, s = node(max_active=1, max_queue=6)
+    assert s.submit(sess("a0", owner="a")).reason == R.ADMITTED
+    for i in range(1, 6):
+        s.submit(sess(f"a{i}", owner="a"))
+    assert s.submit(sess("b0", owner="b")).detail == "queued at position 2"
+    assert [q.key for q in s.waiting] == ["a1", "b0", "a2", "a3", "a4", "a5"]
+    s.submit(sess("b1", owner="b", priority=0))  # the queue is full: fcfs refuses, as before
+    assert [q.key for q in s.waiting][-1] == "a5"
+    started = [ev.session.key for ev in run_to_completion(s, e, 400) if ev.kind == "done"]
+    assert started[:3] == ["a0", "a1", "b0"] and started[3:] == ["a2", "a3", "a4", "a5"]
+
+
 def test_permanent_misfits_are_rejected_with_their_own_reason():
     e, s = node(kv_budget_bytes=1024 * 400, scratch_envelope_bytes=8 * 512 + 8 * 300, max_active=1)
     assert s.submit(sess("kv", n_prompt=390, max_tokens=20)).reason == R.REJECTED_KV_BUDGET

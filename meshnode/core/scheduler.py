@@ -4,7 +4,10 @@ Policy (fixed but for the queue's order):
 1. Queued sessions start in the queue's order while a slot, their KV reservation
    and their scratch fit; the head of the queue is never overtaken. The order is
    arrival (`fcfs`), or with the `priority` policy each session's priority
-   (vLLM's meaning: lower first), arrival within a priority; when the queue is
+   (vLLM's meaning: lower first), arrival within a priority; within either,
+   clients take turns (`_turn`: a session goes behind those whose clients had as
+   few queued as its own has), so one client's burst cannot hold everyone's
+   place; when the queue is
    full, a request of a better priority than the worst queued one takes its place
    and that one ends REJECTED_QUEUE_FULL, with its `done`. A head that cannot
    start preempts running sessions of a worse priority (core/priority.py says
@@ -108,7 +111,8 @@ class Scheduler:
         self._arrived = (self._arrived[0] if self._arrived else now, now)
         self.live[s.key] = s
         self._arrivals += 1
-        s.order = (s.priority if self.policy == "priority" else 0, self._arrivals)
+        level = s.priority if self.policy == "priority" else 0
+        s.order = (level, self._turn(s, level), self._arrivals)
         self._hurry |= self.policy == "priority" and hurries(s, self.running, self._alone_cut)
         if d.reason == R.ADMITTED:
             self._start(s)
@@ -117,6 +121,12 @@ class Scheduler:
         at = bisect.bisect(self.waiting, s.order, key=lambda q: q.order)
         self.waiting.insert(at, s)
         return AdmissionDecision(R.QUEUED, f"queued at position {at + 1}", displaced)
+
+    def _turn(self, s: Session, level: int) -> int:
+        """Clients take turns in the queue: a session goes behind the queued ones of its level whose clients had
+        as few queued when they came, so one client's 256 embedding inputs hold one place ahead of a newcomer,
+        not 256 (a request of one client alone keeps arrival order)."""
+        return sum(1 for q in self.waiting if q.owner == s.owner and q.order[0] == level)
 
     def take_hurry(self) -> bool:
         """A request arrived since the last call whose first token a tick in flight delays (priority.hurries)."""

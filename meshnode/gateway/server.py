@@ -27,6 +27,8 @@ from meshnode.gateway.options import refusal
 from meshnode.gateway.upstream import Upstream
 
 log = logging.getLogger("meshnode.gateway")
+EMBED_WINDOW = 8  # inputs of one /v1/embeddings request in the node at once: the node's queue takes turns between
+# clients, but the gateway is one client for all its users (256 inputs sent at once held the queue for 63 s)
 BODY_S = 60.0  # a request's body must arrive within this long of its headers (408 after)
 
 
@@ -115,8 +117,8 @@ class Gateway:
         submits, enc = embeddings.parse(await _body(request), lambda: secrets.token_hex(12))
         open_, vectors, tokens = {}, {}, 0
         try:
-            self._open(submits, open_)
-            for i in list(open_):
+            for i in range(len(submits)):  # at most EMBED_WINDOW inputs in the node at once: the rest wait here
+                self._open(submits, open_, range(i, min(i + EMBED_WINDOW, len(submits))))
                 sid, q = open_[i]
                 ev = await q.get()
                 while ev["event"] in ("admitted", "embedding"):
@@ -134,10 +136,14 @@ class Gateway:
         return web.json_response(embeddings.answer([vectors[i] for i in range(len(submits))], tokens,
                                                        self.model, enc))
 
-    def _open(self, submits: list[P.Submit], open_: dict) -> None:
-        """Each submit sent as a session of the node, into `open_` (i -> (id, its events' queue)) as it goes,
-        so the caller abandons what opened before one could not (413 too large, 400 not encodable)."""
-        for i, submit in enumerate(submits):
+    def _open(self, submits: list[P.Submit], open_: dict, which: range | None = None) -> None:
+        """Each submit (of `which`, those not opened yet) sent as a session of the node, into `open_` (i -> (id, its
+        events' queue)) as it goes, so the caller abandons what opened before one could not (413 too large, 400
+        not encodable)."""
+        for i in which if which is not None else range(len(submits)):
+            if i in open_:
+                continue
+            submit = submits[i]
             try:
                 open_[i] = (submit.id, self.up.open(submit))
             except OverflowError as e:
