@@ -28,5 +28,6 @@ EXPERIMENTS = {
     "moves": "a session moved to another node with its KV vs prefilled again there, by context length (1k-8k)",
     "hostile": "hostile KV state files and frames against a node beside another client's session (issue 66's goals)",
     "templates": "a model file's hostile chat templates beside a stream, a pinger and honest chats: pings, gaps",
+    "kernels": "decode at 1-16 sessions, llama-batched-bench from stock llama.cpp vs patches/, and one MUL_MAT's cost",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }

@@ -131,7 +131,9 @@ def test_extra_weight_buffers_only_where_numbers_hold_and_never_quantized_ones_o
     def cfg(name, det, n=AMX_MAX_ROWS):
         return engine_config(models[name], n_seq_max=n, kv_layout="streams", deterministic=det)
     got = {(n, det): cfg(n, det).extra_buffers for n, _, _ in CASES for det in (True, False)}
-    assert got == {(n, det): (n in ("f32", "f16")) if amx else not det for n, _, _ in CASES for det in (True, False)}
+    invariant_q8 = llamacpp.invariant_repack({"Q8_0"})  # patches/0001's x86 kernels (tests/test_kernels.py)
+    assert got == {(n, det): (n in ("f32", "f16")) if amx else not det or (n == "q8_0" and invariant_q8)
+                   for n, _, _ in CASES for det in (True, False)}
     assert cfg("f16", False, AMX_MAX_ROWS + 1).extra_buffers is not amx
     recipe = cfg("f16", True).recipe()
     monkeypatch.setattr(llamacpp, "amx_crashes", lambda: not amx)
@@ -166,11 +168,17 @@ def test_the_start_up_check_pads_only_the_lone_rows_whose_kernels_differ(models,
         assert e.lone_pads == invariant.LonePads(False, False)
     with engine(models["q8_0"]) as e:
         assert e.lone_pads == invariant.LonePads(False, False)
+    split_off = llamacpp.FA_SPLIT_PATCH in llamacpp.patches()  # patches/0003: the engine turns the path off
     with engine(models["q8_0"], threads=2) as e:
-        assert e.lone_pads == invariant.LonePads(False, True)
+        assert e.lone_pads == invariant.LonePads(False, not split_off)
         e.lone_pads = invariant.LonePads(False, False)
         alone = logits_of_seq0(e, ticks=8, prompt=DEPTHS["deep"])
         crowd = logits_of_seq0(e, 0, ticks=8, prompt=DEPTHS["deep"])
+    same = all(np.array_equal(a, b) for a, b in zip(alone, crowd))
+    assert same == split_off  # without the switch, the deep padding row is needed, not decoration
+    with engine(models["f32"]) as e:  # and f32's shallow one: tinyBLAS for crowds, vec_dot for a lone column
+        e.lone_pads = invariant.LonePads(False, False)
+        alone, crowd = logits_of_seq0(e, ticks=8), logits_of_seq0(e, 0, ticks=8)
     assert not all(np.array_equal(a, b) for a, b in zip(alone, crowd))
 
 
@@ -240,11 +248,15 @@ def test_left_to_the_engine_the_mode_is_on_where_it_is_free_and_off_with_the_rea
         assert e.recipe_fingerprint == cfg.recipe(e.deterministic) != cfg.recipe(not e.deterministic)
     with engine(models["q8_0"], deterministic=None) as e:  # one thread: the split-KV path sums as the per-row one
         assert e.deterministic or not promised(models["q8_0"]), e.deterministic_problem
-    for name, why in (("q8_0", "past 256 (flash attention's split-KV path on a f16 K and V cache)"),
-                      ("f32", "every token (F32 weights"), ("q4_k_m", "past 256")):
+    split_off = llamacpp.FA_SPLIT_PATCH in llamacpp.patches()
+    if split_off:  # patches/0003: nothing pays past 256 cells, so q8_0 weights take the mode by default
+        with engine(models["q8_0"], deterministic=None, threads=2) as e:
+            assert e.deterministic or not promised(models["q8_0"]), e.deterministic_problem
+    off = [("f32", "every token (F32 weights")] + ([("q4_k_m", "tiled kernel for a lone row")] if split_off else [
+        ("q8_0", "past 256 (flash attention's split-KV path on a f16 K and V cache)"), ("q4_k_m", "past 256")])
+    for name, why in off:
         with engine(models[name], deterministic=None, threads=2) as e:
-            assert not e.deterministic and e.deterministic_problem.startswith("deterministic: off by default: a "
-                                                                              "session decoding alone would pay")
+            assert not e.deterministic and e.deterministic_problem.startswith("deterministic: off by default: ")
             assert why in e.deterministic_problem and "\n" not in e.deterministic_problem
     q4_0 = str(make_model(tmp_path / "q4_0.gguf", "tiny-f16", 0, "q4_0"))
     with engine(q4_0, deterministic=None) as e:

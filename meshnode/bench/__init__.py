@@ -55,6 +55,8 @@ def add_args(p: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
     chat.add_argument("--system", type=int, default=200, help="system prompt tokens, the same for every user")
     chat.add_argument("--new", type=int, default=48, help="user tokens added each turn")
     chat.add_argument("--answer", type=int, default=24, help="tokens generated each turn")
+    p.add_argument("--stock", help="kernels: a stock llama.cpp build folder (tools/build-llama-tools)")
+    p.add_argument("--patched", help="kernels: a build folder of llama.cpp with patches/ (tools/build-llama-tools)")
     p.add_argument("--hostile", type=int, default=1000, help="hostile: random state edits and random frames a layout")
     p.add_argument("--json", help="also write the figures as JSON here")
 

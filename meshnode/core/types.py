@@ -303,6 +303,7 @@ class EngineInfo:
     devices: tuple[Device, ...] = ()  # where the model is, when llama.cpp reports it (the llama engine)
     # ipc/seqstate.Layout.wire(): what its KV state files hold; () where it cannot say (no KV imports)
     kv_state: tuple = ()
+    kernels: str = ""  # the llama.cpp build and its repacked weights (engine/llamacpp.py, kernels); "" unknown
 
     @property
     def host_weight_bytes(self) -> int:
@@ -327,4 +328,5 @@ class EngineInfo:
         return cls(engine.n_vocab, engine.eos, tuple(engine.eog), engine.n_seq_max, engine.n_ctx, engine.n_ctx_seq,
                    engine.n_batch, engine.kv_bytes_per_token, engine.weight_bytes, engine.recipe_fingerprint,
                    bool(getattr(engine, "deterministic", False)), getattr(engine, "deterministic_problem", ""),
-                   tuple(tuple(x) for x in calibration), tuple(getattr(engine, "devices", ())))
+                   tuple(tuple(x) for x in calibration), tuple(getattr(engine, "devices", ())),
+                   kernels=getattr(engine, "kernels", ""))

@@ -73,7 +73,8 @@ class EngineConfig:
         if self.deterministic is not None or self.deterministic_problem:
             return ""
         why = invariant.lone_cost(self.weight_types, self.type_k, self.type_v,
-                                  self.amx_eligible and self.weight_types == {"F16"}, self.threads)
+                                  self.amx_eligible and self.weight_types == {"F16"}, self.threads,
+                                  llamacpp.FA_SPLIT_PATCH in llamacpp.patches())
         return f"deterministic: off by default: {why}" if why else ""
 
     @cached_property
@@ -90,12 +91,15 @@ class EngineConfig:
     def extra_buffers(self) -> bool:
         """Whether llama.cpp may move the weights into its extra buffer types (repacked layouts, AMX). Off:
         - in deterministic mode, where repacked quantized weights run one kernel for a single row and another
-          for several; AMX's f16 path is the exception: it gives a row the same bits in any crowd, even alone
-          (the engine's self-check and tests/test_determinism.py hold it);
+          for several; the exceptions give a row the same bits in any crowd, even alone (the engine's self-check
+          and tests/test_determinism.py hold them): AMX's f16 path, and q8_0 on a build with patches/'s x86
+          kernels (llamacpp.invariant_repack);
         - on AMX CPUs for quantized weights, which crash this llama.cpp (llamacpp.amx_crashes), and for f16
           weights where a tick may carry more than AMX_MAX_ROWS rows: AMX's f16 kernel is faster for a few
           rows and slower for more than tinyBLAS is (docs/determinism.md, item 6)."""
-        return self.amx_eligible if llamacpp.amx_crashes() else not self.wants_deterministic
+        if llamacpp.amx_crashes():
+            return self.amx_eligible
+        return not self.wants_deterministic or llamacpp.invariant_repack(self.weight_types)
 
     @property
     def threads(self) -> int:

@@ -17,8 +17,7 @@ from meshnode.engine import llamacpp
 
 KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}  # enum ggml_backend_dev_type
 MIB = 1 << 20
-RPC_FIX = ('reinstall llama-cpp-python with RPC: CMAKE_ARGS="-DGGML_RPC=ON" pip install --no-cache-dir '
-           '--force-reinstall --no-deps llama-cpp-python==0.3.36 (README, "Set-up")')
+RPC_FIX = 'reinstall llama-cpp-python with RPC: tools/install-llama (README, "Set-up"; it builds with -DGGML_RPC=ON)'
 
 
 class Registry:

@@ -30,6 +30,9 @@ from meshnode.core.types import GREEDY, Keep, Plan, SeqChunk
 from meshnode.engine.llamacpp import INVARIANT_WEIGHTS
 
 TILED_ENV = ("GGML_CPU_TILED_MM_FORCE", "1")
+# on a build with patches/0003, flash attention's split-KV path turned off (read once, when llama.cpp first needs
+# it): a lone row past SPLIT_KV_CELLS then takes the per-row kernel a row beside others takes, and pays no pad
+SPLIT_OFF_ENV = ("GGML_CPU_FA_SPLIT_KV", "0")
 K_QUANTS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 # weights whose one-column matmul sums like a many-column one on x86 (q8_0: ggml_vec_dot_q8_0_q8_0 and
 # tinyBLAS_Q0 both sum each block's int32 dot and scale it in order; Q4_1 has no tinyBLAS kernel: ggml_vec_dot
@@ -57,22 +60,25 @@ class LonePads:
         return self.shallow or self.deep
 
 
-def expected_pads(weight_types: set[str], type_k: str, type_v: str, amx_f16: bool, threads: int = 2) -> LonePads:
+def expected_pads(weight_types: set[str], type_k: str, type_v: str, amx_f16: bool, threads: int = 2,
+                  split_off: bool = False) -> LonePads:
     """The lone rows the kernels are known to treat otherwise (the start-up check has the last word):
     weights whose one column takes another kernel, at any depth; K and V of one f16/f32 type, past
     SPLIT_KV_CELLS, where the split-KV path splits the cells over more than one thread (on one it sums as
-    the per-row kernel does). `amx_f16`: f16 weights in AMX buffers, whose kernel sums a row alike at any
-    width."""
+    the per-row kernel does; `split_off`: the build can turn it off, SPLIT_OFF_ENV). `amx_f16`: f16 weights in
+    AMX buffers, whose kernel sums a row alike at any width."""
     same = ONE_COLUMN_SAME | ({"F16"} if amx_f16 else frozenset())
     shallow = not weight_types <= same
-    return LonePads(shallow, shallow or (type_k == type_v and type_k in SPLIT_KV_TYPES and threads != 1))
+    split = type_k == type_v and type_k in SPLIT_KV_TYPES and threads != 1 and not split_off
+    return LonePads(shallow, shallow or split)
 
 
-def lone_cost(weight_types: set[str], type_k: str, type_v: str, amx_f16: bool, threads: int = 2) -> str:
+def lone_cost(weight_types: set[str], type_k: str, type_v: str, amx_f16: bool, threads: int = 2,
+              split_off: bool = False) -> str:
     """Why deterministic mode would make a session decoding alone slower ("" where it is free): a padding
     row makes its tick a two-row one (on a CPU, 1.6-2.2x a token: docs/determinism.md), and K-quant weights
     run the tiled kernel at one row. Said where the default leaves the mode off, with the ways to have it."""
-    pads = expected_pads(weight_types, type_k, type_v, amx_f16, threads)
+    pads = expected_pads(weight_types, type_k, type_v, amx_f16, threads, split_off)
     fix = "; --deterministic requires it anyway"
     if pads.shallow:
         kinds = ", ".join(sorted(weight_types - ONE_COLUMN_SAME))

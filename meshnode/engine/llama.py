@@ -48,9 +48,12 @@ class LlamaEngine(Engine):
         self.deterministic_problem = (cfg.deterministic_problem or cfg.deterministic_cost) if left else ""
         if self.deterministic and cfg.weight_types & invariant.K_QUANTS:
             os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
+        if self.deterministic and llamacpp.FA_SPLIT_PATCH in llamacpp.patches():
+            os.environ.setdefault(*invariant.SPLIT_OFF_ENV)
         threads = self._load(cfg)
         self.kv = SeqKV(lc, self._ctx)
-        self.devices = self._placement.placed(llamacpp.placement_lines())
+        placement = llamacpp.placement_lines()
+        self.devices, self.kernels = self._placement.placed(placement), llamacpp.kernels(placement)
         vocab = lc.llama_model_get_vocab(self._model)
         self.n_vocab = lc.llama_vocab_n_tokens(vocab)
         self.eos = lc.llama_vocab_eos(vocab)
@@ -127,7 +130,8 @@ class LlamaEngine(Engine):
         mode is off with the reason, or, where it was required, the engine refuses to start."""
         cfg = self.cfg
         expected = invariant.expected_pads(cfg.weight_types, cfg.type_k, cfg.type_v,
-                                           cfg.amx_weights and cfg.weight_types == {"F16"}, cfg.threads)
+                                           cfg.amx_weights and cfg.weight_types == {"F16"}, cfg.threads,
+                                           os.environ.get(invariant.SPLIT_OFF_ENV[0]) == "0")
         problem, pads = invariant.self_check(self, expected)
         if not problem and pads and cfg.deterministic is None:  # the default runs the mode only where it is free
             where = "every token" if pads.shallow else f"every token past {invariant.SPLIT_KV_CELLS}"

@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 from collections import deque
 
 from meshnode.core.types import FatalEngineError
@@ -74,6 +75,40 @@ def placement_lines() -> list[str]:
     lines = _PLACEMENT[:]
     _PLACEMENT.clear()
     return lines
+
+
+# patches/ whose kernels keep a row's bits whatever else is in its call (tools/install-llama records the ones applied)
+Q8_0_REPACK_PATCH = "0001-ggml-cpu-x86-q8_0-repack.patch"  # repacked q8_0 matmuls on x86 (AVX2, AVX-512 VNNI)
+FA_SPLIT_PATCH = "0003-ggml-cpu-flash-attn-split-kv-switch.patch"  # GGML_CPU_FA_SPLIT_KV=0 turns the split off
+
+
+def invariant_repack(weight_types: set[str]) -> bool:
+    """Whether these weights, repacked by this build, keep a row's bits in any batch: q8_0 with the patched x86
+    kernels (docs/kernels.md). Other repacked formats run one kernel for a single row and another for several."""
+    return weight_types == {"Q8_0"} and Q8_0_REPACK_PATCH in patches() and "AVX2 = 1" in system_info()
+
+
+def patches() -> list[str]:
+    """The patches (patches/) the installed llama-cpp-python's llama.cpp was built with, as tools/install-llama
+    recorded them; [] for a stock build (or one installed another way)."""
+    import llama_cpp
+
+    try:
+        with open(os.path.join(os.path.dirname(llama_cpp.__file__), "meshnode-patches.txt")) as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def kernels(placement: list[str]) -> str:
+    """Which CPU kernels the loaded model runs, in one phrase: the build (stock or its patches) and how much of the
+    weights ggml repacked into its interleaved layouts (a "CPU_REPACK model buffer" in the load log `placement`),
+    the ones whose matmuls read each block once for all the rows of a call."""
+    repacked = sum(float(m.group(1)) for line in placement
+                   for m in [re.search(r"CPU_REPACK model buffer size\s*=\s*([0-9.]+) MiB", line)] if m)
+    applied = patches()
+    build = f"patched ({', '.join(p.removesuffix('.patch') for p in applied)})" if applied else "stock"
+    return f"{build}, {repacked:.1f} MiB of weights repacked" if repacked else f"{build}, no weights repacked"
 
 
 def last_errors() -> str:
@@ -221,6 +256,7 @@ def recipe(model_path: str, type_k: str, type_v: str, flash_attn: str, n_batch: 
         parts.append(placement)
     if amx:
         parts.append("amx")
+    parts += patches()  # other kernels, other bits (a stock build's fingerprints stay what they were)
     return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

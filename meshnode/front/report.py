@@ -71,6 +71,7 @@ class Report:
                 "engine_state": h.state, "engine_error": h.last_error, "engine_first_start_s": h.first_start_s,
                 "engine_hello_deadline_s": h.hello_deadline_s, "deterministic": n.deterministic,
                 "deterministic_problem": n.link.info.deterministic_problem if n.link.info else "",
+                "kernels": n.link.info.kernels if n.link.info else "",
                 "kv_layout": n.cfg.layout, "prefix_cache": n.cfg.prefix_cache, "engine_missing": h.missing,
                 "gather_ms": n.cfg.gather_ms, "max_clients_per_host": n.cfg.max_clients_per_host,
                 "cache_type_k": n.cfg.type_k, "cache_type_v": n.cfg.type_v, "kv_bytes_per_token": n.budget.kv_bytes_per_token,
@@ -115,7 +116,8 @@ def ready_line(src: Sources, max_clients: int) -> str:
             f"max_batch={b.max_batch_size} prefill_chunk={b.max_prefill_tokens_per_tick} kv_budget={b.kv_budget_bytes} B "
             f"({b.kv_bytes_per_token} B/token, K {cfg.type_k}, V {cfg.type_v}) ctx_per_seq={b.n_ctx_seq} "
             f"weights={b.weight_bytes} B max_clients={max_clients} kv_layout={cfg.layout} "
-            f"deterministic={_deterministic_line(info)} devices={_devices_line(info.devices)}"
+            f"deterministic={_deterministic_line(info)} devices={_devices_line(info.devices)} "
+            f"kernels={info.kernels.replace(' ', '_') or 'unknown'}"
             + (f" metrics=http://{cfg.metrics_listen}/metrics" if cfg.metrics_listen else ""))
 
 
