@@ -16,6 +16,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 
 from meshnode.bench import model_path
@@ -41,8 +42,16 @@ def batched(build: str, model: str, threads: int) -> tuple[dict, dict, str]:
         if len(cells) == 10 and cells[2].isdigit():
             b = int(cells[2])
             pp[b], tg[b] = float(cells[5]), float(cells[7])
-    info = next((ln.split("system_info:", 1)[1].strip() for ln in out.stderr.splitlines() if "system_info:" in ln), "")
-    return tg, pp, info
+    return tg, pp, build_system_info(build)
+
+
+def build_system_info(build: str) -> str:
+    """llama_print_system_info of that build's libllama, in a process of its own (not this Python's llama.cpp)."""
+    lib = os.path.join(build, "bin", "libllama.so")
+    code = ("import ctypes, sys; l = ctypes.CDLL(sys.argv[1]); l.llama_print_system_info.restype = ctypes.c_char_p; "
+            "print(l.llama_print_system_info().decode())")
+    out = subprocess.run([sys.executable, "-c", code, lib], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or f"(unknown: {out.stderr.strip()[-200:]})"
 
 
 def rowcost(build: str, threads: int, rounds: int) -> str:
