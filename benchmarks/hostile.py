@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 import time
 from collections import Counter
 
@@ -22,8 +23,9 @@ from ipc import protocol as P
 from meshnode.bench import llama_build, model_path
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
-from meshnode.dev.hostile import random_edits, send_state, state_variants
+from meshnode.dev.hostile import mesh_key, random_edits, send_state, state_variants
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.front.moves import read_key
 
 PROMPT = [3 + (k * 29) % 500 for k in range(37)]
 LEAVER = dict(tokens=PROMPT, max_tokens=200, ignore_eos=True, sampling=Sampling(0.9, 40, 0.95, 11))
@@ -87,8 +89,10 @@ def _send_frame(c, frames: list[bytes]) -> str:
 
 
 def run_layout(path: str, layout: str, threads: int, n: int) -> dict:
+    keyfile = mesh_key(tempfile.mkdtemp())  # one mesh, and the attacker a member of it: the parse is what is left
     args = ("--threads", str(threads), "--decode-steps-ms", "0", "--kv-layout", layout, *MODES[layout],
-            "--log-level", "WARNING")
+            "--log-level", "WARNING", "--mesh-key-file", keyfile)
+    key = read_key(keyfile)
     with NodeProcess(path, *args) as a, NodeProcess(path, *args) as b, a.client(600) as ca, \
             b.client(600) as attacker, b.client(600) as victim:
         ca.submit("leaver", **LEAVER)
@@ -104,7 +108,7 @@ def run_layout(path: str, layout: str, threads: int, n: int) -> dict:
         t0 = time.perf_counter()
         states = Counter()
         for i, bad in enumerate(files):
-            ans = send_state(attacker, f"h{i}", state, bad, timeout_s=120)
+            ans = send_state(attacker, f"h{i}", state, bad, timeout_s=120, key=key)
             if ans["event"] == "admitted":
                 attacker.collect([f"h{i}"], timeout_s=120)
             states[ans["event"] + (" with a reason" if ans.get("detail") else "")] += 1

@@ -16,9 +16,11 @@ import json
 import os
 import random
 import statistics
+import tempfile
 import time
 
 from meshnode.bench import llama_build, model_path
+from meshnode.dev.hostile import mesh_key
 from meshnode.dev.nodeproc import NodeProcess
 
 LENGTHS = (1024, 2048, 4096, 8000)
@@ -57,7 +59,7 @@ def main(a) -> int:
     path = model_path(a)
     print(f"bench moves: {os.path.basename(path)}, threads {a.threads or 'all'}, {a.rounds} rounds; {llama_build()}")
     args = ("--threads", str(a.threads), "--n-seq-max", str(SLOTS), "--ctx", str(SLOTS * CTX_SEQ),
-            "--log-level", "WARNING")
+            "--log-level", "WARNING", "--mesh-key-file", mesh_key(tempfile.mkdtemp()))  # one mesh: KV is loaded
     rows = {}
     with NodeProcess(path, *args) as na, NodeProcess(path, *args) as nb, na.client(600) as ca, nb.client(600) as cb:
         for n in LENGTHS:

@@ -1,13 +1,16 @@
 """A drain that hands over (`--handoff`): live sessions go to a peer node with their KV, and their clients'
 streams go on through the draining node until they end there (front/handoff.py)."""
 import signal
+import tempfile
 
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
+from meshnode.dev.hostile import mesh_key
 from meshnode.dev.nodeproc import NodeProcess
 
 SLOW = {"faults": [{"step_sleep_s": 0.03}]}  # a tick takes 30 ms: the sessions still run when the drain comes
-ARGS = ("--deterministic", "--decode-steps-ms", "0", "--threads", "1")  # one thread: several nodes at once
+# one thread: several nodes at once; one mesh key: the peer loads the KV the draining node hands it
+ARGS = ("--deterministic", "--decode-steps-ms", "0", "--threads", "1", "--mesh-key-file", mesh_key(tempfile.mkdtemp()))
 PROMPT = [3 + (k * 23) % 500 for k in range(41)]
 ASKS = {"a": dict(tokens=PROMPT, max_tokens=200, ignore_eos=True, sampling=Sampling(0.9, 40, 0.95, 3), logprobs=1),
         "b": dict(tokens=PROMPT[:20], max_tokens=150, ignore_eos=True)}

@@ -12,8 +12,9 @@ from hypothesis import given, settings, strategies as st
 from ipc import seqstate
 from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
-from meshnode.dev.hostile import random_edits, send_state, state_variants
+from meshnode.dev.hostile import mesh_key, random_edits, send_state, state_variants
 from meshnode.dev.nodeproc import NodeProcess
+from meshnode.front.moves import read_key
 
 # the engine's own layouts (learned from llama.cpp's files: tiny model, streams and unified without flash
 # attention), and a quantized K beside an f16 V
@@ -108,7 +109,8 @@ def test_the_engine_is_told_only_files_the_node_wrote(tmp_path):
 
 
 # -- through a node: the victim is another client's deterministic session, compared with its lone run --------
-ARGS = ("--decode-steps-ms", "0", "--threads", "1")
+KEY = mesh_key(tempfile.mkdtemp())  # the attacker holds the mesh key (a member gone bad): the parse is what is left
+ARGS = ("--decode-steps-ms", "0", "--threads", "1", "--mesh-key-file", KEY)
 # deterministic mode (streams only) makes the victim comparable bitwise with its lone run; on unified the
 # victim is judged by its end and the node's health, the parse by the pure tests above
 MODE = {"streams": ("--deterministic",), "unified": ("--no-deterministic",)}
@@ -138,7 +140,8 @@ def test_hostile_imports_are_refused_and_another_clients_session_is_bitwise_its_
     data = state["kv"]["data"]
     victim.submit("v", **VICTIM)
     hostile = list(state_variants(data).values()) + random_edits(data, RANDOM_EDITS, seed=1)
-    answers = [send_state(attacker, f"h{i}", state, bad) for i, bad in enumerate(hostile)]
+    key = read_key(KEY)
+    answers = [send_state(attacker, f"h{i}", state, bad, key=key) for i, bad in enumerate(hostile)]
     refused = [a for a in answers if a["event"] == "rejected"]
     # a random edit may leave the structure whole (a changed token the parse then finds is the import's, or
     # a changed but finite value): such an import runs as the attacker's own session, and only its own

@@ -3,6 +3,7 @@ and the client's stream goes on there with the next token, none lost or repeated
 travels with it (llama.cpp's per-sequence state, checked by SHA-256 and by the tokens it was computed for), or,
 without it, is prefilled again there."""
 import hashlib
+import tempfile
 
 import pytest
 
@@ -12,13 +13,17 @@ from ipc import moving as M
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
 from meshnode.core.types import Sampling
+from meshnode.dev.hostile import mesh_key
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine.followups import Followups
+from meshnode.front.moves import read_key
 
 # deterministic on both (the f32 tiny model's mode is bitwise across batch shapes and re-prefills); a tick
 # takes at least 30 ms and one token, so a session of 300 is still running when the export comes
 SLOW = {"faults": [{"step_sleep_s": 0.03}]}
-ARGS = ("--deterministic", "--decode-steps-ms", "0", "--threads", "1")  # one thread: several nodes at once
+BASE = ("--deterministic", "--decode-steps-ms", "0", "--threads", "1")  # one thread: several nodes at once
+KEY = mesh_key(tempfile.mkdtemp())
+ARGS = (*BASE, "--mesh-key-file", KEY)  # one mesh: its nodes load each other's KV
 PROMPT = [3 + (k * 29) % 500 for k in range(37)]
 ASK = dict(tokens=PROMPT, max_tokens=300, ignore_eos=True, sampling=Sampling(0.9, 40, 0.95, 11), logprobs=1)
 
@@ -118,9 +123,11 @@ def test_a_kv_changed_cut_or_of_other_tokens_is_refused_before_admission(nodes):
     # a part that does not follow the bytes received (the first ten lost): refused at once, not waited on
     r = refusal(cb, "cut", state, [P.encode_request(P.KvChunk("cut", 10, data[10:]))])
     assert r["reason"] == R.REJECTED_BAD_REQUEST and "in order" in r["detail"]
-    # a KV whose own checksum is right but which another prompt computed
+    # a KV whose own checksum is right but which another prompt computed, signed anew by a mesh member gone bad
     other = {**state, "tokens": [t + 1 for t in state["tokens"]]}
-    r = refusal(cb, "other", other)
+    mac = M.sign(read_key(KEY), other["recipe"], P.KvHeader(kv["bytes"], kv["sha256"], kv["positions"]),
+                 other["tokens"] + other["generated"]).mac
+    r = refusal(cb, "other", {**other, "kv": {**kv, "mac": mac}})
     assert r["reason"] == R.REJECTED_BAD_REQUEST and "other tokens" in r["detail"]
     r = refusal(cb, "huge", {**state, "kv": {**kv, "bytes": 1 << 40}}, [])
     assert r["reason"] == R.REJECTED_BAD_REQUEST and "positions take on this node" in r["detail"]
@@ -277,6 +284,22 @@ def test_one_client_holding_import_slots_open_starves_no_other():
         moves.close()
 
 
+def test_without_a_mesh_key_or_curve_keys_an_imports_kv_is_not_loaded_and_it_goes_on_prefilled(tiny_model):
+    """KV is loaded only from peers that prove who they are (a parsed state file cannot show its numbers are the
+    model's): between nodes that share neither a mesh key nor CURVE keys, the session moves with the same tokens,
+    its KV computed again where it lands."""
+    with NodeProcess(tiny_model, *BASE, internal=SLOW) as a, NodeProcess(tiny_model, *BASE, "--prefix-cache", "off",
+                                                                          internal=SLOW) as b, \
+            a.client() as ca, b.client() as cb:
+        ref = cb.generate("ref", **{**ASK, "max_tokens": 30})
+        state, left = leave(ca, "m", {**ASK, "max_tokens": 30})
+        assert state["kv"]["bytes"] > 0
+        cb.resume("m", state)
+        went = cb.collect(["m"])["m"]
+    assert went.done["usage"]["cached_tokens"] == 0 and went.done["reason"] == R.LENGTH
+    assert state["generated"] + went.tokens == ref.done["tokens"]
+
+
 def test_with_a_mesh_key_only_kv_a_mesh_node_signed_is_loaded_and_the_rest_is_prefilled(tiny_model, tmp_path):
     """--mesh-key-file: exports carry an HMAC of their KV, recipe and tokens; an import's KV without a valid one
     (a client's own, another mesh's, a signature moved onto other bytes) is not loaded, and the session goes on
@@ -288,11 +311,11 @@ def test_with_a_mesh_key_only_kv_a_mesh_node_signed_is_loaded_and_the_rest_is_pr
     key = tmp_path / "mesh.key"
     key.write_bytes(os.urandom(32).hex().encode())
     key.chmod(0o600)
-    args = (*ARGS, "--mesh-key-file", str(key))
+    args = (*BASE, "--mesh-key-file", str(key))
     # B's prefix cache off: a hit on the cells of the session imported before would count as cached too
     with NodeProcess(tiny_model, *args, internal=SLOW) as a, \
             NodeProcess(tiny_model, *args, "--prefix-cache", "off", internal=SLOW) as b, \
-            NodeProcess(tiny_model, *ARGS, internal=SLOW) as outsider, a.client() as ca, b.client() as cb, \
+            NodeProcess(tiny_model, *BASE, internal=SLOW) as outsider, a.client() as ca, b.client() as cb, \
             outsider.client() as co:
         signed, _ = leave(ca, "s", {**ASK, "max_tokens": 30})
         unsigned, _ = leave(co, "u", {**ASK, "max_tokens": 30, "tokens": [t + 1 for t in PROMPT]})

@@ -10,6 +10,7 @@ import pytest
 from helpers import promised
 from meshnode.core import reasons as R
 from meshnode.core.types import ResponseFormat, Sampling
+from meshnode.dev.hostile import mesh_key
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.ops.realmodel import real_model
 
@@ -155,7 +156,7 @@ def test_a_chat_moved_mid_answer_with_its_kv_goes_on_bitwise_on_another_node(tmp
     q8 = str(real_model("smollm2-q8_0", tmp_path))
     story = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and a storm."}]
     job = dict(messages=story, max_tokens=120, ignore_eos=True, logprobs=2, sampling=Sampling(0.8, 0, 1.0, 7))
-    args = ("--cache-type-k", "q8_0", "--threads", "1")  # two nodes beside the rest of the suite
+    args = ("--cache-type-k", "q8_0", "--threads", "1", "--mesh-key-file", mesh_key(tmp_path))  # two nodes, one mesh
     with NodeProcess(q8, *args) as a, NodeProcess(q8, *args) as b, a.client(120) as ca, b.client(120) as cb:
         assert cb.status()["node"]["deterministic"] or not promised(q8)
         ref = cb.generate("ref", **job)

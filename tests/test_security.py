@@ -42,6 +42,31 @@ def test_curve_admits_known_clients_only(tiny_model, tmp_path):
             assert not c.ping(1.0)
 
 
+def test_curve_clients_prove_who_they_are_so_their_imports_kv_is_loaded(tiny_model, tmp_path):
+    """Without a mesh key a node loads KV only from clients it admitted by their CURVE keys: a session exported by
+    a plain node and imported through CURVE goes on with its KV (cached), the same import on plain ipc prefilled."""
+    import zmq.auth
+
+    allowed, _, server_secret, secrets = curve_keys(tmp_path, "client")
+    server_pub, _ = zmq.auth.load_certificate(server_secret)
+    known = {"server_public_key": server_pub, "client_cert": zmq.auth.load_certificate(secrets["client"])}
+    port = free_tcp_port()
+    ask = dict(tokens=[3 + (k * 29) % 500 for k in range(37)], max_tokens=200, ignore_eos=True)
+    with NodeProcess(tiny_model, "--threads", "1", "--decode-steps-ms", "0",
+                     internal={"faults": [{"step_sleep_s": 0.03}]}) as a, a.client() as ca, \
+            NodeProcess(tiny_model, "--threads", "1", "--prefix-cache", "off", "--curve-secret-key", server_secret,
+                        "--curve-allow-dir", str(allowed), listen=f"tcp://127.0.0.1:{port}", client_kw=known) as b, \
+            b.client(timeout_s=60) as cb:
+        ca.submit("m", **ask)
+        ca.wait_for(lambda e: e["event"] == "tokens" and e["id"] == "m", keep=True)
+        state = ca.export("m")
+        ca.collect(["m"])
+        cb.resume("m", state)
+        went = cb.collect(["m"])["m"].done
+    assert state["kv"]["bytes"] > 0 and "mac" not in state["kv"]
+    assert went["reason"] == R.LENGTH and went["usage"]["cached_tokens"] == state["kv"]["positions"] > 0
+
+
 def test_second_node_on_the_same_ipc_path_refuses(tiny_model):
     with NodeProcess(tiny_model) as n:
         out = serve(tiny_model, "--listen", n.listen, "--telemetry", n.telemetry + ".2")

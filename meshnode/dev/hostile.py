@@ -102,10 +102,24 @@ def random_edits(data: bytes, n: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def send_state(c, id: str, state: dict, data: bytes, timeout_s: float | None = None) -> dict:
-    """An import of `state` with `data` as its KV, the SHA-256 computed by its sender, from client `c`: the
-    admission answer."""
+def mesh_key(folder: str) -> str:
+    """A mesh key file as an operator makes one (32 random bytes, hex, mode 600), for nodes of one mesh in
+    benchmarks and tests: they load each other's KV (front/moves.py: KV only from peers that prove who they are)."""
+    path = os.path.join(folder, "mesh.key")
+    with open(path, "wb") as f:
+        f.write(os.urandom(32).hex().encode())
+    os.chmod(path, 0o600)
+    return path
+
+
+def send_state(c, id: str, state: dict, data: bytes, timeout_s: float | None = None, key: bytes | None = None) -> dict:
+    """An import of `state` with `data` as its KV, the SHA-256 computed by its sender (and with the mesh `key`, its
+    signature: a mesh member gone bad), from client `c`: the admission answer."""
     kv = {**state["kv"], "data": data, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if key is not None:
+        header = M.sign(key, state["recipe"], M.KvHeader(kv["bytes"], kv["sha256"], kv["positions"]),
+                        state["tokens"] + state["generated"])
+        kv["mac"] = header.mac
     c.open[id] = c.open.get(id, 0) + 1
     c.sock.send_multipart(M.import_request(id, {**state, "kv": kv}))
     for f in M.kv_requests(id, data):

@@ -59,13 +59,17 @@ class Incoming:
 
 class Moves:
     def __init__(self, layout: seqstate.Layout | None, n_seq_max: int, clock, max_bytes: int,
-                 key: bytes | None = None):
+                 key: bytes | None = None, proven: bool = False):
         """`layout`: what this node's engine writes in a state file (None: it cannot say, and no KV is taken);
         `max_bytes`: what the imports receiving at once may hold on disk (the KV budget: they are headed there);
-        `key`: the mesh key (mesh_key_file): exports are signed with it, and only signed KV is loaded."""
+        `key`: the mesh key (mesh_key_file): exports are signed with it, and only signed KV is loaded;
+        `proven`: every client proved who it is (CURVE keys with an allow list). KV is loaded only from peers that
+        prove who they are, by the key or by CURVE: a parsed state file cannot show that its numbers are the
+        model's, and a finished session's cells serve its client's later prompts (the prefix cache); from anyone
+        else the import is prefilled from its tokens."""
         self.dir = tempfile.mkdtemp(prefix="meshnode-kv-")
         self.layout, self.n_seq_max, self.clock, self.max_bytes = layout, n_seq_max, clock, max_bytes
-        self.key = key
+        self.key, self.proven = key, proven
         self.checking: set = set()  # imports whose whole KV is being parsed off the loop (ready() gives each)
         self.incoming: dict[tuple, Incoming] = {}
         self._names = itertools.count()
@@ -185,7 +189,7 @@ class Moves:
 
     def chunk(self, ident: bytes, c: P.KvChunk) -> tuple[P.Submit | None, str, str]:
         """One `kv` request of an import that is `receiving`: (None, "", why it failed: it is dropped then), or
-        (the import, "", "") where it goes on prefilled (unsigned KV on a node with a mesh key), or nothing yet:
+        (the import, "", "") where it goes on prefilled (KV from a peer that proved nothing: `proven`), or nothing yet:
         a whole KV is parsed off the loop (a 176 MiB one took 0.2 s), its outcome comes from ready()."""
         inc = self.incoming[(ident, c.id)]
         kv = inc.req.kv
@@ -205,9 +209,13 @@ class Moves:
             remove(inc.path)
             return None, "", "the KV's SHA-256 is not the one its import names: it was changed or cut on the way"
         tokens = inc.req.tokens + (inc.req.generated or [])
-        if self.key is not None and not M.signed(self.key, inc.req.recipe or "", inc.req.kv, tokens):
+        untrusted = (("its KV is not signed by this mesh's key" if not M.signed(self.key, inc.req.recipe or "",
+                                                                             inc.req.kv, tokens) else "")
+                     if self.key is not None else "" if self.proven else
+                     "this node takes KV only from peers with the mesh key or CURVE keys (mesh_key_file, curve_*)")
+        if untrusted:
             remove(inc.path)  # KV from outside the mesh: the session goes on, its KV computed here
-            log.info("import %s: its KV is not signed by this mesh's key; it is prefilled", c.id)
+            log.info("import %s: %s; it is prefilled", c.id, untrusted)
             return inc.req, "", ""
         self.checking.add((ident, c.id))
         self._reader.submit(self._check, (ident, c.id), inc.req, inc.path, tokens[:inc.req.kv.positions])

@@ -116,7 +116,8 @@ class Front:
         self.telemetry = Telemetry(self.sched)
         self.ticks = Ticks(self.link, cfg.pipeline_depth, self.telemetry)
         self.moves = Moves(seqstate.Layout.of(self.link.info.kv_state), self.budget.n_seq_max, time.monotonic,
-                           self.budget.kv_budget_bytes, self.mesh_key)
+                           self.budget.kv_budget_bytes, self.mesh_key,
+                           proven=bool(cfg.curve_secret_key and cfg.curve_allow_dir))
         self.reaper.claim(self.moves.dir)
         problem = folder_problem(cfg.kv_persist) if cfg.kv_persist else ""
         if problem:
