@@ -75,7 +75,8 @@ def main(a) -> int:
         return 2
     model, threads, rounds = model_path(a), a.threads or 2, max(a.rounds, 5)
     sides = {"stock": a.stock, "patched": a.patched}
-    print(f"bench kernels: {os.path.basename(model)}, llama-batched-bench -npp 128 -ntg 64 -t {threads} -fa on -no-kvu, "
+    print(f"bench kernels: {os.path.basename(model)}, llama-batched-bench -npp 128 -ntg 64 -t {threads} -fa on "
+          "-no-kvu, "
           f"{rounds} rounds alternating; this Python's llama.cpp: {system_info().strip()}")
     runs: dict[str, list] = {s: [] for s in sides}
     infos = {}

@@ -122,7 +122,8 @@ def main(a) -> int:
     for k, v in sorted(outcomes.items()):
         print(f"hostile chat -> {k}: {v}")
     ok = ping_max <= 100 and gap_max < 500 and set(outcomes) == {"refused naming the template"} and alive
-    print(f"\nworst ping under attack {ping_max:.1f} ms (goal <= 100), victim's worst gap under attack {gap_max:.1f} ms "
+    print(f"\nworst ping under attack {ping_max:.1f} ms (goal <= 100), victim's worst gap under attack "
+          f"{gap_max:.1f} ms "
           f"(goal < 500), node alive {alive}: goal {'met' if ok else 'NOT met'}")
     if a.json:
         with open(a.json, "w") as f:

@@ -25,7 +25,7 @@ from meshnode.engine.llama import LlamaEngine
 from meshnode.ops.models import make_model
 
 CASES = [("f32", "tiny", None), ("f16", "tiny-f16", None), ("q8_0", "tiny-f16", "q8_0"),
-         ("q4_k_m", "tiny-f16", "q4_k_m")]
+         ("q4_k_m", "tiny-f16", "q4_k_m"), ("q4_1", "tiny-f16", "q4_1")]
 CHUNK = 16
 
 

@@ -8,7 +8,8 @@ from meshnode.engine import invariant, llamacpp
 from meshnode.ops.models import make_model
 
 LOAD = ["load_tensors:   CPU_Mapped model buffer size =   135.50 MiB",
-        "load_tensors:   CPU_REPACK model buffer size =   136.27 MiB", "llama_kv_cache:        CPU KV buffer size =    90.00 MiB"]
+        "load_tensors:   CPU_REPACK model buffer size =   136.27 MiB",
+        "llama_kv_cache:        CPU KV buffer size =    90.00 MiB"]
 PATCHED = [llamacpp.Q8_0_REPACK_PATCH, "0002-tests-repack-mul-mat.patch", llamacpp.FA_SPLIT_PATCH]
 
 
@@ -53,6 +54,17 @@ def test_deterministic_mode_takes_repacked_weights_only_where_they_keep_a_rows_b
     for path, repacks in ((q8, patched), (f16, False)):
         assert engine_config(path, kv_layout="streams", deterministic=True).extra_buffers is repacks
         assert engine_config(path, kv_layout="streams", deterministic=False).extra_buffers is True
+
+
+def test_only_q8_0_beside_formats_x86_leaves_unrepacked_counts_as_invariant_when_repacked(monkeypatch):
+    """A Q4_1 file's q8_0 output repacks while its Q4_1 layers stay (no x86 layout): still one kernel a row; a Q4_0
+    or q4_K beside it would repack into upstream's kernels, whose gemv and gemm differ."""
+    monkeypatch.setattr(llamacpp, "patches", lambda: PATCHED)
+    assert llamacpp.invariant_repack({"Q8_0"}) and llamacpp.invariant_repack({"Q8_0", "Q4_1"})
+    assert not llamacpp.invariant_repack({"Q4_1"}) and not llamacpp.invariant_repack({"Q8_0", "Q4_0"})
+    assert not llamacpp.invariant_repack({"Q8_0", "Q4_K", "Q6_K"})
+    monkeypatch.setattr(llamacpp, "patches", lambda: [])
+    assert not llamacpp.invariant_repack({"Q8_0"})
 
 
 def test_with_the_split_switch_a_lone_row_deep_in_its_stream_needs_no_padding_row():

@@ -82,10 +82,16 @@ Q8_0_REPACK_PATCH = "0001-ggml-cpu-x86-q8_0-repack.patch"  # repacked q8_0 matmu
 FA_SPLIT_PATCH = "0003-ggml-cpu-flash-attn-split-kv-switch.patch"  # GGML_CPU_FA_SPLIT_KV=0 turns the split off
 
 
+# formats ggml leaves in the plain buffer on x86 even with its extra buffer types on (no repacked layout there)
+NOT_REPACKED_X86 = frozenset({"Q4_1"})
+
+
 def invariant_repack(weight_types: set[str]) -> bool:
-    """Whether these weights, repacked by this build, keep a row's bits in any batch: q8_0 with the patched x86
-    kernels (docs/kernels.md). Other repacked formats run one kernel for a single row and another for several."""
-    return weight_types == {"Q8_0"} and Q8_0_REPACK_PATCH in patches() and "AVX2 = 1" in system_info()
+    """Whether these weights, with llama.cpp's extra buffer types on, keep a row's bits in any batch: q8_0 repacked
+    by the patched x86 kernels (docs/kernels.md), beside formats that stay where they are (a Q4_1 file's q8_0
+    output). Other repacked formats run one kernel for a single row and another for several."""
+    return ("Q8_0" in weight_types and weight_types <= {"Q8_0"} | NOT_REPACKED_X86
+            and Q8_0_REPACK_PATCH in patches() and "AVX2 = 1" in system_info())
 
 
 def patches() -> list[str]:
@@ -212,9 +218,10 @@ def amx_crashes() -> bool:
     return "AMX_INT8 = 1" in system_info()
 
 
-# weight formats whose logits the tests prove bitwise the same alone and in any crowd on the stock build
-# (tests/test_determinism.py; docs/determinism.md); q4_K_M files hold Q4_K and Q6_K
-INVARIANT_WEIGHTS = frozenset({"F32", "F16", "Q8_0", "Q4_K", "Q6_K"})
+# weight formats whose logits the tests prove bitwise the same alone and in any crowd, stock build and patched
+# (tests/test_determinism.py; docs/determinism.md); q4_K_M files hold Q4_K and Q6_K, Q4_1 ones Q4_1 and Q6_K or Q8_0
+# (Q4_1 runs ggml_vec_dot at any width: no tinyBLAS kernel)
+INVARIANT_WEIGHTS = frozenset({"F32", "F16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"})
 
 
 def matmul_weight_types(model_path: str) -> set[str]:
@@ -238,7 +245,7 @@ def weights_problem(weight_types: set[str]) -> str:
     bad = weight_types - INVARIANT_WEIGHTS
     if bad:
         return (f"deterministic: not for {', '.join(sorted(bad))} weights, which no test here has proven "
-                "batch-invariant; serve a file whose matrices are all F32, F16, Q8_0, Q4_K or Q6_K (meshnode "
+                "batch-invariant; serve a file whose matrices are all F32, F16, Q8_0, Q4_1, Q4_K or Q6_K (meshnode "
                 "make-model --quant q8_0, or llama-quantize; a q4_k_m file of a model whose rows are not a "
                 "multiple of 256 falls back to other types), or run without deterministic mode")
     return ""

@@ -128,7 +128,7 @@ def _weights(p: Preset, rng: np.random.Generator) -> list[tuple[str, np.ndarray]
     return out
 
 
-QUANTS = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q6_k": 18}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
+QUANTS = {"q8_0": 7, "q4_0": 2, "q4_1": 3, "q4_k_m": 15, "q6_k": 18}  # llama_ftype: LLAMA_FTYPE_MOSTLY_*
 
 
 def _add_vocab(w, p) -> None:
