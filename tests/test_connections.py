@@ -105,10 +105,14 @@ def test_a_new_client_gets_in_while_1100_sockets_that_never_sent_a_greeting_stay
             assert new.generate("after", tokens=[3, 4], max_tokens=2).done["reason"] == R.LENGTH
             t = new.status()["telemetry"]
             new.close()
+            over_cap_closed()  # and read which silent ones the node has dropped since
         finally:
             for s in raw:
                 s.close()
-    assert t["clients_evicted_total"] >= 1 and t["clients_connected"] <= 1024, t
+    # the new client's place: a silent socket that gave way, or one libzmq dropped past its handshake bound
+    # (ipc/transport.py, HANDSHAKE_S: a loaded machine can take that long to get here), never a place over the cap
+    dropped = len(ended) - (len(raw) - 1024)
+    assert (t["clients_evicted_total"] >= 1 or dropped >= 1) and t["clients_connected"] <= 1024, (t, dropped)
 
 
 def test_a_listener_drops_a_connection_that_never_completes_the_handshake(zctx):
