@@ -401,4 +401,3 @@ def scenario(e, p, sampling, n_new=40, crowd=None, restart_after=None, warm=None
     # per token: a multi-step tick's event carries several, as many as the ticks around it allowed
     return {"tokens": x.generated, "logprobs": [lp for ev in mine for lp in ev.logprobs or ()], "cached": x.n_reused,
             "others": {s.key: s.generated for s in others}}
-

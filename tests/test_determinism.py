@@ -168,7 +168,7 @@ def test_the_start_up_check_pads_only_the_lone_rows_whose_kernels_differ(models,
         assert e.lone_pads == invariant.LonePads(False, False)
     with engine(models["q8_0"]) as e:
         assert e.lone_pads == invariant.LonePads(False, False)
-    split_off = llamacpp.FA_SPLIT_PATCH in llamacpp.patches()  # patches/0003: the engine turns the path off
+    split_off = llamacpp.split_kv_switch()  # patches/0003: the engine turns the path off
     with engine(models["q8_0"], threads=2) as e:
         assert e.lone_pads == invariant.LonePads(False, not split_off)
         e.lone_pads = invariant.LonePads(False, False)
@@ -248,7 +248,7 @@ def test_left_to_the_engine_the_mode_is_on_where_it_is_free_and_off_with_the_rea
         assert e.recipe_fingerprint == cfg.recipe(e.deterministic) != cfg.recipe(not e.deterministic)
     with engine(models["q8_0"], deterministic=None) as e:  # one thread: the split-KV path sums as the per-row one
         assert e.deterministic or not promised(models["q8_0"]), e.deterministic_problem
-    split_off = llamacpp.FA_SPLIT_PATCH in llamacpp.patches()
+    split_off = llamacpp.split_kv_switch()
     if split_off:  # patches/0003: nothing pays past 256 cells, so q8_0 weights take the mode by default
         with engine(models["q8_0"], deterministic=None, threads=2) as e:
             assert e.deterministic or not promised(models["q8_0"]), e.deterministic_problem

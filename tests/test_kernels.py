@@ -29,7 +29,7 @@ def test_the_installed_build_says_its_patches(tmp_path):
 
     listed = os.path.join(os.path.dirname(llama_cpp.__file__), "meshnode-patches.txt")
     want = [ln.strip() for ln in open(listed) if ln.strip()] if os.path.exists(listed) else []
-    assert llamacpp.patches() == want
+    assert list(llamacpp.patches()) == want
     assert all(p.endswith(".patch") and os.path.exists(os.path.join("patches", p)) for p in want)
 
 

@@ -13,7 +13,7 @@ from ipc import moving as M
 from meshnode.core import reasons as R
 from meshnode.core.session import Session
 from meshnode.core.types import Sampling
-from meshnode.dev.hostile import mesh_key
+from meshnode.dev.hostile import mac_of, mesh_key
 from meshnode.dev.nodeproc import NodeProcess
 from meshnode.engine.followups import Followups
 from meshnode.front.moves import read_key
@@ -125,9 +125,7 @@ def test_a_kv_changed_cut_or_of_other_tokens_is_refused_before_admission(nodes):
     assert r["reason"] == R.REJECTED_BAD_REQUEST and "in order" in r["detail"]
     # a KV whose own checksum is right but which another prompt computed, signed anew by a mesh member gone bad
     other = {**state, "tokens": [t + 1 for t in state["tokens"]]}
-    mac = M.sign(read_key(KEY), other["recipe"], P.KvHeader(kv["bytes"], kv["sha256"], kv["positions"]),
-                 other["tokens"] + other["generated"]).mac
-    r = refusal(cb, "other", {**other, "kv": {**kv, "mac": mac}})
+    r = refusal(cb, "other", {**other, "kv": {**kv, "mac": mac_of(read_key(KEY), other)}})
     assert r["reason"] == R.REJECTED_BAD_REQUEST and "other tokens" in r["detail"]
     r = refusal(cb, "huge", {**state, "kv": {**kv, "bytes": 1 << 40}}, [])
     assert r["reason"] == R.REJECTED_BAD_REQUEST and "positions take on this node" in r["detail"]
@@ -304,13 +302,11 @@ def test_with_a_mesh_key_only_kv_a_mesh_node_signed_is_loaded_and_the_rest_is_pr
     """--mesh-key-file: exports carry an HMAC of their KV, recipe and tokens; an import's KV without a valid one
     (a client's own, another mesh's, a signature moved onto other bytes) is not loaded, and the session goes on
     prefilled, with the same tokens."""
-    import os
+    from pathlib import Path
 
     from helpers import serve
 
-    key = tmp_path / "mesh.key"
-    key.write_bytes(os.urandom(32).hex().encode())
-    key.chmod(0o600)
+    key = Path(mesh_key(tmp_path))
     args = (*BASE, "--mesh-key-file", str(key))
     # B's prefix cache off: a hit on the cells of the session imported before would count as cached too
     with NodeProcess(tiny_model, *args, internal=SLOW) as a, \

@@ -112,14 +112,19 @@ def mesh_key(folder: str) -> str:
     return path
 
 
+def mac_of(key: bytes, state: dict) -> str:
+    """The mesh key's signature of an exported `state`'s KV, for its recipe and tokens (ipc/moving.py, sign)."""
+    kv = state["kv"]
+    return M.sign(key, state["recipe"], M.KvHeader(kv["bytes"], kv["sha256"], kv["positions"]),
+                  state["tokens"] + state["generated"]).mac
+
+
 def send_state(c, id: str, state: dict, data: bytes, timeout_s: float | None = None, key: bytes | None = None) -> dict:
     """An import of `state` with `data` as its KV, the SHA-256 computed by its sender (and with the mesh `key`, its
     signature: a mesh member gone bad), from client `c`: the admission answer."""
     kv = {**state["kv"], "data": data, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     if key is not None:
-        header = M.sign(key, state["recipe"], M.KvHeader(kv["bytes"], kv["sha256"], kv["positions"]),
-                        state["tokens"] + state["generated"])
-        kv["mac"] = header.mac
+        kv["mac"] = mac_of(key, {**state, "kv": kv})
     c.open[id] = c.open.get(id, 0) + 1
     c.sock.send_multipart(M.import_request(id, {**state, "kv": kv}))
     for f in M.kv_requests(id, data):

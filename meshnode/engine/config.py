@@ -74,7 +74,7 @@ class EngineConfig:
             return ""
         why = invariant.lone_cost(self.weight_types, self.type_k, self.type_v,
                                   self.amx_eligible and self.weight_types == {"F16"}, self.threads,
-                                  llamacpp.FA_SPLIT_PATCH in llamacpp.patches())
+                                  llamacpp.split_kv_switch())
         return f"deterministic: off by default: {why}" if why else ""
 
     @cached_property

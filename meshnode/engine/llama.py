@@ -48,7 +48,7 @@ class LlamaEngine(Engine):
         self.deterministic_problem = (cfg.deterministic_problem or cfg.deterministic_cost) if left else ""
         if self.deterministic and cfg.weight_types & invariant.K_QUANTS:
             os.environ.setdefault(*invariant.TILED_ENV)  # read once, when llama.cpp first needs it
-        if self.deterministic and llamacpp.FA_SPLIT_PATCH in llamacpp.patches():
+        if self.deterministic and llamacpp.split_kv_switch():
             os.environ.setdefault(*invariant.SPLIT_OFF_ENV)
         threads = self._load(cfg)
         self.kv = SeqKV(lc, self._ctx)

@@ -10,6 +10,7 @@ llama.cpp; the functions that need it import it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -94,16 +95,23 @@ def invariant_repack(weight_types: set[str]) -> bool:
             and Q8_0_REPACK_PATCH in patches() and "AVX2 = 1" in system_info())
 
 
-def patches() -> list[str]:
+@functools.cache
+def patches() -> tuple[str, ...]:
     """The patches (patches/) the installed llama-cpp-python's llama.cpp was built with, as tools/install-llama
-    recorded them; [] for a stock build (or one installed another way)."""
+    recorded them; () for a stock build (or one installed another way). Read once: the build a process loaded does
+    not change under it."""
     import llama_cpp
 
     try:
         with open(os.path.join(os.path.dirname(llama_cpp.__file__), "meshnode-patches.txt")) as f:
-            return [line.strip() for line in f if line.strip()]
+            return tuple(line.strip() for line in f if line.strip())
     except OSError:
-        return []
+        return ()
+
+
+def split_kv_switch() -> bool:
+    """Whether this build can turn flash attention's split-KV path off (patches/0003, invariant.SPLIT_OFF_ENV)."""
+    return FA_SPLIT_PATCH in patches()
 
 
 def kernels(placement: list[str]) -> str:
@@ -263,7 +271,7 @@ def recipe(model_path: str, type_k: str, type_v: str, flash_attn: str, n_batch: 
         parts.append(placement)
     if amx:
         parts.append("amx")
-    parts += patches()  # other kernels, other bits (a stock build's fingerprints stay what they were)
+    parts += list(patches())  # other kernels, other bits (a stock build's fingerprints stay what they were)
     return "mn1-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -209,10 +209,7 @@ class Moves:
             remove(inc.path)
             return None, "", "the KV's SHA-256 is not the one its import names: it was changed or cut on the way"
         tokens = inc.req.tokens + (inc.req.generated or [])
-        untrusted = (("its KV is not signed by this mesh's key" if not M.signed(self.key, inc.req.recipe or "",
-                                                                             inc.req.kv, tokens) else "")
-                     if self.key is not None else "" if self.proven else
-                     "this node takes KV only from peers with the mesh key or CURVE keys (mesh_key_file, curve_*)")
+        untrusted = self._untrusted(inc.req, tokens)
         if untrusted:
             remove(inc.path)  # KV from outside the mesh: the session goes on, its KV computed here
             log.info("import %s: %s; it is prefilled", c.id, untrusted)
@@ -220,6 +217,15 @@ class Moves:
         self.checking.add((ident, c.id))
         self._reader.submit(self._check, (ident, c.id), inc.req, inc.path, tokens[:inc.req.kv.positions])
         return None, "", ""
+
+    def _untrusted(self, req: P.Submit, tokens: list[int]) -> str:
+        """Why an import's KV is not from a peer that proved who it is ("" when it is: `key`, `proven`)."""
+        if self.key is not None:
+            signed = M.signed(self.key, req.recipe or "", req.kv, tokens)
+            return "" if signed else "its KV is not signed by this mesh's key"
+        if self.proven:
+            return ""
+        return "this node takes KV only from peers with the mesh key or CURVE keys (mesh_key_file, curve_*)"
 
     def checked_out(self, key: tuple) -> None:
         """The loop took an import's Checked outcome."""

@@ -97,7 +97,7 @@ class TemplateHost:
             out += chunk
         return out
 
-    def _kill(self) -> None:
+    def _kill(self, died: bool = True) -> None:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
@@ -107,13 +107,11 @@ class TemplateHost:
                 except OSError:
                     pass
             self._proc = None
-            self.restarts += 1
+            self.restarts += died
 
     def close(self) -> None:
         with self._lock:
-            if self._proc is not None:
-                self._kill()
-                self.restarts -= 1  # a close is not a death
+            self._kill(died=False)
 
 
 def _serve() -> None:
