@@ -29,5 +29,6 @@ EXPERIMENTS = {
     "hostile": "hostile KV state files and frames against a node beside another client's session (issue 66's goals)",
     "templates": "a model file's hostile chat templates beside a stream, a pinger and honest chats: pings, gaps",
     "kernels": "decode at 1-16 sessions, llama-batched-bench from stock llama.cpp vs patches/, and one MUL_MAT's cost",
+    "toolflood": "50 tool_choice required calls at once through the gateway beside a ZeroMQ stream: its gaps",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }

@@ -94,7 +94,8 @@ class LlamaEngine(Engine):
         if self.deterministic:
             self._check_deterministic()
         self.recipe_fingerprint = cfg.recipe(self.deterministic, devices.fingerprint(self.devices))
-        self._matchers = None  # llguidance over this model's vocab, built for the first constrained session
+        self._matchers = None  # llguidance over this model's vocab: `matchers_source`'s, asked at the first constraint
+        self.matchers_source = self.build_matchers  # the process shell's waits on a thread that builds it early
 
     def _load(self, cfg: EngineConfig) -> int:
         """The model where the device settings put it, and its context; the threads it runs on."""
@@ -149,12 +150,15 @@ class LlamaEngine(Engine):
                 self.close()
                 raise FatalEngineError(f"{self.deterministic_problem}; serve without it (--no-deterministic)")
 
-    def constraint(self, c):
+    def build_matchers(self):
+        """llguidance's tokenizer reads every token of the vocabulary: a quarter of a second on a 49k one."""
         from meshnode.engine.constraint import Matchers
 
+        return Matchers(llamacpp.constraint_tokenizer(self._lc.llama_model_get_vocab(self._model)), self.n_vocab)
+
+    def constraint(self, c):
         if self._matchers is None:
-            self._matchers = Matchers(llamacpp.constraint_tokenizer(self._lc.llama_model_get_vocab(self._model)),
-                                      self.n_vocab)
+            self._matchers = self.matchers_source()
         return self._matchers.start(c)
 
     def _groups(self, chunks: list) -> list[list]:

@@ -10,6 +10,7 @@ telemetry each answer feeds are held here and nowhere else.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from meshnode.core.pipeline import Tick, TickPipeline
 from meshnode.core.telemetry import Telemetry
 from meshnode.core.types import Plan, StepResult
 from meshnode.front.engine_link import EngineLink
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,15 @@ def check_answer(res: StepResult, plan: Plan, n_vocab: int) -> None:
         link.check_earlier(res.earlier, plan, res.tokens, n_vocab, res.steps)
     if res.embeddings:
         link.check_embeddings(res.embeddings, plan)
+
+
+def shape(plan: Plan, res: StepResult) -> str:
+    """One tick's shape in a line, for the DEBUG log: what a slow tick held."""
+    rows = [len(c.tokens) for c in plan.chunks]
+    decode = sum(1 for n in rows if n == 1)
+    return (f"{res.step_ms:.1f} ms: {decode} decode rows x {plan.steps} steps, {len(rows) - decode} chunks of "
+            f"{sum(rows) - decode} tokens, {sum(c.constraint is not None for c in plan.chunks)} constrained, "
+            f"{len(plan.kv)} kv ops, {len(res.deferred)} deferred")
 
 
 class Ticks:
@@ -109,6 +121,8 @@ class Ticks:
             self.engine.broke(f"engine sent a bad reply: {e}")
             return None
         self.engine.health.good_tick()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("tick %s", shape(tick.plan, res))
         self.telemetry.record_tick(msg.rss, res.step_ms, res.kv_cells, msg.gap_ms, res.drafted, res.served,
                                    len(res.deferred))
         self.telemetry.set_memory(msg.mem_available, msg.mem_total)

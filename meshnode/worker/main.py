@@ -26,6 +26,7 @@ from ipc.shm import TokenArena
 from meshnode.core.types import EngineError, EngineInfo, InvalidPlan, StepResult
 from meshnode.engine.followups import Followups
 from meshnode.worker.link_io import CLOSED, LinkIO
+from meshnode.worker.warming import Warming
 
 log = logging.getLogger("meshnode.engine")
 PR_SET_PDEATHSIG = 1
@@ -87,6 +88,9 @@ class EngineProcess:
         info = replace(EngineInfo.of(self.engine, calibration), kv_state=kv_layout(self.engine, self.cfg.link_path))
         self.sock.send(link.encode(link.Hello(os.getpid(), info)))
         self.io = LinkIO(self.sock, self.arena)
+        if hasattr(self.engine, "build_matchers"):
+            self.warming = Warming(self.engine.build_matchers)
+            self.engine.matchers_source = self.warming.get
         if self.cfg.engine.hurry:  # a node whose ticks may be hurried (the priority policy: EngineConfig.hurry)
             self.engine.hurry_when(self._hurried)
         if hasattr(self.engine, "see_link"):  # a test's fault that must wait for a tick queued behind it
@@ -148,6 +152,8 @@ class EngineProcess:
     def shutdown(self) -> None:
         if hasattr(self, "io"):
             self.io.close()  # first: its reader copies tokens out of the arena
+        if hasattr(self, "warming"):
+            self.warming.wait()  # it reads the engine's model
         for name in ("arena", "engine"):
             obj = getattr(self, name, None)
             if obj is not None and hasattr(obj, "close"):
