@@ -19,7 +19,8 @@ BOOLEAN = {"--cont-batching", "--embedding", "--embeddings", "--reranking", "--m
            "--backend_sampling"}
 SAME = {"--model": "--model", "-m": "--model", "--pooling": "--pooling", "--cors-origins": "--http-cors-origins",
         "--threads": "--threads", "-t": "--threads", "-ctk": "--type-k", "-ctv": "--type-v",
-        "--ctx-size": "--ctx", "-c": "--ctx", "--alias": "--served-model-name", "-a": "--served-model-name"}
+        "--ctx-size": "--ctx", "-c": "--ctx", "--alias": "--served-model-name", "-a": "--served-model-name",
+        "--tags": "--served-model-tags"}
 SAMPLING = {"--temp": "temperature", "--seed": "seed", "-s": "seed", "--top-k": "top_k", "--top-p": "top_p",
             "--min-p": "min_p"}
 # llama-server's habits where no flag says otherwise: a context of 4096 cells, 4 slots sharing it
@@ -28,7 +29,7 @@ DEFAULTS = {"--ctx": "4096", "--n-seq-max": "4", "--max-active": "4"}
 
 def translate(argv: list[str], home: str) -> tuple[list[str], list[str]]:
     """llama-server's arguments -> (meshnode serve's, the flags dropped)."""
-    given, dropped, sampling, i = {}, [], {}, 0
+    given, dropped, sampling, i, metrics = {}, [], {}, 0, False
     while i < len(argv):
         flag = argv[i]
         value = None if flag in BOOLEAN or i + 1 >= len(argv) else argv[i + 1]
@@ -40,6 +41,8 @@ def translate(argv: list[str], home: str) -> tuple[list[str], list[str]]:
         elif flag in SAMPLING:  # llama-server's server-wide defaults: the gateway's --sampling-defaults
             if not (SAMPLING[flag] == "seed" and int(value) < 0):  # seed -1: llama-server's random one, the default
                 sampling[SAMPLING[flag]] = float(value) if SAMPLING[flag] not in ("seed", "top_k") else int(value)
+        elif flag == "--metrics":  # llama-server serves /metrics only with it; the node's gateway unless told not to
+            metrics = True
         elif flag in ("--host", "--port"):
             given[flag] = value
         elif flag == "--api-key":
@@ -54,7 +57,7 @@ def translate(argv: list[str], home: str) -> tuple[list[str], list[str]]:
     http = f"{given.pop('--host', '127.0.0.1')}:{given.pop('--port', '8080')}"
     args = {**DEFAULTS, **given, "--http": http, "--listen": f"ipc://{home}/node.sock",
             "--telemetry": f"ipc://{home}/telemetry.sock", "--drain-timeout-s": "1", "--log-level": "WARNING"}
-    return [x for k, v in args.items() for x in (k, v)], dropped
+    return [x for k, v in args.items() for x in (k, v)] + ([] if metrics else ["--no-http-metrics"]), dropped
 
 
 def main() -> None:

@@ -60,8 +60,19 @@ def telemetry(snapshot: dict) -> list[bytes]:
     return [TELEMETRY_TOPIC, pack(snapshot)]
 
 
-def admitted(id: str, reason: str) -> list[bytes]:
-    return event("admitted", id=id, state=R.RUNNING if reason == R.ADMITTED else R.QUEUED, reason=reason)
+def admitted(id: str, reason: str, prompt: list[int] | None = None) -> list[bytes]:
+    """`prompt`: the session's prompt ids, for a submit that asked `echo`."""
+    return event("admitted", id=id, state=R.RUNNING if reason == R.ADMITTED else R.QUEUED, reason=reason,
+                 **({"prompt": [int(t) for t in prompt]} if prompt is not None else {}))
+
+
+def counted(id: str, prompt_tokens: int) -> list[bytes]:
+    return event("counted", id=id, prompt_tokens=prompt_tokens)
+
+
+def progress(id: str, total: int, cache: int, processed: int, time_ms: float) -> list[bytes]:
+    """How far a session's prompt is computed (a submit that asked `progress`): llama-server's prompt_progress."""
+    return event("progress", id=id, total=total, cache=cache, processed=processed, time_ms=round(time_ms, 3))
 
 
 def exported(id: str, state: dict) -> list[bytes]:
@@ -73,8 +84,10 @@ def kv_parts(id: str, data: bytes) -> list[list[bytes]]:
     return [event("kv", id=id, offset=o, data=data[o:o + KV_CHUNK_BYTES]) for o in range(0, len(data), KV_CHUNK_BYTES)]
 
 
-def rejected(id: str, reason: str, detail: str) -> list[bytes]:
-    return event("rejected", id=id, reason=reason, detail=detail)
+def rejected(id: str, reason: str, detail: str, facts: dict | None = None) -> list[bytes]:
+    """`facts`: the numbers behind a refusal, where the reason has them (REJECTED_CONTEXT_TOO_LONG: n_prompt_tokens,
+    n_ctx)."""
+    return event("rejected", id=id, reason=reason, detail=detail, **(facts or {}))
 
 
 def error(code: str, detail: str, id: str | None = None) -> list[bytes]:

@@ -81,6 +81,8 @@ class Submit:
     # the node's `pooling`)
     generated: list[int] | None = None  # an `import`: the tokens the session generated elsewhere (`exported`)
     kv: KvHeader | None = None  # an `import` whose KV follows in `kv` messages
+    progress: bool = False  # `progress` events as its prompt is computed (llama-server's return_progress)
+    echo: bool = False  # its `admitted` carries the prompt's token ids, as the node tokenized or rendered it
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,17 @@ class KvChunk:
     id: str
     offset: int
     data: bytes
+
+
+@dataclass
+class Count:
+    """How many tokens a submit's prompt is, as the node would tokenize or render it, with nothing generated
+    (Anthropic's count_tokens): answered `counted`."""
+    submit: Submit
+
+    @property
+    def id(self) -> str:
+        return self.submit.id
 
 
 @dataclass
@@ -268,9 +281,9 @@ def decode_request(frames: list[bytes], n_vocab: int):
         _check(pt is None or (_is_int(pt) and 1 <= pt <= MAX_NEW_TOKENS),
                f"prompt_tokens must be an int in [1, {MAX_NEW_TOKENS}]", id)
         return Status(pt)
-    if op not in ("submit", "cancel", "export", "import", "kv"):
+    if op not in ("submit", "cancel", "export", "import", "kv", "count"):
         raise ProtocolError(R.BAD_REQUEST, f"unknown op {op!r}; expected submit, cancel, export, import, kv, "
-                            "status, metrics or ping", id)
+                            "count, status, metrics or ping", id)
     _check(id is not None, f"id must be a string of 1 to {MAX_ID_CHARS} characters")
     if op == "cancel":
         return Cancel(id)
@@ -283,6 +296,9 @@ def decode_request(frames: list[bytes], n_vocab: int):
         return KvChunk(id, offset, data)
     if op == "import":
         return _import(msg, id, n_vocab)
+    if op == "count":
+        _check(msg.get("embed") is None, "count takes a generation's prompt (no embed)", id)
+        return Count(_submit(msg, id, n_vocab))
     return _submit(msg, id, n_vocab)
 
 
@@ -364,18 +380,24 @@ def _submit(msg: dict, id: str, n_vocab: int) -> Submit:
                              and fmt is None),
            f"embed must be true (the node's pooling) or one of {', '.join(POOLINGS)}, with tokens or text, and "
            "without max_tokens or response_format", id)
+    flags = {k: msg.get(k, False) for k in ("progress", "echo")}
+    for k, v in flags.items():
+        _check(isinstance(v, bool), f"{k} must be a bool", id)
     return Submit(id, mt, tokens, text, sampling, stop, ignore_eos, recipe, stops, messages, fmt, special, tools,
-                  priority, turn["add_generation_prompt"], turn["continue_final_message"], embed)
+                  priority, turn["add_generation_prompt"], turn["continue_final_message"], embed, **flags)
 
 def encode_request(req) -> list[bytes]:
     """Client side: a request dataclass -> the two frames."""
+    count = isinstance(req, Count)
+    req = req.submit if count else req
     op = {Submit: "submit", Cancel: "cancel", Status: "status", Ping: "ping", Metrics: "metrics",
           Export: "export", KvChunk: "kv"}[type(req)]
     if isinstance(req, Submit) and req.generated is not None:
         op = "import"
+    op = "count" if count else op
     body = {"op": op}
     for k, v in asdict(req).items():
-        if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special", "priority") and not v):
+        if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special", "priority", "progress", "echo") and not v):
             continue
         body[k] = v
     if isinstance(req, Submit):

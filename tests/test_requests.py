@@ -188,3 +188,36 @@ def test_a_node_that_pools_none_refuses_the_default_pooling_and_serves_a_named_o
     assert replies[0]["event"] == "rejected" and replies[0]["reason"] == R.REJECTED_BAD_REQUEST
     assert "pooling = none" in replies[0]["detail"] and replies[1]["event"] == "admitted"
     assert sched.live[(b"c", "m")].embed == "mean"
+
+
+def test_a_count_answers_the_prompts_tokens_and_admits_nothing():
+    sched, reqs, texts, replies = front(Clock())
+    reqs.on_frames(b"c", P.encode_request(P.Count(P.Submit("n1", None, tokens=prompt(5)))))
+    reqs.on_frames(b"c", P.encode_request(P.Count(P.Submit("n2", None, messages=[{"role": "user", "content": "hi"}]))))
+    reqs.on_frames(b"c", P.encode_request(P.Cancel("n1")))  # held behind the count's text, answered after it
+    job = texts.jobs.pop()
+    job.tokens = prompt(7)
+    reqs.on_text(job)
+    assert replies[:2] == [{"event": "counted", "id": "n1", "prompt_tokens": 5},
+                           {"event": "counted", "id": "n2", "prompt_tokens": 7}]
+    assert replies[2]["code"] == R.UNKNOWN_SESSION and not sched.live
+
+
+def test_echo_puts_the_prompt_in_admitted_and_progress_and_echo_must_be_bools():
+    sched, reqs, texts, replies = front(Clock())
+    reqs.on_frames(b"c", P.encode_request(P.Submit("e", 2, tokens=prompt(4), echo=True, progress=True)))
+    assert replies[-1]["event"] == "admitted" and replies[-1]["prompt"] == prompt(4)
+    assert sched.live[(b"c", "e")].progress
+    reqs.on_frames(b"c", P.encode_request(P.Submit("q", 2, tokens=prompt(4))))
+    assert "prompt" not in replies[-1]
+    for field in ("echo", "progress"):
+        reqs.on_frames(b"c", [P.VERSION, P.pack({"op": "submit", "id": "x", "tokens": [1], field: 1})])
+        assert replies[-1]["event"] == "error" and f"{field} must be a bool" in replies[-1]["detail"]
+
+
+def test_a_prompt_past_the_context_is_refused_with_its_numbers():
+    sched, reqs, texts, replies = front(Clock())
+    n_ctx = sched.budget.n_ctx_seq
+    reqs.on_frames(b"c", P.encode_request(P.Submit("long", None, tokens=prompt(n_ctx + 1))))
+    r = replies[-1]
+    assert (r["reason"], r["n_prompt_tokens"], r["n_ctx"]) == (R.REJECTED_CONTEXT_TOO_LONG, n_ctx + 1, n_ctx)

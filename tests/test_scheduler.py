@@ -267,3 +267,19 @@ def test_an_engine_in_a_crash_loop_refuses_new_work():
     s.engine_down = "engine process exited (code 3)"
     d = s.submit(sess("x"))
     assert d.reason == R.REJECTED_ENGINE_UNAVAILABLE and "code 3" in d.detail
+
+
+def test_progress_events_tell_each_prompt_chunk_before_the_first_token():
+    e, sched = scheduler(max_prefill_tokens_per_tick=16, tick_target=TickTarget())
+    s = session("p", n_prompt=40, max_tokens=2, progress=True)
+    quiet = session("q", n_prompt=40, max_tokens=2, salt=1)
+    assert sched.submit(s).accepted and sched.submit(quiet).accepted
+    events = []
+    while sched.live:
+        events += step(sched, e, sched.plan())
+    mine = [(ev.kind, ev.progress) for ev in events if ev.session is s and ev.kind in ("progress", "tokens")]
+    reports = [p for k, p in mine if k == "progress"]
+    assert reports[0] == (40, 0, 0) and reports[-1] == (40, 0, 40)
+    assert [p[2] for p in reports] == sorted(p[2] for p in reports) and len(reports) >= 3  # 40 tokens, chunks of 16
+    assert mine.index(("tokens", None)) == len(reports)  # every report before the first token
+    assert not any(ev.kind == "progress" for ev in events if ev.session is quiet)

@@ -20,6 +20,7 @@ class AdmissionDecision:
     reason: str
     detail: str = ""
     displaced: tuple = ()  # the `done` events of queued sessions this one took the place of (priority policy)
+    facts: dict | None = None  # the numbers behind a refusal, sent beside its detail (ipc/events.py rejected)
 
     @property
     def accepted(self) -> bool:
@@ -72,7 +73,8 @@ class Admission:
         if s.kv_tokens > b.n_ctx_seq:
             return AdmissionDecision(R.REJECTED_CONTEXT_TOO_LONG,
                                      f"prompt + max_tokens = {s.kv_tokens} exceeds the per-sequence "
-                                     f"context of {b.n_ctx_seq}")
+                                     f"context of {b.n_ctx_seq}", facts={"n_prompt_tokens": s.n_prompt,
+                                                                         "n_ctx": b.n_ctx_seq})
         if self.kv_need(s) > b.kv_budget_bytes:
             return AdmissionDecision(R.REJECTED_KV_BUDGET,
                                      f"needs {self.kv_need(s)} KV bytes, the node's budget is {b.kv_budget_bytes}")

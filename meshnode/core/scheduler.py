@@ -251,6 +251,8 @@ class Scheduler:
                 s.draws_in_flight -= steps * (c.draw >= 0)
                 self.counters.prefill_tokens -= len(c.tokens) if len(c.tokens) > 1 or c.draw < 0 else 0
                 continue
+            if s.progress and c.pos < len(s.prompt) and c.seq_id not in missed:
+                events += _progress(s, c)
             if c.draw >= 0:  # a hurried multi-step tick ran result.steps of its steps: the rest are planned again
                 s.draws_in_flight, s.n_planned = s.draws_in_flight - steps, s.n_planned - (steps - result.steps)
                 if c.seq_id in result.embeddings:  # an embedding session's one result
@@ -412,3 +414,12 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.live and not self.seqs.to_release and not self.seqs.kv_ops
+
+
+def _progress(s: Session, c) -> list[Event]:
+    """A prompt chunk computed, as `progress` events (llama-server's prompt_progress): with its first chunk also
+    where the prompt started, what its reused KV covered."""
+    total, done = len(s.prompt), min(c.pos + len(c.tokens), len(s.prompt))
+    start = [Event("progress", s, progress=(total, s.n_reused, s.n_reused))] if c.pos == s.n_reused else []
+    return [*start, Event("progress", s, progress=(total, s.n_reused, done))]
+

@@ -41,6 +41,7 @@ class Session:
     priority: int = 0  # lower is served earlier, under the priority policy (Scheduler)
     stop_text: bool = False  # the front watches its text for stop strings, a token at a time
     embed: str = ""  # an embedding session (its prompt's pooled vector, how pooled: engine/embeddings.py)
+    progress: bool = False  # its client asked `progress` events as its prompt is computed
     order: tuple = (0, 0)  # where it stands in the queue: (priority under that policy, else 0; arrival)
     # progress: `tokens` is prompt + generated. tokens[:n_planned] are in the KV or in a tick on
     # its way there; `draws_in_flight` samples are asked for and not back yet (pipelined ticks)
@@ -138,7 +139,7 @@ class Session:
 @dataclass
 class Event:
     """What a tick (or an end) meant for one session, for the output stage to send."""
-    kind: str  # "tokens", "embedding" or "done"
+    kind: str  # "tokens", "embedding", "progress", "exported" or "done"
     session: Session
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
@@ -146,3 +147,4 @@ class Event:
     logprobs: list[Logprob] | None = None  # per token, when the session asked
     embedding: list[float] | None = None  # an `embedding` event's vector
     kv: tuple | None = None  # an `exported` event's saved KV: (path, positions, bytes), None when it has none
+    progress: tuple | None = None  # a `progress` event's (total, cache, processed): prompt tokens

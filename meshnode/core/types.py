@@ -109,6 +109,13 @@ GREEDY = Sampling()
 SAMPLING_OPTIONS = tuple(f for f in Sampling.__dataclass_fields__ if f != "logprobs")
 
 
+def model_names(text: str | None, default: str) -> tuple[str, list[str]]:
+    """`served_model_name` (comma-separated names) -> (the model's id, its aliases): the id is the first name in
+    alphabetical order, as llama-server's --alias makes it; unset, `default` alone."""
+    names = sorted({n.strip() for n in (text or "").split(",") if n.strip()}) or [default]
+    return names[0], names
+
+
 def sampling_defaults(text: str | None) -> dict:
     """`--sampling-defaults` (a JSON object of OpenAI's sampling names: temperature, top_p, top_k, min_p, seed,
     the penalties; llama-server's --temp, --seed and the like, vLLM's generation config) -> the map; ValueError

@@ -15,7 +15,8 @@ STOP_WAIT_S = 5.0
 
 class GatewayChild:
     def __init__(self, http: str, node_endpoint: str, model: str, api_key_file: str | None, insecure: bool,
-                 cors_origins: str | None = None, model_name: str | None = None, sampling_defaults: str | None = None):
+                 cors_origins: str | None = None, model_name: str | None = None, sampling_defaults: str | None = None,
+                 model_tags: str | None = None, metrics: bool = True):
         for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):  # a bind address: connect on loopback
             node_endpoint = node_endpoint.replace(wildcard, "tcp://127.0.0.1:")
         self.cmd = [sys.executable, "-m", "meshnode", "gateway", "--listen", http, "--node", node_endpoint,
@@ -23,7 +24,9 @@ class GatewayChild:
                     *(["--insecure"] if insecure else []),
                     *(["--cors-origins", cors_origins] if cors_origins else []),
                     *(["--served-model-name", model_name] if model_name else []),
-                    *(["--sampling-defaults", sampling_defaults] if sampling_defaults else [])]
+                    *(["--sampling-defaults", sampling_defaults] if sampling_defaults else []),
+                    *(["--served-model-tags", model_tags] if model_tags else []),
+                    *([] if metrics else ["--no-metrics"])]
         self.proc: subprocess.Popen | None = None
         self.backoff = BACKOFF_S[0]
         self.next_start = self.started_at = 0.0

@@ -30,7 +30,7 @@ from ipc.shm import TokenArena, clean_stale
 from ipc.transport import Curve, EndpointLock, clean_stale_links, default_listen, default_telemetry, run_dir
 from meshnode.core import reasons as R
 from meshnode.core.budget import NodeBudget
-from meshnode.core.types import ConfigError, Load
+from meshnode.core.types import ConfigError, Load, model_names
 from meshnode.core.health import READY, EngineHealth
 from meshnode.core.kvevents import BLOCK_TOKENS
 from meshnode.core.scheduler import Event, Scheduler
@@ -110,7 +110,7 @@ class Front:
         self.sched = self._start_engine()
         self.recipe = self.link.info.recipe
         b = self.budget  # what a router reads off /metrics as vLLM's cache config (front/prom.py)
-        self.exposition.identify(cfg.served_model_name or os.path.basename(cfg.model), {
+        self.exposition.identify(model_names(cfg.served_model_name, os.path.basename(cfg.model))[0], {
             "block_size": BLOCK_TOKENS, "num_gpu_blocks": b.kv_budget_bytes // b.kv_bytes_per_token // BLOCK_TOKENS,
             "cache_dtype": cfg.type_k, "enable_prefix_caching": cfg.prefix_cache != "off", "kv_layout": cfg.layout})
         self.telemetry = Telemetry(self.sched)
@@ -151,7 +151,7 @@ class Front:
         if cfg.http:
             self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
                                         cfg.http_cors_origins, cfg.served_model_name,
-                                        cfg.http_sampling_defaults)
+                                        cfg.http_sampling_defaults, cfg.served_model_tags, cfg.http_metrics)
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
 

@@ -88,6 +88,11 @@ class Output:
                     self.exporting[ev.session.key] = []
                 for frames in out or ():
                     self._deliver(ev.session.key[0], frames, True, finishes)
+            elif ev.kind == "progress":
+                key, (total, cache, processed) = ev.session.key, ev.progress
+                if key in self.streams:
+                    ms = (self.clock() - ev.session.t_submit) * 1e3
+                    self._deliver(key[0], E.progress(key[1], total, cache, processed, ms), False, finishes)
             elif ev.kind == "embedding":
                 key = ev.session.key
                 self._deliver(key[0], E.embedding(key[1], ev.embedding, len(ev.session.prompt)), False, finishes)

@@ -113,7 +113,34 @@ class Requests:
                 return []
             self.telemetry.count_unknown_session()
             return [Answer(ident, E.error(R.UNKNOWN_SESSION, f"no live session {req.id!r}", req.id))]
+        if isinstance(req, P.Count):
+            return self._count(ident, req)
         return self._submit(ident, req, arrived)
+
+    def _count(self, ident: bytes, c: P.Count) -> list[Action]:
+        """A prompt's tokens, as a submit of it would have them, nothing admitted: ids at once, text and
+        messages through the tokenizer's worker (its answer comes in on_text), behind the client's earlier ones."""
+        req = c.submit
+        if req.tokens is not None:
+            return [Answer(ident, E.counted(req.id, len(req.tokens)))]
+        return self._tokenize(ident, req.id, (ident, c, 0.0, None), self._prompt(req))
+
+    def _tokenize(self, ident: bytes, id: str, key: tuple, prompt) -> list[Action]:
+        """To the tokenizer's worker (on_text takes it back), the client's later requests held behind it."""
+        if not self.texts.submit(key, prompt, owner=ident):
+            return [self.refuse(ident, id, R.REJECTED_QUEUE_FULL,
+                                f"the tokenizer's backlog is full ({self.texts.max_backlog_chars} characters of "
+                                "text wait); retry later or send tokens")]
+        self.held[ident] = deque()
+        return []
+
+    def _prompt(self, req: P.Submit):
+        """A text or messages submit's prompt as the tokenizer's worker takes it: text (its special tokens parsed
+        where asked), or the chat the template renders."""
+        if req.messages is not None:  # the template runs on the tokenizer's worker, in its own process
+            return Chat(req.messages, self.special_in_content, req.tools, req.add_generation_prompt,
+                        req.continue_final_message)
+        return self.tok.special_prompt(req.text) if req.special else req.text
 
     def _grammar(self, req: P.Submit) -> tuple[Grammar | None, str]:
         """The compiled response_format (None without one), or why it cannot be served."""
@@ -137,25 +164,20 @@ class Requests:
             return self._import(ident, req, arrived)
         if req.tokens is not None:
             return self._admit(ident, req, req.tokens, arrived, grammar)
-        prompt = self.tok.special_prompt(req.text) if req.special else req.text
-        if req.messages is not None:  # the template runs on the tokenizer's worker, in its own process
-            prompt = Chat(req.messages, self.special_in_content, req.tools, req.add_generation_prompt,
-                          req.continue_final_message)
+        prompt = self._prompt(req)
         ask = Ask((ident, req.id), max(1, self.tok.min_tokens(prompt)), req.max_tokens or 1, req.recipe, req.priority)
         d = self.sched.precheck(ask)
         if not d.accepted:
-            return [self.refuse(ident, req.id, d.reason, d.detail)]
-        if not self.texts.submit((ident, req, arrived, grammar), prompt, owner=ident):
-            return [self.refuse(ident, req.id, R.REJECTED_QUEUE_FULL,
-                                 f"the tokenizer's backlog is full ({self.texts.max_backlog_chars} characters of "
-                                 "text wait); retry later or send tokens")]
-        self.held[ident] = deque()
-        return []
+            return [self.refuse(ident, req.id, d.reason, d.detail, d.facts)]
+        return self._tokenize(ident, req.id, (ident, req, arrived, grammar), prompt)
 
     def on_text(self, job: TextJob) -> list[Action]:
         """A text is tokenized: admit it, then handle what its client sent behind it."""
         ident, req, arrived, grammar = job.key
-        if job.error:
+        if isinstance(req, P.Count):
+            out = [self.refuse(ident, req.submit.id, R.REJECTED_BAD_REQUEST, job.error) if job.error else
+                   Answer(ident, E.counted(req.submit.id, len(job.tokens)))]
+        elif job.error:
             out = [self.refuse(ident, req.id, R.REJECTED_BAD_REQUEST, job.error)]
         else:
             out = self._admit(ident, req, job.tokens, arrived, grammar)
@@ -213,9 +235,9 @@ class Requests:
             return [self.refuse(ident, id, R.REJECTED_BAD_REQUEST, c.why)]
         return self._admit(ident, c.req, c.req.tokens, self.sched.clock(), kv_import=(c.path, c.req.kv.positions))
 
-    def refuse(self, ident: bytes, id: str, reason: str, detail: str) -> Answer:
+    def refuse(self, ident: bytes, id: str, reason: str, detail: str, facts: dict | None = None) -> Answer:
         self.telemetry.count_reject(reason)
-        return Answer(ident, E.rejected(id, reason, detail))
+        return Answer(ident, E.rejected(id, reason, detail, facts))
 
     def _admit(self, ident: bytes, req: P.Submit, prompt: list[int], arrived: float,
                grammar: Grammar | None = None, kv_import: tuple | None = None) -> list[Action]:
@@ -226,10 +248,11 @@ class Requests:
                     req.ignore_eos, req.recipe, owner=ident, grammar=grammar, priority=req.priority, t_submit=arrived,
                     stop_text=bool(req.stop), embed=self.pooling if req.embed is True else req.embed or "",
                     tokens=prompt + req.generated if req.generated else [],  # an import goes on from there
-                    kv_import=kv_import)
+                    kv_import=kv_import, progress=req.progress)
         d = self.sched.submit(s)
         if d.accepted:  # a queued session it displaced (priority policy) gets its `done` right after
             for _ in d.displaced:
                 self.telemetry.count_reject(R.REJECTED_QUEUE_FULL)
-            return [Opened(s, req.stop), Answer(ident, E.admitted(req.id, d.reason)), *d.displaced]
-        return [self.refuse(ident, req.id, d.reason, d.detail)]
+            return [Opened(s, req.stop), Answer(ident, E.admitted(req.id, d.reason, prompt if req.echo else None)),
+                    *d.displaced]
+        return [self.refuse(ident, req.id, d.reason, d.detail, d.facts)]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.types import SAMPLING_OPTIONS, ResponseFormat, Sampling
-from meshnode.gateway import tools
+from meshnode.gateway import llamaext, tools
 
 FINISH = {R.EOS: "stop", R.STOP: "stop", R.LENGTH: "length"}  # others end a stream with an error chunk
 # the node's rejection -> (HTTP status, OpenAI error type); Retry-After goes with the 429s
@@ -26,7 +26,7 @@ REJECTED = {R.REJECTED_QUEUE_FULL: 429, R.REJECTED_KV_BUDGET: 429, R.REJECTED_SC
             R.REJECTED_CONTEXT_TOO_LONG: 400, R.REJECTED_BAD_REQUEST: 400, R.REJECTED_RECIPE_MISMATCH: 400}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                408: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+               429: "rate_limit_error", 500: "server_error", 501: "not_supported_error", 503: "server_error"}
 RETRY_AFTER_S = 1
 ARGUMENT_PIECE = 32  # characters of a streamed tool call's arguments a chunk
 UNSUPPORTED = ("functions", "echo", "suffix", "best_of", "logit_bias")
@@ -36,17 +36,20 @@ MAX_CHOICES = 8  # `n`: choices one request may ask for (each a session of the n
 class ApiError(Exception):
     """An answer other than 200, in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 kind: str | None = None, extra: dict | None = None):
+        """`kind`: the error's `type` where the status's is not it; `extra`: fields beside OpenAI's."""
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.kind, self.extra = kind, extra or {}
 
     @property
     def retry_after(self) -> int | None:
         return RETRY_AFTER_S if self.status == 429 else None
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind or ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code, **self.extra}}
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Request:
     model: str
     tools: tools.ToolUse | None = None  # the functions the answer may call (gateway/tools.py)
     n: int = 1  # choices: sessions of the same prompt, each its own draws (submits)
+    llama: llamaext.Asked = llamaext.Asked()  # llama-server's own fields the request asks (gateway/llamaext.py)
 
     def submits(self) -> list[P.Submit]:
         """One submit a choice: choice i draws with seed + i (greedy choices are the same answer, as OpenAI's)."""
@@ -122,11 +126,13 @@ def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic", de
     # priority: vLLM's extension (lower first), for a node with --scheduling-policy priority
     # vLLM's chat options: the node checks them (a final assistant message continued, or a turn left unopened)
     turn = {k: body.get(k) for k in ("add_generation_prompt", "continue_final_message")} if chat else {}
+    asked = llamaext.Asked.of(body)
     submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
                       _stop(body.get("stop")), messages, fmt, special=text is not None, tools=listed,
-                      priority=body.get("priority", 0), **turn)
+                      priority=body.get("priority", 0), **turn, progress=stream and asked.node_progress,
+                      echo=asked.verbose)
     return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model, use,
-                   body.get("n") or 1)
+                   body.get("n") or 1, asked)
 
 
 def _check_fields(body: dict) -> None:
@@ -232,6 +238,9 @@ def rejection(ev: dict) -> ApiError:
     if ev["event"] == "error":
         status = {R.BAD_REQUEST: 400, R.TOO_LARGE: 413}.get(ev.get("code"), 500)
         return ApiError(status, ev.get("detail", ""), code=ev.get("code"))
+    if ev["reason"] == R.REJECTED_CONTEXT_TOO_LONG:  # llama-server's body, which its clients read
+        return ApiError(400, ev.get("detail", ""), code=ev["reason"], kind="exceed_context_size_error",
+                        extra=llamaext.context_error(ev))
     return ApiError(REJECTED.get(ev["reason"], 500), ev.get("detail", ""), code=ev["reason"])
 
 
@@ -265,6 +274,15 @@ class Answer:
         self.text: list[str] = []
         self.logprobs: list[dict] = []  # chat: OpenAI's content entries; completions: (token, lp, top)
         self.sent_role = False
+        self.running, self.prompt = llamaext.Running(req.llama), None
+
+    def admitted(self, ev: dict) -> None:
+        self.prompt = ev.get("prompt")  # the prompt's ids, where the request asked `verbose`
+
+    def progress(self, ev: dict) -> list[dict]:
+        """A `progress` event -> llama-server's prompt_progress chunk, where the request asked it."""
+        p = self.running.progress(ev)
+        return [{**self._base(True), "choices": [], "prompt_progress": p}] if p else []
 
     closing = b"data: [DONE]\n\n"  # what ends the stream after the last chunk
 
@@ -298,8 +316,11 @@ class Answer:
         if self.req.chat and not self.sent_role:
             self.sent_role = True
             out.append(self._chunk({"role": "assistant", "content": None}, None, None))
+        timed = self.running.token(len(ev["tokens"]))
         if (ev["text"] or lps) and self.req.tools is None:  # a tools answer is JSON: told at its end
             out.append(self._chunk({"content": ev["text"]} if self.req.chat else ev["text"], lps, None))
+            if timed:
+                out[-1]["timings"] = timed
         return out
 
     def _chunk(self, delta, lps, finish) -> dict:
@@ -342,17 +363,27 @@ class Answer:
         if self.req.tools is not None:
             return self._tools_end(done, finish, with_usage)
         if self.req.stream:
-            last = self._chunk({} if self.req.chat else "", None, finish)
-            out = [last]
-            if self.req.include_usage and with_usage:
-                out.append({**self._base(True), "choices": [], "usage": usage(done)})
-            return out
+            return self._last(done, [self._chunk({} if self.req.chat else "", None, finish)], with_usage)
         text = "".join(self.text)
         lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
         choice = ({"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                    "finish_reason": finish}
                   if self.req.chat else {"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish})
-        return [{**self._base(False), "choices": [choice], "usage": usage(done)}]
+        return [self._whole(done, [choice])]
+
+    def _whole(self, done: dict, choices: list) -> dict:
+        """The whole response (not streamed), with llama-server's timings, and its __verbose where asked."""
+        out = {**self._base(False), "choices": choices, "usage": usage(done), "timings": llamaext.final_timings(done)}
+        if self.req.llama.verbose and self.prompt is not None and self.piece is not None:
+            out["__verbose"] = {"prompt": b"".join(map(self.piece, self.prompt)).decode("utf-8", "replace")}
+        return out
+
+    def _last(self, done: dict, out: list[dict], with_usage: bool) -> list[dict]:
+        """A stream's last chunks: its finish, then the usage where asked, both with llama-server's timings."""
+        out[-1]["timings"] = timings = llamaext.final_timings(done)
+        if self.req.include_usage and with_usage:
+            out.append({**self._base(True), "choices": [], "usage": usage(done), "timings": timings})
+        return out
 
     def _tools_end(self, done: dict, finish: str, with_usage: bool = True) -> list[dict]:
         """A tools answer, parsed once whole: `tool_calls` (finish `tool_calls`) or the response's text.
@@ -370,8 +401,7 @@ class Answer:
         if not self.req.stream:
             msg = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
-            return [{**self._base(False), "choices": [{"index": self.index, "message": msg, "logprobs": lps,
-                                                        "finish_reason": finish}], "usage": usage(done)}]
+            return [self._whole(done, [{"index": self.index, "message": msg, "logprobs": lps, "finish_reason": finish}])]
         out = [] if self.sent_role else [self._chunk({"role": "assistant", "content": None}, None, None)]
         if content:
             out.append(self._chunk({"content": content}, None, None))
@@ -383,7 +413,4 @@ class Answer:
             for k in range(0, len(args), ARGUMENT_PIECE):
                 out.append(self._chunk({"tool_calls": [{"index": i, "function": {
                     "arguments": args[k:k + ARGUMENT_PIECE]}}]}, None, None))
-        out.append(self._chunk({}, None, finish))
-        if self.req.include_usage and with_usage:
-            out.append({**self._base(True), "choices": [], "usage": usage(done)})
-        return out
+        return self._last(done, [*out, self._chunk({}, None, finish)], with_usage)

@@ -149,7 +149,8 @@ def usage(done: dict) -> dict:
 
 class MessagesAnswer:
     """One /v1/messages answer built from the node's events: the stream's named events as they come, or the
-    message object at the end. The same calls as api.Answer (start, tokens, end, error, frame)."""
+    message object at the end. The same calls as api.Answer (start, admitted, progress, tokens, end, error,
+    frame)."""
 
     closing = b""  # the stream ends with its message_stop event
 
@@ -158,6 +159,12 @@ class MessagesAnswer:
         self.id = "msg_" + req.submit.id
         self.text: list[str] = []
         self.opened = False  # the text block announced (a streamed text answer)
+
+    def admitted(self, ev: dict) -> None:
+        pass
+
+    def progress(self, ev: dict) -> list[dict]:
+        return []  # Anthropic's stream has no such event
 
     def _message(self, content: list, stop_reason, stop_sequence, use: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.req.model, "content": content,

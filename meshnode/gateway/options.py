@@ -16,7 +16,11 @@ def add_args(p) -> None:
     p.add_argument("--model", help="the GGUF the node serves, for token names in logprobs (default: the "
                    "node's model path, where this host can read it)")
     p.add_argument("--served-model-name", help="the model's name in /v1/models and in answers (default: the GGUF's "
-                   "file name); requests may name any model")
+                   "file name); several, comma-separated: the first in alphabetical order is its id, all are its "
+                   "aliases (llama-server's --alias); requests may name any model")
+    p.add_argument("--served-model-tags", help="tags /v1/models lists for the model, comma-separated "
+                   "(llama-server's --tags)")
+    p.add_argument("--no-metrics", action="store_true", help="/metrics answers 501 (llama-server without --metrics)")
     p.add_argument("--sampling-defaults", metavar="JSON", help="sampling options a request leaves out, by OpenAI's "
                    "names, e.g. '{\"temperature\": 0.8, \"seed\": 42}' (llama-server's --temp and --seed, vLLM's "
                    "generation config; default: OpenAI's temperature 1 and a random seed)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from meshnode.gateway import api, tools
+from meshnode.gateway import api, llamaext, tools
 
 STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 # the Responses fields with no chat completions meaning here: accepted and dropped (what the node never
@@ -160,6 +160,16 @@ class ResponseAnswer:
         self.text: list[str] = []
         self.seq = 0
         self.opened = False  # the message item and its text part announced (a streamed text answer)
+        self.running = llamaext.Running(req.llama)
+
+    def admitted(self, ev: dict) -> None:
+        pass
+
+    def progress(self, ev: dict) -> list[dict]:
+        """llama-server's prompt_progress, on a `response.in_progress` event as it sends it."""
+        p = self.running.progress(ev)
+        return [self._event("response.in_progress", response=self._response("in_progress", []),
+                            prompt_progress=p)] if p else []
 
     def _event(self, kind: str, **fields) -> dict:
         self.seq += 1
@@ -181,11 +191,12 @@ class ResponseAnswer:
 
     def tokens(self, ev: dict) -> list[dict]:
         self.text.append(ev["text"])
+        timed = self.running.token(len(ev["tokens"]))
         if not self.req.stream or self.req.tools is not None or not ev["text"]:
             return []  # a tools answer is JSON: told at its end
         out = [] if self.opened else self._open()
         return out + [self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                                  content_index=0, delta=ev["text"], logprobs=[])]
+                                  content_index=0, delta=ev["text"], logprobs=[], **({"timings": timed} if timed else {}))]
 
     def _open(self) -> list[dict]:
         self.opened = True
@@ -212,7 +223,7 @@ class ResponseAnswer:
         out = []
         for i, item in enumerate(output):
             out += self._told(i, item)
-        return out + [self._event(f"response.{status}", response=whole)]
+        return out + [self._event(f"response.{status}", response=whole, timings=llamaext.final_timings(done))]
 
     def _told(self, i: int, item: dict) -> list[dict]:
         """The events that finish output item i (announcing it first where the tokens did not)."""

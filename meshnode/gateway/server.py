@@ -20,11 +20,11 @@ from aiohttp import web
 from ipc import protocol as P
 from ipc.transport import api_keys
 from meshnode.core.endpoints import hosts_port
-from meshnode.core.types import sampling_defaults
+from meshnode.core.types import model_names, sampling_defaults
 from meshnode.gateway import api, deadline, embeddings, messages, responses
 from meshnode.gateway.cors import Cors
 from meshnode.gateway.options import refusal
-from meshnode.gateway.upstream import Upstream
+from meshnode.gateway.upstream import FINAL, Upstream
 
 log = logging.getLogger("meshnode.gateway")
 EMBED_WINDOW = 8  # inputs of one /v1/embeddings request in the node at once: the node's queue takes turns between
@@ -34,8 +34,10 @@ BODY_S = 60.0  # a request's body must arrive within this long of its headers (4
 
 class Gateway:
     def __init__(self, up: Upstream, model: str, piece=None, keys: set[bytes] | None = None, metrics_from: str = "",
-                 recipe: str = "", tool_format: str = "generic", cors: Cors | None = None, defaults: dict | None = None):
+                 recipe: str = "", tool_format: str = "generic", cors: Cors | None = None, defaults: dict | None = None,
+                 aliases: list[str] = (), tags: list[str] = (), metrics: bool = True):
         self.up, self.model, self.piece, self.keys, self.metrics_from = up, model, piece, keys or set(), metrics_from
+        self.aliases, self.tags, self.serves_metrics = list(aliases) or [model], list(tags), metrics
         self.recipe, self.tool_format, self.cors = recipe, tool_format, cors or Cors()
         self.defaults = defaults or {}  # sampling options a request leaves out (--sampling-defaults)
 
@@ -44,7 +46,8 @@ class Gateway:
                               client_max_size=P.MAX_TEXT_BYTES + (1 << 20))
         routes = [web.post("/chat/completions", self.chat), web.post("/completions", self.completions),
                   web.post("/responses", self.responses), web.post("/embeddings", self.embeddings),
-                  web.post("/messages", self.messages), web.get("/models", self.models)]
+                  web.post("/messages", self.messages), web.post("/messages/count_tokens", self.count_tokens),
+                  web.get("/models", self.models)]
         # OpenAI's paths under /v1, and without it as llama-server and vLLM's clients also call them
         app.add_routes([*routes, *(web.route(r.method, "/v1" + r.path, r.handler) for r in routes),
                         web.get("/health", self.health), web.get("/v1/health", self.health),
@@ -54,7 +57,7 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        anthropic = request.path.rstrip("/").endswith("/messages")
+        anthropic = request.path.rstrip("/").endswith(("/messages", "/messages/count_tokens"))
         if self.keys and request.path not in ("/health", "/v1/health"):
             # as bytes: compare_digest refuses a str that is not ASCII, and a header may hold anything
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
@@ -88,6 +91,23 @@ class Gateway:
         req = self._parse(chat, chat=True)
         return await self._generate(request, req, lambda i: messages.MessagesAnswer(req))
 
+    async def count_tokens(self, request: web.Request):
+        """Anthropic's count_tokens: the request's input as the node renders and tokenizes it, nothing generated
+        (its max_tokens, which a count need not send, does not count)."""
+        body = await _body(request)
+        chat = messages.to_chat({"max_tokens": 1, **body} if isinstance(body, dict) else body)
+        submit = self._parse(chat, chat=True).submit
+        open_ = {}
+        try:
+            self._open([P.Count(submit)], open_)
+            ev = await open_[0][1].get()
+        finally:
+            if open_:
+                self.up.finished(submit.id)
+        if ev["event"] != "counted":
+            raise api.rejection(ev)
+        return web.json_response({"input_tokens": ev["prompt_tokens"]})
+
     def _parse(self, body, chat: bool) -> api.Request:
         return api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format, self.defaults)
 
@@ -96,16 +116,16 @@ class Gateway:
         if req.top_logprobs is not None and self.piece is None:
             raise api.ApiError(400, "logprobs need the model's vocabulary, which this gateway cannot read (run it "
                                     "where the model file is, or give --model)", param="logprobs")
-        open_ = {}
+        open_, admitted = {}, {}
         try:
             self._open(req.submits(), open_)
             for i, (sid, q) in open_.items():  # every choice admitted before a byte of the answer
-                first = await q.get()
+                admitted[i] = first = await q.get()
                 if first["event"] != "admitted":
                     self.up.finished(sid)
                     del open_[i]
                     raise api.rejection(first)
-            return await self._answer(request, req, open_,
+            return await self._answer(request, req, open_, admitted,
                                       answer or (lambda i: api.Answer(req, self.piece, self.recipe, i)))
         finally:
             for sid, _ in open_.values():  # the client went away, or a sibling choice was refused
@@ -136,7 +156,7 @@ class Gateway:
         return web.json_response(embeddings.answer([vectors[i] for i in range(len(submits))], tokens,
                                                        self.model, enc))
 
-    def _open(self, submits: list[P.Submit], open_: dict, which: range | None = None) -> None:
+    def _open(self, submits: list, open_: dict, which: range | None = None) -> None:
         """Each submit (of `which`, those not opened yet) sent as a session of the node, into `open_` (i -> (id, its
         events' queue)) as it goes, so the caller abandons what opened before one could not (413 too large, 400
         not encodable)."""
@@ -151,10 +171,13 @@ class Gateway:
             except ValueError as e:
                 raise api.ApiError(400, str(e)) from None
 
-    async def _answer(self, request: web.Request, req: api.Request, open_: dict, answer) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, req: api.Request, open_: dict, admitted: dict,
+                      answer) -> web.StreamResponse:
         """The admitted choices' events, as they come, into one answer: stream chunks with each choice's index,
         or one response with every choice (usage: the prompt once, every choice's completion)."""
         answers = {i: answer(i) for i in open_}
+        for i, a in answers.items():
+            a.admitted(admitted[i])
         first = answers[0]
         merged: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(_pump(i, q, merged)) for i, (_, q) in open_.items()]
@@ -172,6 +195,9 @@ class Gateway:
                 for i, ev in batch:
                     if ev["event"] == "tokens":
                         chunks += answers[i].tokens(ev)
+                        continue
+                    if ev["event"] == "progress":
+                        chunks += answers[i].progress(ev) if resp is not None else []
                         continue
                     self.up.finished(open_.pop(i)[0])
                     ends[i] = ev
@@ -202,8 +228,10 @@ class Gateway:
         return resp
 
     async def models(self, request: web.Request):
+        # aliases and tags: llama-server's fields (--alias, --tags), which OpenAI's clients ignore
         return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "meshnode"}]})
+            {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "meshnode",
+             "aliases": self.aliases, "tags": self.tags}]})
 
     async def health(self, request: web.Request):
         try:
@@ -215,6 +243,8 @@ class Gateway:
 
     async def metrics(self, request: web.Request):
         """The node's Prometheus text (the same as its --metrics-listen serves), where the API is scraped."""
+        if not self.serves_metrics:
+            raise api.ApiError(501, "this server's /metrics is off (start it without --no-metrics)")
         if self.metrics_from:
             text = await asyncio.to_thread(lambda: urllib.request.urlopen(self.metrics_from, timeout=5).read())
         else:
@@ -256,7 +286,7 @@ async def _pump(i: int, q: asyncio.Queue, merged: asyncio.Queue) -> None:
     while True:
         ev = await q.get()
         await merged.put((i, ev))
-        if ev["event"] not in ("tokens", "admitted"):
+        if ev["event"] in FINAL:
             return
 
 
@@ -300,8 +330,10 @@ async def _serve(a, endpoint: str, keys: set[bytes], defaults: dict) -> None:
         from meshnode.text.tokenizer import Tokenizer
 
         piece = Tokenizer(path).piece
-    gw = Gateway(up, a.served_model_name or os.path.basename(node["model"]), piece, keys, a.metrics_from or "",
-                 node.get("recipe", ""), node.get("tool_format", "generic"), Cors.of(a.cors_origins), defaults)
+    name, aliases = model_names(a.served_model_name, os.path.basename(node["model"]))
+    tags = [t.strip() for t in (a.served_model_tags or "").split(",") if t.strip()]
+    gw = Gateway(up, name, piece, keys, a.metrics_from or "", node.get("recipe", ""),
+                 node.get("tool_format", "generic"), Cors.of(a.cors_origins), defaults, aliases, tags, not a.no_metrics)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     hosts, port = hosts_port(a.listen)

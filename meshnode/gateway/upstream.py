@@ -26,7 +26,7 @@ from ipc.transport import client_dealer
 log = logging.getLogger("meshnode.gateway")
 PING_EVERY_S, NODE_SILENT_S = 2.0, 10.0
 NODE_GONE = "NODE_UNREACHABLE"  # the synthetic error code (docs/gateway.md)
-FINAL = ("rejected", "done", "error")
+FINAL = ("rejected", "done", "error", "counted")
 # plain ints: an int & a zmq Flag member builds a new enum member each time, per event
 EVENTS, POLLIN, POLLOUT, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
 
@@ -52,7 +52,7 @@ class Upstream:
         self._loop.call_soon(self._connection)
         self._tasks = [asyncio.create_task(self._watch())]
 
-    def open(self, submit: P.Submit) -> asyncio.Queue:
+    def open(self, submit: P.Submit | P.Count) -> asyncio.Queue:
         """The session's event queue; ValueError (nothing registered, nothing sent) when the request cannot go
         to the node: it does not encode, or it is over the node's message limit."""
         try:

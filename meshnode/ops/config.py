@@ -190,8 +190,14 @@ class NodeConfig:
                                             "(CORS), comma-separated, or * for any; unset = this host's only",
                                             example="https://chat.example.com")
     served_model_name: str | None = setting(None, "the model's name in the HTTP API and the metrics' model_name "
-                                            "label (vLLM's --served-model-name, llama-server's --alias); unset = "
-                                            "the GGUF's file name", example="smollm2-135m-instruct")
+                                            "label (vLLM's --served-model-name, llama-server's --alias); several, "
+                                            "comma-separated: the first in alphabetical order is its id, all are its "
+                                            "aliases in /v1/models; unset = the GGUF's file name",
+                                            example="smollm2-135m-instruct")
+    served_model_tags: str | None = setting(None, "tags /v1/models lists for the model, comma-separated "
+                                            "(llama-server's --tags)", example="chat,small")
+    http_metrics: bool = setting(True, "the HTTP API serves the node's Prometheus text at /metrics; off = 501 "
+                                 "there, as llama-server without --metrics (--metrics-listen is apart)")
     http_api_key_file: str | None = setting(None, "API keys the HTTP API accepts, one per line (Authorization: Bearer); "
                                             "needed for an address others can reach, unless insecure",
                                             example="/etc/meshnode/api-keys")
