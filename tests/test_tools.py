@@ -65,6 +65,12 @@ def test_an_answer_cut_by_the_budget_gives_the_calls_it_completed_and_no_half_on
     assert tools.cut_calls('{"response": "It is') is None
     hermes = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name'
     assert [c["function"]["name"] for c in tools.cut_calls(hermes, "hermes")] == ["f"]
+    # the whole ones end the answer as calls (an agent reads `length` as a truncated answer); none whole: length
+    use = tools.ToolUse((), "required", True)
+    content, calls, finish = tools.settle(whole + '{"name": "get_weather", "arguments": {"city": "Par', use, "length")
+    assert (content, [c["function"]["name"] for c in calls], finish) == (None, ["get_time"], "tool_calls")
+    assert tools.settle('{"response": "It is', use, "length") == ("It is", None, "length")
+    assert tools.settle('{"tool_calls": [{"name": "get_time", "argum', use, "length") == (None, None, "length")
 
 
 def test_a_named_function_is_the_one_called_and_parallel_false_calls_one(oa):

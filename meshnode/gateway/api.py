@@ -389,15 +389,8 @@ class Answer:
         """A tools answer, parsed once whole: `tool_calls` (finish `tool_calls`) or the response's text.
         Streamed as OpenAI streams calls: per call its index, id, type and name first, then its arguments in
         fragments."""
-        text = "".join(self.text)
-        # cut by max_tokens: no half call passes on, as text or as a call; the calls completed before it do,
-        # finish `length` (a text answer's part is kept where it can be read)
-        if finish != "length":
-            content, calls = tools.answer(text, self.req.tools.form)
-            finish = "tool_calls" if calls else finish
-        else:
-            calls = tools.cut_calls(text, self.req.tools.form)
-            content = None if calls else tools.cut_text(text, self.req.tools.form)
+        # cut by max_tokens: no half call passes on, as text or as a call (tools.settle)
+        content, calls, finish = tools.settle("".join(self.text), self.req.tools, finish)
         if not self.req.stream:
             msg = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None

@@ -189,7 +189,7 @@ class MessagesAnswer:
     def end(self, done: dict, with_usage: bool = True) -> list[dict]:
         """The `done` event -> the stream's last events, or [the message]."""
         finish = api.FINISH[done["reason"]]
-        text, calls = tools.settle("".join(self.text), self.req.tools, finish)
+        text, calls, finish = tools.settle("".join(self.text), self.req.tools, finish)
         content = [{"type": "text", "text": text}] if text or not calls else []
         content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                      "input": json.loads(c["function"]["arguments"] or "{}")} for c in calls or ()]

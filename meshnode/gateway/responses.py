@@ -212,7 +212,7 @@ class ResponseAnswer:
     def end(self, done: dict, with_usage: bool = True) -> list[dict]:
         """The `done` event -> the last events of the stream, or [the response]."""
         finish = api.FINISH[done["reason"]]
-        text, calls = tools.settle("".join(self.text), self.req.tools, finish)
+        text, calls, finish = tools.settle("".join(self.text), self.req.tools, finish)
         output = [self._message(text or "")] if text or not calls else []
         output += [{"type": "function_call", "id": "fc_" + c["id"], "call_id": c["id"], "status": "completed",
                     "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls or ()]

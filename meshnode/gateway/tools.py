@@ -234,14 +234,19 @@ def cut_calls(text: str, form: str = "generic") -> list[dict] | None:
     return _openai(calls) if calls else None
 
 
-def settle(text: str, use: ToolUse | None, finish: str) -> tuple[str, list[dict] | None]:
-    """A whole answer's text and calls: for a tools request, the calls it holds, or where the budget cut it
-    (`finish` "length") the text without a call half made; otherwise the text as it is."""
+def settle(text: str, use: ToolUse | None, finish: str) -> tuple[str | None, list[dict] | None, str]:
+    """A whole answer's text, calls and OpenAI finish reason. For a tools request: the calls it holds (finish
+    `tool_calls`); where the budget cut it (`finish` "length") after whole calls, those calls, finish
+    `tool_calls`: the cut one was a further parallel call that had only begun, and an agent reads `length` as
+    a truncated answer (issue 70: 2 of 10 seeded answers of the packaged model ended so); cut before any whole
+    call, the text without the call half made, `length`. Otherwise the text as it is."""
     if use is None:
-        return text, None
+        return text, None, finish
     if finish == "length":
-        return cut_text(text, use.form), None
-    return answer(text, use.form)
+        calls = cut_calls(text, use.form)
+        return (None, calls, "tool_calls") if calls else (cut_text(text, use.form), None, finish)
+    content, calls = answer(text, use.form)
+    return content, calls, "tool_calls" if calls else finish
 
 
 def cut_text(text: str, form: str = "generic") -> str | None:
