@@ -16,7 +16,7 @@ STOP_WAIT_S = 5.0
 class GatewayChild:
     def __init__(self, http: str, node_endpoint: str, model: str, api_key_file: str | None, insecure: bool,
                  cors_origins: str | None = None, model_name: str | None = None, sampling_defaults: str | None = None,
-                 model_tags: str | None = None, metrics: bool = True):
+                 model_tags: str | None = None, metrics: bool = True, reasoning_format: str = "auto"):
         for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):  # a bind address: connect on loopback
             node_endpoint = node_endpoint.replace(wildcard, "tcp://127.0.0.1:")
         self.cmd = [sys.executable, "-m", "meshnode", "gateway", "--listen", http, "--node", node_endpoint,
@@ -26,7 +26,7 @@ class GatewayChild:
                     *(["--served-model-name", model_name] if model_name else []),
                     *(["--sampling-defaults", sampling_defaults] if sampling_defaults else []),
                     *(["--served-model-tags", model_tags] if model_tags else []),
-                    *([] if metrics else ["--no-metrics"])]
+                    *([] if metrics else ["--no-metrics"]), "--reasoning-format", reasoning_format]
         self.proc: subprocess.Popen | None = None
         self.backoff = BACKOFF_S[0]
         self.next_start = self.started_at = 0.0

@@ -151,7 +151,8 @@ class Front:
         if cfg.http:
             self.gateway = GatewayChild(cfg.http, self.listen, cfg.model, cfg.http_api_key_file, cfg.insecure,
                                         cfg.http_cors_origins, cfg.served_model_name,
-                                        cfg.http_sampling_defaults, cfg.served_model_tags, cfg.http_metrics)
+                                        cfg.http_sampling_defaults, cfg.served_model_tags, cfg.http_metrics,
+                                        cfg.reasoning_format)
         gc.freeze()  # what start-up built lives as long as the node: keep it out of every collection
         self.notifier.notify("READY=1", f"STATUS={self.report.status_line()}")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from ipc import protocol as P
 from meshnode.core import reasons as R
 from meshnode.core.types import SAMPLING_OPTIONS, ResponseFormat, Sampling
-from meshnode.gateway import llamaext, tools
+from meshnode.gateway import llamaext, reasoning, tools
 
 FINISH = {R.EOS: "stop", R.STOP: "stop", R.LENGTH: "length"}  # others end a stream with an error chunk
 # the node's rejection -> (HTTP status, OpenAI error type); Retry-After goes with the 429s
@@ -65,6 +65,7 @@ class Request:
     tools: tools.ToolUse | None = None  # the functions the answer may call (gateway/tools.py)
     n: int = 1  # choices: sessions of the same prompt, each its own draws (submits)
     llama: llamaext.Asked = llamaext.Asked()  # llama-server's own fields the request asks (gateway/llamaext.py)
+    reasoning: str = "auto"  # what becomes of a thought in the answer (gateway/reasoning.py)
 
     def submits(self) -> list[P.Submit]:
         """One submit a choice: choice i draws with seed + i (greedy choices are the same answer, as OpenAI's)."""
@@ -75,7 +76,8 @@ class Request:
                 for i in range(self.n)]
 
 
-def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic", defaults: dict | None = None) -> Request:
+def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic", defaults: dict | None = None,
+          reasoning_format: str = "auto") -> Request:
     """A /v1/chat/completions or /v1/completions body -> Request; ApiError(400) for what cannot be served.
     `tool_format`: how the node's chat template has the model call tools (gateway/tools.py); `defaults`: the
     sampling options a request leaves out (`--sampling-defaults`, checked by `sampling_defaults`)."""
@@ -127,12 +129,15 @@ def parse(body, chat: bool, model: str, new_id, tool_format: str = "generic", de
     # vLLM's chat options: the node checks them (a final assistant message continued, or a turn left unopened)
     turn = {k: body.get(k) for k in ("add_generation_prompt", "continue_final_message")} if chat else {}
     asked = llamaext.Asked.of(body)
+    thinks = body.get("reasoning_format", reasoning_format)  # llama-server takes it per request too
+    if thinks not in reasoning.FORMATS:
+        raise ApiError(400, f"reasoning_format must be one of {', '.join(reasoning.FORMATS)}", param="reasoning_format")
     submit = P.Submit(new_id(), max_tokens, tokens, text, sampling, [], body.get("ignore_eos", False), None,
                       _stop(body.get("stop")), messages, fmt, special=text is not None, tools=listed,
                       priority=body.get("priority", 0), **turn, progress=stream and asked.node_progress,
-                      echo=asked.verbose)
+                      echo=asked.verbose or (chat and use is None and reasoning.parses(thinks)))
     return Request(chat, submit, stream, bool(opts.get("include_usage")), top, body.get("model") or model, use,
-                   body.get("n") or 1, asked)
+                   body.get("n") or 1, asked, thinks)
 
 
 def _check_fields(body: dict) -> None:
@@ -274,10 +279,20 @@ class Answer:
         self.text: list[str] = []
         self.logprobs: list[dict] = []  # chat: OpenAI's content entries; completions: (token, lp, top)
         self.sent_role = False
-        self.running, self.prompt = llamaext.Running(req.llama), None
+        self.running, self.prompt, self.thought = llamaext.Running(req.llama), None, None
+        self.reasoning: list[str] = []  # the thought, where reasoning_format parses it (gateway/reasoning.py)
 
     def admitted(self, ev: dict) -> None:
-        self.prompt = ev.get("prompt")  # the prompt's ids, where the request asked `verbose`
+        self.prompt = ev.get("prompt")  # the prompt's ids, where the request asked `verbose` or parses thoughts
+        self.thought = reasoning.thought_of(self.req.reasoning, self.req.chat, self.req.tools, self.prompt, self.piece)
+
+    def _split(self, text: str, last: bool = False) -> dict:
+        """A piece of the answer's text as a chat delta's fields: its thought as reasoning_content (kept)."""
+        if self.thought is None:
+            return {"content": text} if text else {}
+        r, c = self.thought.end() if last else self.thought.feed(text)
+        self.reasoning.append(r)
+        return {**({"reasoning_content": r} if r else {}), **({"content": c} if c else {})}
 
     def progress(self, ev: dict) -> list[dict]:
         """A `progress` event -> llama-server's prompt_progress chunk, where the request asked it."""
@@ -317,8 +332,9 @@ class Answer:
             self.sent_role = True
             out.append(self._chunk({"role": "assistant", "content": None}, None, None))
         timed = self.running.token(len(ev["tokens"]))
-        if (ev["text"] or lps) and self.req.tools is None:  # a tools answer is JSON: told at its end
-            out.append(self._chunk({"content": ev["text"]} if self.req.chat else ev["text"], lps, None))
+        delta = self._split(ev["text"]) if self.req.chat else ev["text"]
+        if (delta or lps) and self.req.tools is None:  # a tools answer is JSON: told at its end
+            out.append(self._chunk(delta or {"content": ""} if self.req.chat else delta, lps, None))
             if timed:
                 out[-1]["timings"] = timed
         return out
@@ -363,11 +379,16 @@ class Answer:
         if self.req.tools is not None:
             return self._tools_end(done, finish, with_usage)
         if self.req.stream:
-            return self._last(done, [self._chunk({} if self.req.chat else "", None, finish)], with_usage)
-        text = "".join(self.text)
+            rest = self._split("", last=True) if self.thought is not None else {}
+            out = [self._chunk(rest, None, None)] if rest else []
+            return self._last(done, [*out, self._chunk({} if self.req.chat else "", None, finish)], with_usage)
+        text, thought = "".join(self.text), None
+        if self.thought is not None:  # the whole answer through the same split as a stream's
+            parts = [self._split(text), self._split("", last=True)]
+            text, thought = "".join(p.get("content", "") for p in parts), "".join(self.reasoning)
         lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
-        choice = ({"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                   "finish_reason": finish}
+        msg = {"role": "assistant", "content": text, **({"reasoning_content": thought} if thought else {})}
+        choice = ({"index": self.index, "message": msg, "logprobs": lps, "finish_reason": finish}
                   if self.req.chat else {"index": self.index, "text": text, "logprobs": lps, "finish_reason": finish})
         return [self._whole(done, [choice])]
 

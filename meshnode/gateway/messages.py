@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from meshnode.gateway import api, tools
+from meshnode.gateway import api, reasoning, tools
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
@@ -154,14 +154,15 @@ class MessagesAnswer:
 
     closing = b""  # the stream ends with its message_stop event
 
-    def __init__(self, req: api.Request):
-        self.req = req
+    def __init__(self, req: api.Request, piece=None):
+        self.req, self.piece = req, piece
         self.id = "msg_" + req.submit.id
         self.text: list[str] = []
-        self.opened = False  # the text block announced (a streamed text answer)
+        self.blocks: list[str] = []  # the streamed blocks' types, in order; the last one is open until the end
+        self.thought, self.thinking, self.said = None, [], []  # a parsed thought, and the answer's text after it
 
     def admitted(self, ev: dict) -> None:
-        pass
+        self.thought = reasoning.thought_of(self.req.reasoning, True, self.req.tools, ev.get("prompt"), self.piece)
 
     def progress(self, ev: dict) -> list[dict]:
         return []  # Anthropic's stream has no such event
@@ -176,11 +177,34 @@ class MessagesAnswer:
 
     def tokens(self, ev: dict) -> list[dict]:
         self.text.append(ev["text"])
-        if not self.req.stream or self.req.tools is not None or not ev["text"]:
+        if self.req.tools is not None:
             return []  # a tools answer is JSON: told at its end
-        out = [] if self.opened else self._open(0, {"type": "text", "text": ""})
-        self.opened = True
-        return out + [{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ev["text"]}}]
+        return self._pieces(*(self.thought.feed(ev["text"]) if self.thought else ("", ev["text"])))
+
+    def _pieces(self, thought: str, text: str) -> list[dict]:
+        """A thought's and a text's pieces as the stream's deltas (a thinking block, then the text block)."""
+        self.thinking.append(thought)
+        self.said.append(text)
+        if not self.req.stream:
+            return []
+        out = []
+        for kind, piece in (("thinking", thought), ("text", text)):
+            if piece:
+                out += self._block(kind)
+                field = "thinking" if kind == "thinking" else "text"
+                out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
+                            "delta": {"type": f"{kind}_delta", field: piece}})
+        return out
+
+    def _block(self, kind: str) -> list[dict]:
+        """The block of `kind` open for deltas: the open one, or a new one after closing it."""
+        if self.blocks and self.blocks[-1] == kind:
+            return []
+        out = [{"type": "content_block_stop", "index": len(self.blocks) - 1}] if self.blocks else []
+        self.blocks.append(kind)
+        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+            {"type": "text", "text": ""}
+        return out + self._open(len(self.blocks) - 1, block)
 
     @staticmethod
     def _open(i: int, block: dict) -> list[dict]:
@@ -189,8 +213,12 @@ class MessagesAnswer:
     def end(self, done: dict, with_usage: bool = True) -> list[dict]:
         """The `done` event -> the stream's last events, or [the message]."""
         finish = api.FINISH[done["reason"]]
-        text, calls, finish = tools.settle("".join(self.text), self.req.tools, finish)
-        content = [{"type": "text", "text": text}] if text or not calls else []
+        streamed = self._pieces(*self.thought.end()) if self.thought else []
+        said = "".join(self.said) if self.req.tools is None else "".join(self.text)
+        text, calls, finish = tools.settle(said, self.req.tools, finish)
+        thought = "".join(self.thinking)
+        content = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+        content += [{"type": "text", "text": text}] if text or not calls else []
         content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                      "input": json.loads(c["function"]["arguments"] or "{}")} for c in calls or ()]
         matched = done.get("stop") or None  # the node names the stop string that ended it
@@ -203,14 +231,15 @@ class MessagesAnswer:
         use = usage(done)
         if not self.req.stream:
             return [self._message(content, reason, matched if reason == "stop_sequence" else None, use)]
-        out = []
-        for i, block in enumerate(content):
+        # the blocks streamed so far are the first of `content` (a thinking block, then the text): the last one
+        # closes, the rest are told whole (an empty text, a tools request's words answer, its calls)
+        out = streamed + ([{"type": "content_block_stop", "index": len(self.blocks) - 1}] if self.blocks else [])
+        for i, block in enumerate(content[len(self.blocks):], start=len(self.blocks)):
             if block["type"] == "text":
-                if not (i == 0 and self.opened):
-                    out += self._open(i, {"type": "text", "text": ""})
-                    if block["text"]:
-                        out.append({"type": "content_block_delta", "index": i,
-                                    "delta": {"type": "text_delta", "text": block["text"]}})
+                out += self._open(i, {"type": "text", "text": ""})
+                if block["text"]:
+                    out.append({"type": "content_block_delta", "index": i,
+                                "delta": {"type": "text_delta", "text": block["text"]}})
             else:
                 out += self._open(i, {**block, "input": {}})
                 args = json.dumps(block["input"], ensure_ascii=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ipc.transport import exposure
 from meshnode.core.endpoints import hosts_port
 from meshnode.gateway.deadline import HEADER_S
+from meshnode.gateway.reasoning import FORMATS
 
 
 def add_args(p) -> None:
@@ -21,6 +22,9 @@ def add_args(p) -> None:
     p.add_argument("--served-model-tags", help="tags /v1/models lists for the model, comma-separated "
                    "(llama-server's --tags)")
     p.add_argument("--no-metrics", action="store_true", help="/metrics answers 501 (llama-server without --metrics)")
+    p.add_argument("--reasoning-format", choices=FORMATS, default="auto", help="a reasoning model's <think> thought: "
+                   "auto or deepseek (the same here) parse it out of the answer into reasoning_content, none leaves it "
+                   "in the text (llama-server's --reasoning-format; a request's reasoning_format overrides it)")
     p.add_argument("--sampling-defaults", metavar="JSON", help="sampling options a request leaves out, by OpenAI's "
                    "names, e.g. '{\"temperature\": 0.8, \"seed\": 42}' (llama-server's --temp and --seed, vLLM's "
                    "generation config; default: OpenAI's temperature 1 and a random seed)")

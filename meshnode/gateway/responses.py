@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from meshnode.gateway import api, llamaext, tools
+from meshnode.gateway import api, llamaext, reasoning, tools
 
 STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 # the Responses fields with no chat completions meaning here: accepted and dropped (what the node never
@@ -152,8 +152,8 @@ class ResponseAnswer:
 
     closing = b""  # the Responses stream ends with its response.completed event, no [DONE]
 
-    def __init__(self, req: api.Request, body: dict, fingerprint: str = ""):
-        self.req, self.fingerprint = req, fingerprint
+    def __init__(self, req: api.Request, body: dict, fingerprint: str = "", piece=None):
+        self.req, self.fingerprint, self.piece = req, fingerprint, piece
         self.id, self.msg_id = "resp_" + req.submit.id, "msg_" + req.submit.id
         self.created = int(time.time())
         self.echo = {k: body.get(k) for k in ECHOED}
@@ -161,9 +161,12 @@ class ResponseAnswer:
         self.seq = 0
         self.opened = False  # the message item and its text part announced (a streamed text answer)
         self.running = llamaext.Running(req.llama)
+        self.rs_id, self.thought, self.thinking, self.said = "rs_" + req.submit.id, None, [], []
+        self.at = 0  # the message's output index: 1 behind a reasoning item
+        self.thinking_open = False  # a streamed reasoning item announced and not done yet
 
     def admitted(self, ev: dict) -> None:
-        pass
+        self.thought = reasoning.thought_of(self.req.reasoning, True, self.req.tools, ev.get("prompt"), self.piece)
 
     def progress(self, ev: dict) -> list[dict]:
         """llama-server's prompt_progress, on a `response.in_progress` event as it sends it."""
@@ -192,17 +195,47 @@ class ResponseAnswer:
     def tokens(self, ev: dict) -> list[dict]:
         self.text.append(ev["text"])
         timed = self.running.token(len(ev["tokens"]))
-        if not self.req.stream or self.req.tools is not None or not ev["text"]:
+        if self.req.tools is not None:
             return []  # a tools answer is JSON: told at its end
-        out = [] if self.opened else self._open()
-        return out + [self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                                  content_index=0, delta=ev["text"], logprobs=[], **({"timings": timed} if timed else {}))]
+        return self._pieces(*(self.thought.feed(ev["text"]) if self.thought else ("", ev["text"])), timed)
+
+    def _pieces(self, thought: str, text: str, timed: dict | None = None) -> list[dict]:
+        """A thought's and a text's pieces as the stream's events: a reasoning item's, then the message's."""
+        self.thinking.append(thought)
+        self.said.append(text)
+        if not self.req.stream:
+            return []
+        out = []
+        if thought:
+            if not self.thinking_open:
+                self.thinking_open, self.at = True, 1
+                out.append(self._event("response.output_item.added", output_index=0, item=self._reasoning("", "in_progress")))
+            out.append(self._event("response.reasoning_text.delta", item_id=self.rs_id, output_index=0,
+                                   content_index=0, delta=thought))
+        if text:
+            out += self._thought_done() + ([] if self.opened else self._open())
+            out.append(self._event("response.output_text.delta", item_id=self.msg_id, output_index=self.at,
+                                   content_index=0, delta=text, logprobs=[], **({"timings": timed} if timed else {})))
+        return out
+
+    def _reasoning(self, text: str, status: str = "completed") -> dict:
+        return {"type": "reasoning", "id": self.rs_id, "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+    def _thought_done(self) -> list[dict]:
+        """A streamed reasoning item's last events, once the message begins (or the answer ends)."""
+        if not self.thinking_open:
+            return []
+        self.thinking_open, text = False, "".join(self.thinking)
+        return [self._event("response.reasoning_text.done", item_id=self.rs_id, output_index=0, content_index=0,
+                            text=text),
+                self._event("response.output_item.done", output_index=0, item=self._reasoning(text))]
 
     def _open(self) -> list[dict]:
         self.opened = True
         item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
-        return [self._event("response.output_item.added", output_index=0, item=item),
-                self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+        return [self._event("response.output_item.added", output_index=self.at, item=item),
+                self._event("response.content_part.added", item_id=self.msg_id, output_index=self.at, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
     def _message(self, text: str) -> dict:
@@ -212,17 +245,22 @@ class ResponseAnswer:
     def end(self, done: dict, with_usage: bool = True) -> list[dict]:
         """The `done` event -> the last events of the stream, or [the response]."""
         finish = api.FINISH[done["reason"]]
-        text, calls, finish = tools.settle("".join(self.text), self.req.tools, finish)
-        output = [self._message(text or "")] if text or not calls else []
+        streamed = self._pieces(*self.thought.end()) if self.thought else []
+        said = "".join(self.said) if self.req.tools is None else "".join(self.text)
+        text, calls, finish = tools.settle(said, self.req.tools, finish)
+        thought = "".join(self.thinking)
+        output = [self._reasoning(thought)] if thought else []
+        output += [self._message(text or "")] if text or not calls else []
         output += [{"type": "function_call", "id": "fc_" + c["id"], "call_id": c["id"], "status": "completed",
                     "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls or ()]
         status = "incomplete" if finish == "length" else "completed"
         whole = self._response(status, output, done)
         if not self.req.stream:
             return [whole]
-        out = []
+        out = streamed + self._thought_done()
         for i, item in enumerate(output):
-            out += self._told(i, item)
+            if item["type"] != "reasoning":  # told as it streamed
+                out += self._told(i, item)
         return out + [self._event(f"response.{status}", response=whole, timings=llamaext.final_timings(done))]
 
     def _told(self, i: int, item: dict) -> list[dict]:
@@ -230,7 +268,7 @@ class ResponseAnswer:
         out = []
         if item["type"] == "message":
             part = item["content"][0]
-            if not (i == 0 and self.opened):
+            if not (i == self.at and self.opened):
                 out += self._open()
             out += [self._event("response.output_text.done", item_id=self.msg_id, output_index=i, content_index=0,
                                 text=part["text"], logprobs=[]),

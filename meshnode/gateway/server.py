@@ -35,9 +35,10 @@ BODY_S = 60.0  # a request's body must arrive within this long of its headers (4
 class Gateway:
     def __init__(self, up: Upstream, model: str, piece=None, keys: set[bytes] | None = None, metrics_from: str = "",
                  recipe: str = "", tool_format: str = "generic", cors: Cors | None = None, defaults: dict | None = None,
-                 aliases: list[str] = (), tags: list[str] = (), metrics: bool = True):
+                 aliases: list[str] = (), tags: list[str] = (), metrics: bool = True, reasoning_format: str = "auto"):
         self.up, self.model, self.piece, self.keys, self.metrics_from = up, model, piece, keys or set(), metrics_from
         self.aliases, self.tags, self.serves_metrics = list(aliases) or [model], list(tags), metrics
+        self.reasoning_format = reasoning_format
         self.recipe, self.tool_format, self.cors = recipe, tool_format, cors or Cors()
         self.defaults = defaults or {}  # sampling options a request leaves out (--sampling-defaults)
 
@@ -83,13 +84,13 @@ class Gateway:
         """OpenAI's Responses API: a chat in other clothes (gateway/responses.py), stateless."""
         body = await _body(request)
         req = self._parse(responses.to_chat(body), chat=True)
-        return await self._generate(request, req, lambda i: responses.ResponseAnswer(req, body, self.recipe))
+        return await self._generate(request, req, lambda i: responses.ResponseAnswer(req, body, self.recipe, self.piece))
 
     async def messages(self, request: web.Request):
         """Anthropic's Messages API: a chat in other clothes (gateway/messages.py); its errors in its shape."""
         chat = messages.to_chat(await _body(request))
         req = self._parse(chat, chat=True)
-        return await self._generate(request, req, lambda i: messages.MessagesAnswer(req))
+        return await self._generate(request, req, lambda i: messages.MessagesAnswer(req, self.piece))
 
     async def count_tokens(self, request: web.Request):
         """Anthropic's count_tokens: the request's input as the node renders and tokenizes it, nothing generated
@@ -109,7 +110,8 @@ class Gateway:
         return web.json_response({"input_tokens": ev["prompt_tokens"]})
 
     def _parse(self, body, chat: bool) -> api.Request:
-        return api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format, self.defaults)
+        return api.parse(body, chat, self.model, lambda: secrets.token_hex(12), self.tool_format, self.defaults,
+                         self.reasoning_format)
 
     async def _generate(self, request: web.Request, req: api.Request, answer=None):
         """`answer(i)`: choice i's answer builder (api.Answer where not given)."""
@@ -333,7 +335,8 @@ async def _serve(a, endpoint: str, keys: set[bytes], defaults: dict) -> None:
     name, aliases = model_names(a.served_model_name, os.path.basename(node["model"]))
     tags = [t.strip() for t in (a.served_model_tags or "").split(",") if t.strip()]
     gw = Gateway(up, name, piece, keys, a.metrics_from or "", node.get("recipe", ""),
-                 node.get("tool_format", "generic"), Cors.of(a.cors_origins), defaults, aliases, tags, not a.no_metrics)
+                 node.get("tool_format", "generic"), Cors.of(a.cors_origins), defaults, aliases, tags, not a.no_metrics,
+                 a.reasoning_format)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     hosts, port = hosts_port(a.listen)

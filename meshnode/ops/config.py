@@ -196,6 +196,10 @@ class NodeConfig:
                                             example="smollm2-135m-instruct")
     served_model_tags: str | None = setting(None, "tags /v1/models lists for the model, comma-separated "
                                             "(llama-server's --tags)", example="chat,small")
+    reasoning_format: str = setting("auto", "a reasoning model's <think> thought in the HTTP API's answers: auto "
+                                    "(or deepseek, the same) parses it into reasoning_content, thinking blocks and "
+                                    "reasoning items; none leaves it in the text (llama-server's --reasoning-format)",
+                                    choices=("none", "auto", "deepseek"))
     http_metrics: bool = setting(True, "the HTTP API serves the node's Prometheus text at /metrics; off = 501 "
                                  "there, as llama-server without --metrics (--metrics-listen is apart)")
     http_api_key_file: str | None = setting(None, "API keys the HTTP API accepts, one per line (Authorization: Bearer); "
