@@ -1,4 +1,4 @@
-"""`meshnode` command line: make-model, serve, rpc-worker, gateway, generate, top, sweep, bench."""
+"""`meshnode` command line: make-model, serve, rpc-worker, gateway, dynamo-worker, generate, top, sweep, bench."""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +87,12 @@ def cmd_rpc_worker(a) -> int:
     os._exit(code)  # ggml's server thread has no stop call: the process ends with it
 
 
+def cmd_dynamo_worker(a) -> int:
+    from meshnode.mesh.dynamo_worker import main as worker_main
+
+    return worker_main(a)
+
+
 def cmd_gateway(a) -> int:
     from meshnode.gateway.server import main as gateway_main
 
@@ -165,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="the OpenAI HTTP API in front of a node (a client of it)")
     gateway_args(p)
     p.set_defaults(fn=cmd_gateway)
+    from meshnode.mesh.options import add_args as worker_args
+    p = sub.add_parser("dynamo-worker", help="a node as an NVIDIA Dynamo worker (pip install 'meshnode[dynamo]')")
+    worker_args(p)
+    p.set_defaults(fn=cmd_dynamo_worker)
 
     from meshnode.bench.sweep import add_args as sweep_args
     p = sub.add_parser("sweep", help="concurrency sweep through real nodes")

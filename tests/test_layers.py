@@ -26,6 +26,8 @@ ALLOWED = {
     "meshnode.client": ["meshnode.core", "ipc"],
     # the HTTP gateway is a client of the front: the wire and the tokenizer (token names), never the node's insides
     "meshnode.gateway": ["meshnode.core", "ipc", "meshnode.text", "meshnode.gateway"],
+    # workers under distributed engines are clients of a node too, over the gateway's connection to it
+    "meshnode.mesh": ["meshnode.core", "ipc", "meshnode.gateway.upstream", "meshnode.mesh"],
     # the top shell: every command, each importing what it runs (test_the_parser_loads_no_tool_module below)
     "meshnode.cli": ["meshnode", "ipc"],
     # helpers for tests, drills and benchmarks: node processes, fake and reference engines, in-process driving

@@ -1,0 +1,137 @@
+"""`meshnode dynamo-worker`: a node as an NVIDIA Dynamo worker, so that Dynamo's KV router spreads a mesh's
+traffic over nodes by the prefixes they hold (issue 68; Dynamo 1.6.1, the `dynamo` extra).
+
+The worker is a client of its node, as the HTTP gateway is (its connection is the gateway's Upstream): it
+serves a Dynamo endpoint of token-in/token-out requests (the frontend's or a KvRouter's preprocessed request:
+`token_ids`, `sampling_options`, `stop_conditions`), each one session of the node, and streams the node's
+tokens back as Dynamo's chunks (`token_ids`, the last with `finish_reason` and `completion_usage`). A request
+Dynamo stops is cancelled at the node; a refusal or a session the node could not finish raises, which ends
+the stream as an error that Dynamo's `--migration-limit` retries on another worker. The node's KV events
+(its `--kv-events` socket) are relayed by Dynamo's own KvEventPublisher, so the router's prefix tree is the
+node's cache. The model is registered with what the node says of itself (context per session, sessions at
+once, KV blocks); without `--hf-folder` it is registered without model assets, which a KvRouter needs
+and Dynamo's OpenAI frontend does not take (it tokenizes with a Hugging Face folder).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from ipc import protocol as P
+from meshnode.core.kvevents import BLOCK_TOKENS
+from meshnode.core.types import Sampling
+
+log = logging.getLogger("meshnode.mesh")
+FINISH = {"EOS": "stop", "STOP": "stop", "LENGTH": "length"}  # the node's reasons -> Dynamo's finish reasons
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+            "repetition_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty"}  # Dynamo's sampling_options -> the node's Sampling
+
+
+class WorkerError(RuntimeError):
+    """A request the node refused or did not finish: the stream ends with it (Dynamo may migrate it)."""
+
+
+def submit_of(request: dict, sid: str) -> P.Submit:
+    """Dynamo's preprocessed request -> the node's submit (the node checks every value, as any client's)."""
+    opts = {SAMPLING[k]: v for k, v in (request.get("sampling_options") or {}).items()
+            if k in SAMPLING and v is not None}
+    if opts.get("top_k", 0) < 0:  # Dynamo's and vLLM's "off"
+        opts.pop("top_k")
+    stop = request.get("stop_conditions") or {}
+    stop_ids = [*(stop.get("stop_token_ids_hidden") or ()), *(stop.get("stop_token_ids") or ())]
+    return P.Submit(sid, stop.get("max_tokens"), tokens=list(request["token_ids"]), sampling=Sampling(**opts),
+                    stop_tokens=stop_ids, ignore_eos=bool(stop.get("ignore_eos")),
+                    stop=list(stop.get("stop") or ()))
+
+
+def chunk_of(ev: dict, prompt_tokens: int) -> dict:
+    """A node event (tokens or done) -> Dynamo's output chunk; WorkerError for a session that did not finish."""
+    if ev["event"] == "tokens":
+        return {"index": 0, "token_ids": list(ev["tokens"])}
+    if ev["event"] != "done" or ev["reason"] not in FINISH:
+        raise WorkerError(f"the node ended the request: {ev.get('reason') or ev.get('code')}: "
+                          f"{ev.get('detail', '')}".rstrip(": "))
+    u = ev["usage"]
+    return {"index": 0, "token_ids": [], "finish_reason": FINISH[ev["reason"]],
+            "completion_usage": {"prompt_tokens": prompt_tokens, "completion_tokens": u["completion_tokens"],
+                                 "total_tokens": prompt_tokens + u["completion_tokens"],
+                                 "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}}
+
+
+class Worker:
+    """The endpoint's handler: each Dynamo request a session of the node."""
+
+    def __init__(self, up):
+        self.up = up
+
+    async def generate(self, request: dict, context=None):
+        sub = submit_of(request, secrets.token_hex(12))
+        try:
+            q = self.up.open(sub)
+        except (OverflowError, ValueError) as e:
+            raise WorkerError(str(e)) from None
+        done = False
+        try:
+            first = await q.get()
+            if first["event"] != "admitted":
+                done = True
+                raise WorkerError(f"the node refused the request: {first.get('reason') or first.get('code')}: "
+                                  f"{first.get('detail', '')}")
+            while True:
+                ev = await q.get()
+                done = ev["event"] != "tokens"
+                yield chunk_of(ev, len(sub.tokens))
+                if done:
+                    return
+        finally:
+            if done:
+                self.up.finished(sub.id)
+            else:  # Dynamo stopped the stream (a cancelled request), or it failed here: cancel at the node
+                self.up.abandon(sub.id)
+
+
+async def serve(a) -> None:
+    from dynamo._core import DistributedRuntime
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+    from ipc.transport import client_curve
+    from meshnode.gateway.upstream import Upstream
+
+    up = Upstream(a.node, **client_curve(a.curve_server_key, a.curve_client_cert))
+    await up.start()
+    node = (await up.ask(P.Status(), timeout_s=30.0))["node"]
+    budgets = node["budgets"]
+    rt = DistributedRuntime(asyncio.get_running_loop(), a.discovery_backend, "tcp", event_plane="zmq")
+    ep = rt.endpoint(f"{a.namespace}.{a.component}.generate")
+    serving = asyncio.ensure_future(ep.serve_endpoint(Worker(up).generate))
+    rc = ModelRuntimeConfig()
+    rc.context_length, rc.max_num_seqs = budgets["n_ctx_seq"], budgets["max_active"]
+    rc.total_kv_blocks = budgets["kv_budget_bytes"] // node["kv_bytes_per_token"] // BLOCK_TOKENS
+    name = a.model_name or node["model"].rsplit("/", 1)[-1]
+    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, ep, a.hf_folder or name, name,
+                         worker_type=WorkerType.Aggregated, kv_cache_block_size=BLOCK_TOKENS, runtime_config=rc,
+                         skip_model_assets=not a.hf_folder)
+    relay = KvEventPublisher(ep, kv_block_size=BLOCK_TOKENS, zmq_endpoint=a.kv_events) if a.kv_events else None
+    log.info("meshnode dynamo-worker ready: node=%s endpoint=%s.%s.generate model=%s kv_events=%s", a.node,
+             a.namespace, a.component, name, a.kv_events or "off (the router cannot see the node's cache)")
+    try:
+        await serving
+    finally:
+        if relay is not None:
+            relay.shutdown()
+        await up.close()
+        rt.shutdown()
+
+
+def main(a) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import dynamo.llm  # noqa: F401
+    except ImportError:
+        print("meshnode dynamo-worker: NVIDIA Dynamo's runtime is not installed: pip install 'meshnode[dynamo]'",
+              file=__import__("sys").stderr)
+        return 2
+    asyncio.run(serve(a))
+    return 0
