@@ -9,13 +9,15 @@ Dynamo stops is cancelled at the node; a refusal or a session the node could not
 the stream as an error that Dynamo's `--migration-limit` retries on another worker. The node's KV events
 (its `--kv-events` socket) are relayed by Dynamo's own KvEventPublisher, so the router's prefix tree is the
 node's cache. The model is registered with what the node says of itself (context per session, sessions at
-once, KV blocks); without `--hf-folder` it is registered without model assets, which a KvRouter needs
-and Dynamo's OpenAI frontend does not take (it tokenizes with a Hugging Face folder).
+once, KV blocks) and, with `--hf-folder DIR`, the Hugging Face tokenizer folder Dynamo's OpenAI frontend
+tokenizes with (written there from the node's GGUF when DIR has none: mesh/hf_folder.py); without it, with no
+model assets, which a KvRouter takes and the frontend does not.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 
 from ipc import protocol as P
@@ -110,6 +112,10 @@ async def serve(a) -> None:
     rc.context_length, rc.max_num_seqs = budgets["n_ctx_seq"], budgets["max_active"]
     rc.total_kv_blocks = budgets["kv_budget_bytes"] // node["kv_bytes_per_token"] // BLOCK_TOKENS
     name = a.model_name or node["model"].rsplit("/", 1)[-1]
+    if a.hf_folder and not os.path.exists(os.path.join(a.hf_folder, "tokenizer.json")):
+        from meshnode.mesh.hf_folder import write
+
+        write(node["model"], a.hf_folder)  # from the node's GGUF, where this host reads it (ValueError: which not)
     await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, ep, a.hf_folder or name, name,
                          worker_type=WorkerType.Aggregated, kv_cache_block_size=BLOCK_TOKENS, runtime_config=rc,
                          skip_model_assets=not a.hf_folder)
