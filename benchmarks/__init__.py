@@ -30,5 +30,6 @@ EXPERIMENTS = {
     "templates": "a model file's hostile chat templates beside a stream, a pinger and honest chats: pings, gaps",
     "kernels": "decode at 1-16 sessions, llama-batched-bench from stock llama.cpp vs patches/, and one MUL_MAT's cost",
     "toolflood": "50 tool_choice required calls at once through the gateway beside a ZeroMQ stream: its gaps",
+    "dynamo": "8 users x 6 turns through Dynamo's frontend over two nodes (kv, round-robin, a node killed) vs one node",
     "structured": "a decode tick with 0, 1 and 8 JSON-schema rows at batch 1 and 8 (vs llama-server's json_schema)",
 }

@@ -26,3 +26,54 @@ def test_the_nodes_events_are_dynamos_chunks_and_an_unfinished_session_raises():
                {"event": "error", "code": "NODE_UNREACHABLE", "detail": "silent"}):
         with pytest.raises(WorkerError, match="the node ended the request"):
             chunk_of(ev, 3)
+
+
+class _Up:
+    """The node's connection as the worker sees it: each session's events from a script."""
+
+    def __init__(self, *events):
+        self.events, self.finished_ids, self.abandoned = list(events), [], []
+
+    def open(self, sub):
+        import asyncio
+
+        q = asyncio.Queue()
+        for ev in self.events:
+            q.put_nowait(ev)
+        return q
+
+    def finished(self, sid):
+        self.finished_ids.append(sid)
+
+    def abandon(self, sid):
+        self.abandoned.append(sid)
+
+
+class Moved(Exception):
+    pass
+
+
+def _drain(worker) -> list:
+    import asyncio
+
+    async def run():
+        return [c async for c in worker.generate({"token_ids": [1, 2]})]
+    return asyncio.run(run())
+
+
+def test_a_node_that_cannot_serve_now_makes_the_request_migratable_and_a_bad_one_does_not():
+    from meshnode.mesh.dynamo_worker import Worker
+
+    ok = _Up({"event": "admitted"}, {"event": "tokens", "tokens": [7]},
+             {"event": "done", "reason": "EOS", "usage": {"completion_tokens": 1}})
+    assert [c["token_ids"] for c in _drain(Worker(ok, Moved))] == [[7], []] and len(ok.finished_ids) == 1
+    gone = []
+    for events, raised, left in (
+            (({"event": "admitted"}, {"event": "error", "code": "NODE_UNREACHABLE", "detail": "silent"}), Moved, True),
+            (({"event": "rejected", "reason": "REJECTED_DRAINING", "detail": "draining"},), Moved, False),
+            (({"event": "admitted"}, {"event": "done", "reason": "ENGINE_ERROR", "usage": {}}), Moved, False),
+            (({"event": "rejected", "reason": "REJECTED_BAD_REQUEST", "detail": "no"},), WorkerError, False)):
+        gone.clear()
+        with pytest.raises(raised):
+            _drain(Worker(_Up(*events), Moved, lambda: gone.append(1)))
+        assert bool(gone) == left

@@ -58,6 +58,7 @@ def add_args(p: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
     p.add_argument("--stock", help="kernels: a stock llama.cpp build folder (tools/build-llama-tools)")
     p.add_argument("--patched", help="kernels: a build folder of llama.cpp with patches/ (tools/build-llama-tools)")
     p.add_argument("--hostile", type=int, default=1000, help="hostile: random state edits and random frames a layout")
+    p.add_argument("--dynamo-python", help="dynamo: a Python with ai-dynamo (Dynamo's frontend) installed")
     p.add_argument("--json", help="also write the figures as JSON here")
 
 

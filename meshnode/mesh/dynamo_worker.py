@@ -31,8 +31,22 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
             "frequency_penalty": "frequency_penalty"}  # Dynamo's sampling_options -> the node's Sampling
 
 
+# what the node says when it cannot serve the request now but another node could: Dynamo migrates such a request
+# (its frontend's --migration-limit takes an EngineShutdown as a worker gone)
+ELSEWHERE = {"ENGINE_ERROR", "DRAINED", "REJECTED_DRAINING", "REJECTED_ENGINE_UNAVAILABLE", "NODE_UNREACHABLE"}
+
+
 class WorkerError(RuntimeError):
-    """A request the node refused or did not finish: the stream ends with it (Dynamo may migrate it)."""
+    """A request the node refused or did not finish: the stream ends with it. `elsewhere`: another node could
+    serve it (the node is gone, draining or without its engine), so Dynamo should migrate it."""
+
+    def __init__(self, message: str, elsewhere: bool = False):
+        super().__init__(message)
+        self.elsewhere = elsewhere
+
+
+def _why(ev: dict) -> str:
+    return ev.get("reason") or ev.get("code") or ""
 
 
 def submit_of(request: dict, sid: str) -> P.Submit:
@@ -53,8 +67,8 @@ def chunk_of(ev: dict, prompt_tokens: int) -> dict:
     if ev["event"] == "tokens":
         return {"index": 0, "token_ids": list(ev["tokens"])}
     if ev["event"] != "done" or ev["reason"] not in FINISH:
-        raise WorkerError(f"the node ended the request: {ev.get('reason') or ev.get('code')}: "
-                          f"{ev.get('detail', '')}".rstrip(": "))
+        raise WorkerError(f"the node ended the request: {_why(ev)}: {ev.get('detail', '')}".rstrip(": "),
+                          _why(ev) in ELSEWHERE)
     u = ev["usage"]
     return {"index": 0, "token_ids": [], "finish_reason": FINISH[ev["reason"]],
             "completion_usage": {"prompt_tokens": prompt_tokens, "completion_tokens": u["completion_tokens"],
@@ -63,12 +77,25 @@ def chunk_of(ev: dict, prompt_tokens: int) -> dict:
 
 
 class Worker:
-    """The endpoint's handler: each Dynamo request a session of the node."""
+    """The endpoint's handler: each Dynamo request a session of the node. `migratable(message)`: the exception
+    that makes Dynamo send the request to another worker; `gone()`: called when the node cannot be reached (the
+    worker then leaves, so the router stops choosing it)."""
 
-    def __init__(self, up):
-        self.up = up
+    def __init__(self, up, migratable=WorkerError, gone=lambda: None):
+        self.up, self.migratable, self.gone = up, migratable, gone
 
     async def generate(self, request: dict, context=None):
+        try:
+            async for chunk in self._generate(request):
+                yield chunk
+        except WorkerError as e:
+            if not e.elsewhere:
+                raise
+            if "NODE_UNREACHABLE" in str(e):
+                self.gone()
+            raise self.migratable(str(e)) from None
+
+    async def _generate(self, request: dict):
         sub = submit_of(request, secrets.token_hex(12))
         try:
             q = self.up.open(sub)
@@ -79,8 +106,8 @@ class Worker:
             first = await q.get()
             if first["event"] != "admitted":
                 done = True
-                raise WorkerError(f"the node refused the request: {first.get('reason') or first.get('code')}: "
-                                  f"{first.get('detail', '')}")
+                raise WorkerError(f"the node refused the request: {_why(first)}: {first.get('detail', '')}",
+                                  _why(first) in ELSEWHERE)
             while True:
                 ev = await q.get()
                 done = ev["event"] != "tokens"
@@ -94,9 +121,10 @@ class Worker:
                 self.up.abandon(sub.id)
 
 
-async def serve(a) -> None:
+async def serve(a) -> int:
     from dynamo._core import DistributedRuntime
     from dynamo.llm import KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+    from dynamo.llm.exceptions import EngineShutdown
 
     from ipc.transport import client_curve
     from meshnode.gateway.upstream import Upstream
@@ -107,7 +135,9 @@ async def serve(a) -> None:
     budgets = node["budgets"]
     rt = DistributedRuntime(asyncio.get_running_loop(), a.discovery_backend, "tcp", event_plane="zmq")
     ep = rt.endpoint(f"{a.namespace}.{a.component}.generate")
-    serving = asyncio.ensure_future(ep.serve_endpoint(Worker(up).generate))
+    leave = asyncio.Event()
+    worker = Worker(up, EngineShutdown, leave.set)
+    serving = asyncio.ensure_future(ep.serve_endpoint(worker.generate))
     rc = ModelRuntimeConfig()
     rc.context_length, rc.max_num_seqs = budgets["n_ctx_seq"], budgets["max_active"]
     rc.total_kv_blocks = budgets["kv_budget_bytes"] // node["kv_bytes_per_token"] // BLOCK_TOKENS
@@ -123,12 +153,16 @@ async def serve(a) -> None:
     log.info("meshnode dynamo-worker ready: node=%s endpoint=%s.%s.generate model=%s kv_events=%s", a.node,
              a.namespace, a.component, name, a.kv_events or "off (the router cannot see the node's cache)")
     try:
-        await serving
+        await asyncio.wait([serving, asyncio.ensure_future(leave.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if leave.is_set():
+            log.error("the node at %s cannot be reached: leaving Dynamo, so that its router stops choosing this "
+                      "worker (its requests are migrated)", a.node)
     finally:
         if relay is not None:
             relay.shutdown()
         await up.close()
         rt.shutdown()
+    return 1 if leave.is_set() else 0
 
 
 def main(a) -> int:
@@ -139,5 +173,4 @@ def main(a) -> int:
         print("meshnode dynamo-worker: NVIDIA Dynamo's runtime is not installed: pip install 'meshnode[dynamo]'",
               file=__import__("sys").stderr)
         return 2
-    asyncio.run(serve(a))
-    return 0
+    return asyncio.run(serve(a))
