@@ -6,10 +6,13 @@ re-sending the history; temperature 0, `--answer` tokens) over HTTP with the ope
 - `one node`: a node with its own gateway (`serve --http`), all its threads;
 - `dynamo kv`: two nodes (half the threads each), a `meshnode dynamo-worker` for each (`--hf-folder` made from the
   GGUF), Dynamo's frontend with `--router-mode kv` (file discovery, loopback);
+- `dynamo kv credit 4`: the router told to credit a held prefix 4x its default against load
+  (`DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=4`: a conversation's turns then stay on the node that holds them);
 - `dynamo round-robin`: the same with `--router-mode round-robin`;
-- `dynamo kv, a node killed`: as `dynamo kv`, one node SIGKILLed once half the turns are answered, the frontend
+- `dynamo kv node killed`: as `dynamo kv credit 4`, one node SIGKILLed once half the turns are answered, the frontend
   with `--migration-limit 3`: every request must still be answered (migrated, or refused with a reason).
-Printed per side: the prefix-hit rate (the answers' `cached_tokens` over their `prompt_tokens`), the wall, the
+`--think-s`: how long each user waits between an answer and its next turn (0: at once). `--sides`: only these
+(comma-separated names). Printed per side: the prefix-hit rate (the answers' `cached_tokens` over their `prompt_tokens`), the wall, the
 tokens each node generated, the failures. `PY` is a Python with `ai-dynamo` (the frontend; it installs only with
 `pip install --no-deps ai-dynamo==1.6.1` and its dependencies) beside this one's `ai-dynamo-runtime`.
 """
@@ -39,11 +42,12 @@ ASKS = ["What does a node keep between turns?", "Why batch requests?", "What hap
         "What would you change?"]
 
 
-def _run(base: str, model: str, users: int, turns: int, answer: int, halfway=None) -> dict:
+def _run(base: str, model: str, users: int, turns: int, answer: int, halfway=None, think_s: float = 0.0) -> dict:
     import openai
 
     oa = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
-    stats = {"prompt": 0, "cached": 0, "answered": 0, "failed": [], "done_turns": 0}
+    stats = {"prompt": 0, "cached": 0, "answered": 0, "failed": [], "done_turns": 0,
+             "by_turn": [[0, 0] for _ in range(turns)]}  # per turn index: prompt tokens, cached tokens
     lock = threading.Lock()
 
     def user(u: int) -> None:
@@ -57,10 +61,14 @@ def _run(base: str, model: str, users: int, turns: int, answer: int, halfway=Non
                     stats["failed"].append(f"user {u} turn {t}: {type(e).__name__}: {str(e)[:120]}")
                 return
             msgs.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+            time.sleep(think_s)  # a person reads the answer before the next turn
             details = r.usage.prompt_tokens_details
             with lock:
+                cached = (details.cached_tokens or 0) if details else 0
                 stats["prompt"] += r.usage.prompt_tokens
-                stats["cached"] += (details.cached_tokens or 0) if details else 0
+                stats["cached"] += cached
+                stats["by_turn"][t][0] += r.usage.prompt_tokens
+                stats["by_turn"][t][1] += cached
                 stats["answered"] += 1
                 stats["done_turns"] += 1
                 if halfway and stats["done_turns"] == users * turns // 2:
@@ -86,9 +94,9 @@ def _served(node) -> int:
         return -1
 
 
-def _mesh(a, path: str, threads: int, mode: str, kill: bool) -> dict:
+def _mesh(a, path: str, threads: int, mode: str, kill: bool, router: dict) -> dict:
     run = tempfile.mkdtemp(prefix="meshnode-dynamo-")
-    env = {**os.environ, **LOOPBACK, "DYN_FILE_KV": os.path.join(run, "discovery")}
+    env = {**os.environ, **LOOPBACK, "DYN_FILE_KV": os.path.join(run, "discovery"), **router}
     events = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2)]
     port, procs = free_tcp_port(), []
     per = str(max(1, threads // 2))
@@ -109,7 +117,7 @@ def _mesh(a, path: str, threads: int, mode: str, kill: bool) -> dict:
             base = f"http://127.0.0.1:{port}"
             _models_up(base)
             halfway = (lambda: os.kill(n1.proc.pid, signal.SIGKILL)) if kill else None
-            out = _run(base, "m", a.users, a.turns, a.answer, halfway)
+            out = _run(base, "m", a.users, a.turns, a.answer, halfway, a.think_s)
             out["per_node"] = [_served(n0), _served(n1)]
             return out
         finally:
@@ -140,26 +148,41 @@ def main(a) -> int:
     a.model = a.model or "smollm2-q8_0"
     path, threads = model_path(a), a.threads or os.cpu_count()
     print(f"bench dynamo: {os.path.basename(path)}, {a.users} users x {a.turns} turns, answers of {a.answer}, "
+          f"{a.think_s} s between a user's turns, "
           f"threads {threads} (two nodes: half each); {llama_build()}", flush=True)
-    rows = {}
-    port = free_tcp_port()
-    with NodeProcess(path, "--http", f"127.0.0.1:{port}", "--threads", str(threads), "--log-level", "WARNING") as n:
-        up(f"http://127.0.0.1:{port}")
-        rows["one node"] = _run(f"http://127.0.0.1:{port}", "m", a.users, a.turns, a.answer)
-        rows["one node"]["per_node"] = [_served(n)]
-    for name, mode, kill in (("dynamo kv", "kv", False), ("dynamo round-robin", "round-robin", False),
-                             ("dynamo kv, a node killed", "kv", True)):
-        rows[name] = _mesh(a, path, threads, mode, kill)
-    print(f"\n{'side':26s} {'hit rate':>8s} {'wall s':>7s} {'answered':>8s} {'per node':>12s} failed")
-    for name, r in rows.items():
-        print(f"{name:26s} {r['hit_rate']:8.1%} {r['wall_s']:7.1f} {r['answered']:8d} {str(r['per_node']):>12s} "
-              f"{len(r['failed'])}")
-        for f in r["failed"]:
-            print(f"    {f}")
-    one, kv = rows["one node"], rows["dynamo kv"]
-    print(f"\nprefix hits through Dynamo's KV router: {kv['hit_rate'] / max(one['hit_rate'], 1e-9):.2f}x one node's "
-          f"(goal >= 0.90); round-robin {rows['dynamo round-robin']['hit_rate'] / max(one['hit_rate'], 1e-9):.2f}x")
+    credit = {"DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "4"}  # a held prefix outweighs load 4x (Dynamo's default 1)
+    sides = (("dynamo kv", "kv", False, {}), ("dynamo kv credit 4", "kv", False, credit),
+             ("dynamo round-robin", "round-robin", False, {}), ("dynamo kv node killed", "kv", True, credit))
+    rounds = []
+    for k in range(max(1, a.rounds)):  # every side once a round, in turn: the machine's drift hits all alike
+        rows = {}
+        port = free_tcp_port()
+        with NodeProcess(path, "--http", f"127.0.0.1:{port}", "--threads", str(threads), "--log-level", "WARNING") as n:
+            up(f"http://127.0.0.1:{port}")
+            rows["one node"] = _run(f"http://127.0.0.1:{port}", "m", a.users, a.turns, a.answer, think_s=a.think_s)
+            rows["one node"]["per_node"] = [_served(n)]
+        for name, mode, kill, router in sides:
+            if not a.sides or name in a.sides.split(","):
+                rows[name] = _mesh(a, path, threads, mode, kill, router)
+        print(f"\nround {k + 1}\n{'side':26s} {'hit rate':>8s} {'wall s':>7s} {'answered':>8s} {'per node':>12s} failed")
+        for name, r in rows.items():
+            print(f"{name:26s} {r['hit_rate']:8.1%} {r['wall_s']:7.1f} {r['answered']:8d} {str(r['per_node']):>12s} "
+                  f"{len(r['failed'])}")
+            for f in r["failed"]:
+                print(f"    {f}")
+            print("    hit rate by turn: " + " ".join(f"{c / max(1, p):.0%}" for p, c in r["by_turn"]), flush=True)
+        rounds.append(rows)
+    print()
+    for name in rounds[0]:
+        if name == "one node":
+            continue
+        hits = sorted(r[name]["hit_rate"] / max(r["one node"]["hit_rate"], 1e-9) for r in rounds)
+        walls = sorted(r[name]["wall_s"] / r["one node"]["wall_s"] for r in rounds)
+        lost = sum(len(r[name]["failed"]) + (a.users * a.turns - r[name]["answered"]) for r in rounds)
+        print(f"{name}: prefix hits {hits[len(hits) // 2]:.2f}x one node's (rounds "
+              f"{', '.join(f'{h:.2f}' for h in hits)}; goal >= 0.90 for kv), wall {walls[len(walls) // 2]:.2f}x "
+              f"(rounds {', '.join(f'{w:.2f}' for w in walls)}), unanswered {lost}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": path, "build": llama_build(), "rows": rows}, f, indent=1)
+            json.dump({"model": path, "build": llama_build(), "think_s": a.think_s, "rounds": rounds}, f, indent=1)
     return 0

@@ -59,6 +59,8 @@ def add_args(p: argparse.ArgumentParser, benches: dict = BENCHES) -> None:
     p.add_argument("--patched", help="kernels: a build folder of llama.cpp with patches/ (tools/build-llama-tools)")
     p.add_argument("--hostile", type=int, default=1000, help="hostile: random state edits and random frames a layout")
     p.add_argument("--dynamo-python", help="dynamo: a Python with ai-dynamo (Dynamo's frontend) installed")
+    p.add_argument("--think-s", type=float, default=0.0, help="dynamo: seconds a user waits between an answer and "
+                   "its next turn")
     p.add_argument("--json", help="also write the figures as JSON here")
 
 

@@ -157,6 +157,10 @@ async def serve(a) -> int:
         if leave.is_set():
             log.error("the node at %s cannot be reached: leaving Dynamo, so that its router stops choosing this "
                       "worker (its requests are migrated)", a.node)
+            for _ in range(100):  # the requests open on it fail first (migratable), before the runtime cancels them
+                if not up.sessions:
+                    break
+                await asyncio.sleep(0.05)
     finally:
         if relay is not None:
             relay.shutdown()
