@@ -12,8 +12,8 @@ re-sending the history; temperature 0, `--answer` tokens) over HTTP with the ope
 - `dynamo kv node killed`: as `dynamo kv credit 4`, one node SIGKILLed once half the turns are answered, the frontend
   with `--migration-limit 3`: every request must still be answered (migrated, or refused with a reason).
 `--think-s`: how long each user waits between an answer and its next turn (0: at once). `--sides`: only these
-(comma-separated names). Printed per side: the prefix-hit rate (the answers' `cached_tokens` over their `prompt_tokens`), the wall, the
-tokens each node generated, the failures. `PY` is a Python with `ai-dynamo` (the frontend; it installs only with
+(comma-separated names). Printed per side: the prefix-hit rate (the answers' `cached_tokens` over their
+`prompt_tokens`), the wall, the tokens each node generated, the failures. `PY` is a Python with `ai-dynamo` (the frontend; it installs only with
 `pip install --no-deps ai-dynamo==1.6.1` and its dependencies) beside this one's `ai-dynamo-runtime`.
 """
 from __future__ import annotations
@@ -164,7 +164,8 @@ def main(a) -> int:
         for name, mode, kill, router in sides:
             if not a.sides or name in a.sides.split(","):
                 rows[name] = _mesh(a, path, threads, mode, kill, router)
-        print(f"\nround {k + 1}\n{'side':26s} {'hit rate':>8s} {'wall s':>7s} {'answered':>8s} {'per node':>12s} failed")
+        print(f"\nround {k + 1}\n{'side':26s} {'hit rate':>8s} {'wall s':>7s} {'answered':>8s} {'per node':>12s} "
+              "failed")
         for name, r in rows.items():
             print(f"{name:26s} {r['hit_rate']:8.1%} {r['wall_s']:7.1f} {r['answered']:8d} {str(r['per_node']):>12s} "
                   f"{len(r['failed'])}")

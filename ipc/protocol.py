@@ -397,7 +397,8 @@ def encode_request(req) -> list[bytes]:
     op = "count" if count else op
     body = {"op": op}
     for k, v in asdict(req).items():
-        if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special", "priority", "progress", "echo") and not v):
+        if v is None or (k in ("stop_tokens", "stop", "ignore_eos", "special", "priority", "progress", "echo")
+                         and not v):
             continue
         body[k] = v
     if isinstance(req, Submit):
