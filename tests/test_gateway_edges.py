@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from gateway_node import auth, gateway_up
-from benchmarks.llamashim import translate
 from helpers import serve
 from ipc.transport import free_tcp_port
 from meshnode.core import reasons as R
@@ -264,9 +263,6 @@ def test_metrics_off_is_501_as_llama_server_without_metrics():
     with pytest.raises(api.ApiError) as e:
         asyncio.run(Gateway(None, "m", metrics=False).metrics(None))
     assert e.value.status == 501 and e.value.body()["error"]["type"] == "not_supported_error"
-    args, _ = translate(["--model", "m.gguf", "--tags", "a,b"], "/tmp/x")
-    assert "--no-http-metrics" in args and args[args.index("--served-model-tags") + 1] == "a,b"
-    assert "--no-http-metrics" not in translate(["--model", "m.gguf", "--metrics"], "/tmp/x")[0]
 
 
 def test_anthropic_count_tokens_is_the_prompt_a_message_request_gets(served):
