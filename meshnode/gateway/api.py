@@ -276,23 +276,20 @@ class Answer:
         self.req, self.piece, self.fingerprint, self.index = req, piece, fingerprint, index
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + req.submit.id
         self.created = int(time.time())
-        self.text: list[str] = []
+        self.split = reasoning.Split()  # the answer's text (and its thought, where one is parsed)
         self.logprobs: list[dict] = []  # chat: OpenAI's content entries; completions: (token, lp, top)
         self.sent_role = False
-        self.running, self.prompt, self.thought = llamaext.Running(req.llama), None, None
-        self.reasoning: list[str] = []  # the thought, where reasoning_format parses it (gateway/reasoning.py)
+        self.running, self.prompt = llamaext.Running(req.llama), None
 
     def admitted(self, ev: dict) -> None:
         self.prompt = ev.get("prompt")  # the prompt's ids, where the request asked `verbose` or parses thoughts
-        self.thought = reasoning.thought_of(self.req.reasoning, self.req.chat, self.req.tools, self.prompt, self.piece)
+        self.split = reasoning.split_of(self.req, self.prompt, self.piece)
 
-    def _split(self, text: str, last: bool = False) -> dict:
-        """A piece of the answer's text as a chat delta's fields: its thought as reasoning_content (kept)."""
-        if self.thought is None:
-            return {"content": text} if text else {}
-        r, c = self.thought.end() if last else self.thought.feed(text)
-        self.reasoning.append(r)
-        return {**({"reasoning_content": r} if r else {}), **({"content": c} if c else {})}
+    @staticmethod
+    def _delta(thought: str, text: str) -> dict:
+        """A chat delta's fields for a piece of the answer: its thought as reasoning_content."""
+        return {**({"reasoning_content": thought} if thought else {}), **({"content": text} if text or not thought
+                                                                           else {})}
 
     def progress(self, ev: dict) -> list[dict]:
         """A `progress` event -> llama-server's prompt_progress chunk, where the request asked it."""
@@ -321,7 +318,7 @@ class Answer:
 
     def tokens(self, ev: dict) -> list[dict]:
         """A `tokens` event -> the stream chunks it makes (kept for the whole answer as well)."""
-        self.text.append(ev["text"])
+        thought, text = self.split.feed(ev["text"])
         lps = self._logprobs(ev) if self.req.top_logprobs is not None else None
         if lps:
             self.logprobs += lps
@@ -332,9 +329,8 @@ class Answer:
             self.sent_role = True
             out.append(self._chunk({"role": "assistant", "content": None}, None, None))
         timed = self.running.token(len(ev["tokens"]))
-        delta = self._split(ev["text"]) if self.req.chat else ev["text"]
-        if (delta or lps) and self.req.tools is None:  # a tools answer is JSON: told at its end
-            out.append(self._chunk(delta or {"content": ""} if self.req.chat else delta, lps, None))
+        if (thought or text or lps) and self.req.tools is None:  # a tools answer is JSON: told at its end
+            out.append(self._chunk(self._delta(thought, text) if self.req.chat else text, lps, None))
             if timed:
                 out[-1]["timings"] = timed
         return out
@@ -378,14 +374,11 @@ class Answer:
         finish = FINISH[done["reason"]]
         if self.req.tools is not None:
             return self._tools_end(done, finish, with_usage)
+        held = self.split.end()  # what the split held back (a tag's possible beginning)
         if self.req.stream:
-            rest = self._split("", last=True) if self.thought is not None else {}
-            out = [self._chunk(rest, None, None)] if rest else []
+            out = [self._chunk(self._delta(*held), None, None)] if any(held) else []
             return self._last(done, [*out, self._chunk({} if self.req.chat else "", None, finish)], with_usage)
-        text, thought = "".join(self.text), None
-        if self.thought is not None:  # the whole answer through the same split as a stream's
-            parts = [self._split(text), self._split("", last=True)]
-            text, thought = "".join(p.get("content", "") for p in parts), "".join(self.reasoning)
+        text, thought = self.split.content, self.split.reasoning
         lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
         msg = {"role": "assistant", "content": text, **({"reasoning_content": thought} if thought else {})}
         choice = ({"index": self.index, "message": msg, "logprobs": lps, "finish_reason": finish}
@@ -411,7 +404,7 @@ class Answer:
         Streamed as OpenAI streams calls: per call its index, id, type and name first, then its arguments in
         fragments."""
         # cut by max_tokens: no half call passes on, as text or as a call (tools.settle)
-        content, calls, finish = tools.settle("".join(self.text), self.req.tools, finish)
+        content, calls, finish = tools.settle(self.split.content, self.req.tools, finish)
         if not self.req.stream:
             msg = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None

@@ -157,12 +157,11 @@ class MessagesAnswer:
     def __init__(self, req: api.Request, piece=None):
         self.req, self.piece = req, piece
         self.id = "msg_" + req.submit.id
-        self.text: list[str] = []
         self.blocks: list[str] = []  # the streamed blocks' types, in order; the last one is open until the end
-        self.thought, self.thinking, self.said = None, [], []  # a parsed thought, and the answer's text after it
+        self.split = reasoning.Split()  # the answer's text (and its thought, where one is parsed)
 
     def admitted(self, ev: dict) -> None:
-        self.thought = reasoning.thought_of(self.req.reasoning, True, self.req.tools, ev.get("prompt"), self.piece)
+        self.split = reasoning.split_of(self.req, ev.get("prompt"), self.piece)
 
     def progress(self, ev: dict) -> list[dict]:
         return []  # Anthropic's stream has no such event
@@ -176,15 +175,13 @@ class MessagesAnswer:
         return [{"type": "message_start", "message": self._message([], None, None, zero)}, {"type": "ping"}]
 
     def tokens(self, ev: dict) -> list[dict]:
-        self.text.append(ev["text"])
+        pieces = self.split.feed(ev["text"])
         if self.req.tools is not None:
             return []  # a tools answer is JSON: told at its end
-        return self._pieces(*(self.thought.feed(ev["text"]) if self.thought else ("", ev["text"])))
+        return self._deltas(*pieces)
 
-    def _pieces(self, thought: str, text: str) -> list[dict]:
+    def _deltas(self, thought: str, text: str) -> list[dict]:
         """A thought's and a text's pieces as the stream's deltas (a thinking block, then the text block)."""
-        self.thinking.append(thought)
-        self.said.append(text)
         if not self.req.stream:
             return []
         out = []
@@ -213,10 +210,9 @@ class MessagesAnswer:
     def end(self, done: dict, with_usage: bool = True) -> list[dict]:
         """The `done` event -> the stream's last events, or [the message]."""
         finish = api.FINISH[done["reason"]]
-        streamed = self._pieces(*self.thought.end()) if self.thought else []
-        said = "".join(self.said) if self.req.tools is None else "".join(self.text)
-        text, calls, finish = tools.settle(said, self.req.tools, finish)
-        thought = "".join(self.thinking)
+        streamed = self._deltas(*self.split.end())
+        text, calls, finish = tools.settle(self.split.content, self.req.tools, finish)
+        thought = self.split.reasoning
         content = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
         content += [{"type": "text", "text": text}] if text or not calls else []
         content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],

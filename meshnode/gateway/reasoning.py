@@ -78,11 +78,39 @@ def _partial(s: str, tag: str) -> int:
     return 0
 
 
-def thought_of(fmt: str, chat: bool, tools, prompt: list[int] | None, piece) -> Thought | None:
-    """The splitter for one answer, or None where nothing is parsed: the format says none, a text completion
-    (its prompt is the client's own), a tools answer (its grammar admits no tag). `prompt`: its ids as the node
-    rendered them (`echo`), whose last ones say whether the template opened a thought; `piece` names them."""
-    if not parses(fmt) or not chat or tools is not None:
-        return None
+class Split:
+    """One answer's text as it comes, as (thought, the rest) pieces to send now, both also kept whole for the end.
+    Without a Thought (nothing is parsed) every piece is the rest, as it came."""
+
+    def __init__(self, thought: Thought | None = None):
+        self.thought, self._thinking, self._said = thought, [], []
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return self._keep(*(self.thought.feed(text) if self.thought else ("", text)))
+
+    def end(self) -> tuple[str, str]:
+        return self._keep(*(self.thought.end() if self.thought else ("", "")))
+
+    def _keep(self, thought: str, text: str) -> tuple[str, str]:
+        self._thinking.append(thought)
+        self._said.append(text)
+        return thought, text
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._thinking)
+
+    @property
+    def content(self) -> str:
+        return "".join(self._said)
+
+
+def split_of(req, prompt: list[int] | None, piece) -> Split:
+    """The split for one answer of `req` (gateway/api.py Request): a thought parsed unless its format says none,
+    it is a text completion (its prompt is the client's own) or a tools answer (its grammar admits no tag).
+    `prompt`: its ids as the node rendered them (`echo`), whose last ones say whether the template opened a
+    thought; `piece` names them."""
+    if not parses(req.reasoning) or not req.chat or req.tools is not None:
+        return Split()
     tail = b"".join(map(piece, prompt[-8:])).decode("utf-8", "replace") if prompt and piece else ""
-    return Thought(opened_in(tail))
+    return Split(Thought(opened_in(tail)))

@@ -157,16 +157,16 @@ class ResponseAnswer:
         self.id, self.msg_id = "resp_" + req.submit.id, "msg_" + req.submit.id
         self.created = int(time.time())
         self.echo = {k: body.get(k) for k in ECHOED}
-        self.text: list[str] = []
+        self.split = reasoning.Split()  # the answer's text (and its thought, where one is parsed)
         self.seq = 0
         self.opened = False  # the message item and its text part announced (a streamed text answer)
         self.running = llamaext.Running(req.llama)
-        self.rs_id, self.thought, self.thinking, self.said = "rs_" + req.submit.id, None, [], []
+        self.rs_id = "rs_" + req.submit.id
         self.at = 0  # the message's output index: 1 behind a reasoning item
         self.thinking_open = False  # a streamed reasoning item announced and not done yet
 
     def admitted(self, ev: dict) -> None:
-        self.thought = reasoning.thought_of(self.req.reasoning, True, self.req.tools, ev.get("prompt"), self.piece)
+        self.split = reasoning.split_of(self.req, ev.get("prompt"), self.piece)
 
     def progress(self, ev: dict) -> list[dict]:
         """llama-server's prompt_progress, on a `response.in_progress` event as it sends it."""
@@ -193,16 +193,14 @@ class ResponseAnswer:
         return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
 
     def tokens(self, ev: dict) -> list[dict]:
-        self.text.append(ev["text"])
+        pieces = self.split.feed(ev["text"])
         timed = self.running.token(len(ev["tokens"]))
         if self.req.tools is not None:
             return []  # a tools answer is JSON: told at its end
-        return self._pieces(*(self.thought.feed(ev["text"]) if self.thought else ("", ev["text"])), timed)
+        return self._deltas(*pieces, timed)
 
-    def _pieces(self, thought: str, text: str, timed: dict | None = None) -> list[dict]:
+    def _deltas(self, thought: str, text: str, timed: dict | None = None) -> list[dict]:
         """A thought's and a text's pieces as the stream's events: a reasoning item's, then the message's."""
-        self.thinking.append(thought)
-        self.said.append(text)
         if not self.req.stream:
             return []
         out = []
@@ -226,7 +224,7 @@ class ResponseAnswer:
         """A streamed reasoning item's last events, once the message begins (or the answer ends)."""
         if not self.thinking_open:
             return []
-        self.thinking_open, text = False, "".join(self.thinking)
+        self.thinking_open, text = False, self.split.reasoning
         return [self._event("response.reasoning_text.done", item_id=self.rs_id, output_index=0, content_index=0,
                             text=text),
                 self._event("response.output_item.done", output_index=0, item=self._reasoning(text))]
@@ -245,10 +243,9 @@ class ResponseAnswer:
     def end(self, done: dict, with_usage: bool = True) -> list[dict]:
         """The `done` event -> the last events of the stream, or [the response]."""
         finish = api.FINISH[done["reason"]]
-        streamed = self._pieces(*self.thought.end()) if self.thought else []
-        said = "".join(self.said) if self.req.tools is None else "".join(self.text)
-        text, calls, finish = tools.settle(said, self.req.tools, finish)
-        thought = "".join(self.thinking)
+        streamed = self._deltas(*self.split.end())
+        text, calls, finish = tools.settle(self.split.content, self.req.tools, finish)
+        thought = self.split.reasoning
         output = [self._reasoning(thought)] if thought else []
         output += [self._message(text or "")] if text or not calls else []
         output += [{"type": "function_call", "id": "fc_" + c["id"], "call_id": c["id"], "status": "completed",
