@@ -22,10 +22,12 @@ import secrets
 
 from ipc import protocol as P
 from meshnode.core.kvevents import BLOCK_TOKENS
+from meshnode.core import reasons as R
 from meshnode.core.types import Sampling
+from meshnode.gateway.upstream import NODE_GONE, Upstream
 
 log = logging.getLogger("meshnode.mesh")
-FINISH = {"EOS": "stop", "STOP": "stop", "LENGTH": "length"}  # the node's reasons -> Dynamo's finish reasons
+FINISH = {R.EOS: "stop", R.STOP: "stop", R.LENGTH: "length"}  # the node's reasons -> Dynamo's finish reasons
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
             "repetition_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
             "frequency_penalty": "frequency_penalty"}  # Dynamo's sampling_options -> the node's Sampling
@@ -33,20 +35,26 @@ SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
 
 # what the node says when it cannot serve the request now but another node could: Dynamo migrates such a request
 # (its frontend's --migration-limit takes an EngineShutdown as a worker gone)
-ELSEWHERE = {"ENGINE_ERROR", "DRAINED", "REJECTED_DRAINING", "REJECTED_ENGINE_UNAVAILABLE", "NODE_UNREACHABLE"}
+ELSEWHERE = {R.ENGINE_ERROR, R.DRAINED, R.REJECTED_DRAINING, R.REJECTED_ENGINE_UNAVAILABLE, NODE_GONE}
 
 
 class WorkerError(RuntimeError):
-    """A request the node refused or did not finish: the stream ends with it. `elsewhere`: another node could
-    serve it (the node is gone, draining or without its engine), so Dynamo should migrate it."""
+    """A request the node refused or did not finish, with the node's reason (or the connection's code): the
+    stream ends with it."""
 
-    def __init__(self, message: str, elsewhere: bool = False):
+    def __init__(self, message: str, why: str = ""):
         super().__init__(message)
-        self.elsewhere = elsewhere
+        self.why = why
 
+    @property
+    def elsewhere(self) -> bool:
+        """Another node could serve it (this one is gone, draining or without its engine): Dynamo migrates it."""
+        return self.why in ELSEWHERE
 
-def _why(ev: dict) -> str:
-    return ev.get("reason") or ev.get("code") or ""
+    @staticmethod
+    def of(ev: dict, what: str) -> WorkerError:
+        why = ev.get("reason") or ev.get("code") or ""
+        return WorkerError(f"{what}: {why}: {ev.get('detail', '')}".rstrip(": "), why)
 
 
 def submit_of(request: dict, sid: str) -> P.Submit:
@@ -67,8 +75,7 @@ def chunk_of(ev: dict, prompt_tokens: int) -> dict:
     if ev["event"] == "tokens":
         return {"index": 0, "token_ids": list(ev["tokens"])}
     if ev["event"] != "done" or ev["reason"] not in FINISH:
-        raise WorkerError(f"the node ended the request: {_why(ev)}: {ev.get('detail', '')}".rstrip(": "),
-                          _why(ev) in ELSEWHERE)
+        raise WorkerError.of(ev, "the node ended the request")
     u = ev["usage"]
     return {"index": 0, "token_ids": [], "finish_reason": FINISH[ev["reason"]],
             "completion_usage": {"prompt_tokens": prompt_tokens, "completion_tokens": u["completion_tokens"],
@@ -91,7 +98,7 @@ class Worker:
         except WorkerError as e:
             if not e.elsewhere:
                 raise
-            if "NODE_UNREACHABLE" in str(e):
+            if e.why == NODE_GONE:
                 self.gone()
             raise self.migratable(str(e)) from None
 
@@ -106,8 +113,7 @@ class Worker:
             first = await q.get()
             if first["event"] != "admitted":
                 done = True
-                raise WorkerError(f"the node refused the request: {_why(first)}: {first.get('detail', '')}",
-                                  _why(first) in ELSEWHERE)
+                raise WorkerError.of(first, "the node refused the request")
             while True:
                 ev = await q.get()
                 done = ev["event"] != "tokens"
@@ -127,7 +133,6 @@ async def serve(a) -> int:
     from dynamo.llm.exceptions import EngineShutdown
 
     from ipc.transport import client_curve
-    from meshnode.gateway.upstream import Upstream
 
     up = Upstream(a.node, **client_curve(a.curve_server_key, a.curve_client_cert))
     await up.start()
