@@ -408,7 +408,8 @@ class Answer:
         if not self.req.stream:
             msg = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             lps = self._wrap(self.logprobs) if self.req.top_logprobs is not None else None
-            return [self._whole(done, [{"index": self.index, "message": msg, "logprobs": lps, "finish_reason": finish}])]
+            choice = {"index": self.index, "message": msg, "logprobs": lps, "finish_reason": finish}
+            return [self._whole(done, [choice])]
         out = [] if self.sent_role else [self._chunk({"role": "assistant", "content": None}, None, None)]
         if content:
             out.append(self._chunk({"content": content}, None, None))

@@ -207,7 +207,8 @@ class ResponseAnswer:
         if thought:
             if not self.thinking_open:
                 self.thinking_open, self.at = True, 1
-                out.append(self._event("response.output_item.added", output_index=0, item=self._reasoning("", "in_progress")))
+                out.append(self._event("response.output_item.added", output_index=0,
+                                       item=self._reasoning("", "in_progress")))
             out.append(self._event("response.reasoning_text.delta", item_id=self.rs_id, output_index=0,
                                    content_index=0, delta=thought))
         if text:
